@@ -1,0 +1,282 @@
+"""Typed configuration: model, residual mechanism, parallel layout, training. Validated once, at start-up.
+
+Flag names follow Megatron-LM where Megatron-LM has the flag, so that users keep their muscle memory.
+Every invalid combination fails in `validate()` with a message that names the fix; nothing is left to fail
+deep inside a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from mega_depth.mixing import DEPTH_ATTN_GQA_MODES, GRN_VERSIONS
+
+RESIDUALS = ("standard", "attnres", "dca", "depth-attention")
+ATTENTION_BACKENDS = ("local", "te")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None = MHA; fewer = GQA
+    ffn_hidden_size: Optional[int] = None  # None = Llama's 8/3 * hidden rounded to a multiple of 64
+    seq_length: int = 64
+    vocab_size: int = 256
+    qk_layernorm: bool = True  # Qwen3-style q/k RMSNorm
+    untie_embeddings_and_output_weights: bool = False
+    rotary_base: int = 10000
+    norm_epsilon: float = 1e-6
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_backend: str = "local"  # local = Megatron-core DotProductAttention; te = TransformerEngine
+    fused_single_qkv_rope: bool = False
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return max(64, int(8 * self.hidden_size / 3 + 63) // 64 * 64)
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass
+class ResidualConfig:
+    residual: str = "standard"
+    attnres_num_blocks: Optional[int] = None  # None = Full AttnRes (one block per sublayer)
+    dca_last_k: Optional[int] = None  # None = all earlier blocks
+    dca_grn: str = "v3"
+    depth_attn_stride: Optional[int] = None
+    depth_attn_window: int = 1
+    depth_attn_gqa: str = "query"  # query = authors' per-query-head values; group = keeps the GQA cache size
+    vp_cache: bool = True  # with virtual stages, send only the depth entries the receiver does not hold yet
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute_granularity: Optional[str] = None  # None | full | selective
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 2
+    global_batch_size: Optional[int] = None  # None = micro_batch_size * data-parallel size
+    train_iters: int = 10
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    seed: int = 1234
+    mock_data: bool = False
+    output_dir: str = "runs/default"
+    log_interval: int = 1
+    bf16: bool = False
+    deterministic: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    @property
+    def num_sublayers(self) -> int:
+        return 2 * self.model.num_layers
+
+    @property
+    def virtual_pipeline_size(self) -> Optional[int]:
+        p = self.parallel
+        if p.num_layers_per_virtual_pipeline_stage is None:
+            return None
+        return self.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        p = self.parallel
+        return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    def num_microbatches(self, world_size: int) -> int:
+        t = self.training
+        dp = self.data_parallel_size(world_size)
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        return gbs // (t.micro_batch_size * dp)
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Refuse every combination that cannot work, naming the fix. Returns self."""
+        m, r, p, t = self.model, self.residual, self.parallel, self.training
+        _check(r.residual in RESIDUALS, f"unknown --residual {r.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        _check(m.num_layers >= 1 and m.hidden_size >= 1, "--num-layers and --hidden-size must be positive")
+        _check(
+            m.hidden_size % m.num_attention_heads == 0,
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+            "pick a head count that divides the hidden size",
+        )
+        _check(
+            m.num_attention_heads % m.query_groups == 0,
+            f"--num-query-groups {m.query_groups} must divide --num-attention-heads {m.num_attention_heads}",
+        )
+        _check(m.attention_backend in ATTENTION_BACKENDS,
+               f"unknown --attention-backend {m.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+        if m.attention_backend == "te":
+            try:
+                import transformer_engine  # noqa: F401
+            except ImportError:
+                raise ConfigError("--attention-backend te needs TransformerEngine, which is not installed; "
+                                  "install transformer-engine or use --attention-backend local") from None
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        _check(tp >= 1 and pp >= 1, "parallel sizes must be >= 1")
+        _check(
+            world_size % (tp * pp) == 0,
+            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}; launch a multiple of {tp * pp} "
+            "processes (torchrun --nproc-per-node)",
+        )
+        _check(m.num_attention_heads % tp == 0,
+               f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+               f"--tensor-model-parallel-size {tp}")
+        _check(m.query_groups % tp == 0,
+               f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
+               "use a TP size that divides the key-value heads")
+        _check(m.ffn_size % tp == 0, f"the FFN size {m.ffn_size} is not divisible by TP={tp}")
+        _check(m.vocab_size >= 1, "--vocab-size must be positive")
+        if p.sequence_parallel:
+            _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+            _check(m.seq_length % tp == 0,
+                   f"--seq-length {m.seq_length} is not divisible by TP={tp}, which --sequence-parallel needs")
+        _check(m.num_layers % pp == 0,
+               f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            v = p.num_layers_per_virtual_pipeline_stage
+            _check(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            _check(v >= 1 and m.num_layers % (pp * v) == 0,
+                   f"--num-layers {m.num_layers} is not divisible by pipeline stages x layers per virtual stage "
+                   f"({pp} x {v}); change --num-layers-per-virtual-pipeline-stage")
+            _check(m.num_layers // (pp * v) >= 2,
+                   "--num-layers-per-virtual-pipeline-stage leaves a single virtual stage per rank; drop the flag "
+                   "(plain 1F1B) or lower it")
+        if p.recompute_granularity is not None:
+            _check(p.recompute_granularity in ("full", "selective"),
+                   f"--recompute-granularity must be full or selective, not {p.recompute_granularity!r}")
+            _check(p.recompute_method in ("uniform", "block"),
+                   f"--recompute-method must be uniform or block, not {p.recompute_method!r}")
+        _check(t.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        dp = self.data_parallel_size(world_size)
+        if t.global_batch_size is not None:
+            _check(
+                t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x data-parallel "
+                f"size ({t.micro_batch_size} x {dp})",
+            )
+        vpp = self.virtual_pipeline_size
+        if vpp is not None:
+            nmb = self.num_microbatches(world_size)
+            _check(nmb % pp == 0,
+                   f"interleaved pipelines need the number of micro-batches ({nmb}) to be a multiple of "
+                   f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
+
+        # Mechanism-specific checks.
+        if r.residual == "attnres" and r.attnres_num_blocks is not None:
+            _check(1 <= r.attnres_num_blocks <= self.num_sublayers,
+                   f"--attnres-num-blocks {r.attnres_num_blocks} must lie in 1..{self.num_sublayers} (2 sublayers per "
+                   f"layer x {m.num_layers} layers); omit it for Full AttnRes")
+        if r.residual == "dca":
+            _check(r.dca_grn in GRN_VERSIONS, f"unknown --dca-grn {r.dca_grn!r}; choose one of {GRN_VERSIONS}")
+            if r.dca_last_k is not None:
+                _check(1 <= r.dca_last_k <= m.num_layers,
+                       f"--dca-last-k {r.dca_last_k} must lie in 1..--num-layers ({m.num_layers}); omit it to keep "
+                       "all layers")
+        if r.residual == "depth-attention":
+            _check(r.depth_attn_gqa in DEPTH_ATTN_GQA_MODES,
+                   f"unknown --depth-attn-gqa {r.depth_attn_gqa!r}; choose one of {DEPTH_ATTN_GQA_MODES}")
+            _check(r.depth_attn_stride is None or r.depth_attn_stride >= 1, "--depth-attn-stride must be >= 1")
+            _check(r.depth_attn_window >= 0, "--depth-attn-window must be >= 0")
+        if r.residual in ("dca", "depth-attention"):
+            _check(not m.fused_single_qkv_rope,
+                   f"--residual {r.residual} needs the separate query/key/value tensors that "
+                   "--fused-single-qkv-rope never materialises; drop --fused-single-qkv-rope")
+            _check(m.attention_backend == "local" or r.residual == "dca" or r.depth_attn_gqa == "query"
+                   or m.query_groups == m.num_attention_heads,
+                   "depth-attention's group mode feeds GQA values to the core attention; use "
+                   "--attention-backend local")
+        if r.residual != "standard":
+            _check(m.hidden_dropout == 0.0 or r.residual == "depth-attention",
+                   "--hidden-dropout > 0 is only supported with the standard residual and depth-attention")
+        return self
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+# flag name -> (section, field). Flags are derived from field names (Megatron-LM spelling: dashes).
+_SECTIONS = {"model": ModelConfig, "residual": ResidualConfig, "parallel": ParallelConfig, "training": TrainingConfig}
+_FLAG_ALIASES = {"--residual": ("residual", "residual"), "--dca-grn": ("residual", "dca_grn")}
+
+
+def _field_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mega_depth.train",
+        description="Pretrain a depth-mixing language model on Megatron-core.",
+        allow_abbrev=False,
+    )
+    for section, cls in _SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            flag = _field_flag(f.name)
+            dest = f"{section}.{f.name}"
+            kind = _base_type(f.type)
+            if kind is bool:
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                group.add_argument(flag, dest=dest, type=kind, default=None, metavar=f.name.upper())
+    return parser
+
+
+def _base_type(annotation):
+    text = str(annotation)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if name in text:
+            return kind
+    raise TypeError(f"unsupported config field type {annotation}")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> Config:
+    """Parse the command line into a Config (not yet validated: validation needs the world size)."""
+    ns = build_parser().parse_args(argv)
+    cfg = Config()
+    for key, value in vars(ns).items():
+        if value is None:
+            continue
+        section, name = key.split(".", 1)
+        setattr(getattr(cfg, section), name, value)
+    return cfg

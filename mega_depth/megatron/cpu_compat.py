@@ -1,0 +1,118 @@
+"""Run megatron-core 0.16.1 on CPU (gloo) for tests and smoke runs. A no-op when CUDA is present.
+
+Megatron-core assumes CUDA in a few places:
+- `torch.cuda.current_device()` is used as a device for new tensors (layers, p2p, DDP buffers);
+- `torch.cuda.synchronize()` after p2p shape exchanges;
+- the RNG tracker (`tensor_parallel/random.py`) reads and writes `torch.cuda` RNG states; attention always forks it;
+- `transformer/utils.py` builds causal masks on "cuda" (also imported by name in `fusions/fused_softmax.py`);
+- the schedules, grad clipping and the optimizer allocate small buffers with a literal `device="cuda"`;
+- `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`.
+
+On a CPU-only torch every one of these raises, so redirecting them to the CPU cannot change a working program:
+the `torch.cuda` calls above become their CPU equivalents (the CPU generator stands in for the device generator),
+and in the few Megatron modules with `device="cuda"` literals, `torch` is replaced by a proxy that maps that
+device to the CPU. Pinned to megatron-core 0.16.1 (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+
+import torch
+
+_APPLIED = False
+
+# Megatron modules that create tensors with a literal device="cuda".
+_MODULES_WITH_CUDA_LITERALS = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.transformer.utils",
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
+)
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+def _redirect(factory):
+    @functools.wraps(factory)
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch`, except that tensor factories put "cuda" tensors on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _redirect(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def apply() -> bool:
+    """Install the shims if CUDA is absent. Idempotent. Returns whether shims are active."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU generator is seeded there
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    cpu_torch = _CpuTorch()
+    for name in _MODULES_WITH_CUDA_LITERALS:
+        importlib.import_module(name).torch = cpu_torch
+
+    # get_default_causal_mask is imported by name elsewhere; rebind those names to the redirected function.
+    utils = importlib.import_module("megatron.core.transformer.utils")
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    utils.get_default_causal_mask = get_default_causal_mask
+    importlib.import_module("megatron.core.fusions.fused_softmax").get_default_causal_mask = get_default_causal_mask
+    # Grad clipping: the same in-place scaling, minus the CUDA type assertion.
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for param in parameters:
+                grad = getattr(param, attr, None)
+                if grad is not None:
+                    clip_grads.to_local_if_dtensor(grad).detach().mul_(clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = \
+        clip_grad_by_total_norm_fp32
+    _APPLIED = True
+    return True
