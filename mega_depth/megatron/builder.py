@@ -170,6 +170,8 @@ def init_layout_independent(model: GPTModel, cfg: Config, geometry: StageGeometr
             if not _is_random_init(local_name, param):
                 continue
             name = global_param_name(local_name, first_layer)
+            if name == "output_layer.weight" and not cfg.model.untie_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             full_shape = list(param.shape)
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             if dim >= 0:

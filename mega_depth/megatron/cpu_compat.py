@@ -2,11 +2,15 @@
 
 Megatron-core assumes CUDA in a few places:
 - `torch.cuda.current_device()` is used as a device for new tensors (layers, p2p, DDP buffers);
-- `torch.cuda.synchronize()` after p2p shape exchanges;
+- `torch.cuda.synchronize()` after p2p shape exchanges; `Tensor.cuda()` for the tied output weight under PP;
 - the RNG tracker (`tensor_parallel/random.py`) reads and writes `torch.cuda` RNG states; attention always forks it;
 - `transformer/utils.py` builds causal masks on "cuda" (also imported by name in `fusions/fused_softmax.py`);
 - the schedules, grad clipping and the optimizer allocate small buffers with a literal `device="cuda"`;
-- `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`.
+- `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`;
+- pipeline p2p posts its sends and receives untagged. NCCL's grouped calls pair them, but gloo matches messages
+  between two ranks in posting order, so with 2 stages (previous rank == next rank) an interleaved schedule's
+  activation can land in the gradient buffer. On gloo, activations and gradients (and their shape messages)
+  travel under their own tags.
 
 On a CPU-only torch every one of these raises, so redirecting them to the CPU cannot change a working program:
 the `torch.cuda` calls above become their CPU equivalents (the CPU generator stands in for the device generator),
@@ -77,6 +81,7 @@ def apply() -> bool:
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
@@ -114,5 +119,47 @@ def apply() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = \
         clip_grad_by_total_norm_fp32
+    _tag_pipeline_p2p()
     _APPLIED = True
     return True
+
+
+_TAG_ACTIVATION, _TAG_GRADIENT, _TAG_ACTIVATION_SHAPE, _TAG_GRADIENT_SHAPE = 1, 2, 3, 4
+
+
+def _tagged_p2p(send_prev, recv_prev, send_next, recv_next, group, prev_rank, next_rank, activation_tag, grad_tag):
+    """Megatron's batched p2p with a tag per direction: what goes to `next` is an activation, to `prev` a grad."""
+    dist = torch.distributed
+    ops = []
+    if send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, send_prev, prev_rank, group, tag=grad_tag))
+    if recv_prev is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_prev, prev_rank, group, tag=activation_tag))
+    if send_next is not None:
+        ops.append(dist.P2POp(dist.isend, send_next, next_rank, group, tag=activation_tag))
+    if recv_next is not None:
+        ops.append(dist.P2POp(dist.irecv, recv_next, next_rank, group, tag=grad_tag))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _tag_pipeline_p2p() -> None:
+    p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
+
+    def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                        prev_pipeline_rank, next_pipeline_rank):
+        return _tagged_p2p(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                           prev_pipeline_rank, next_pipeline_rank, _TAG_ACTIVATION, _TAG_GRADIENT)
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        shape = lambda t: None if t is None else torch.tensor(t.size(), dtype=torch.int64)  # noqa: E731
+        recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
+        reqs = _tagged_p2p(shape(tensor_send_prev), recv_prev_shape, shape(tensor_send_next), recv_next_shape,
+                           self.pp_group, self.prev_rank, self.next_rank, _TAG_ACTIVATION_SHAPE, _TAG_GRADIENT_SHAPE)
+        for req in reqs:
+            req.wait()
+        as_list = lambda t: [0, 0, 0] if t is None else t.tolist()  # noqa: E731
+        return as_list(recv_prev_shape), as_list(recv_next_shape)
+
+    p2p._batched_p2p_ops = batched_p2p_ops
+    p2p.P2PCommunicator._communicate_shapes = communicate_shapes
