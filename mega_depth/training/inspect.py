@@ -36,7 +36,8 @@ def full_tensors(model_chunks, pick: Callable) -> Dict[str, torch.Tensor]:
             value = pick(param)
             if value is None:
                 continue
-            out[global_param_name(name, first_layer)] = _gather_tp(value.detach().float(), param).cpu()
+            # clone: main_grad is a view into a buffer that the next step overwrites
+            out[global_param_name(name, first_layer)] = _gather_tp(value.detach().float(), param).cpu().clone()
     return out
 
 

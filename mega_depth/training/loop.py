@@ -22,7 +22,8 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float()
     mask = loss_mask.float()
     loss = (losses * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def _forward_step(data_iterator, model):
