@@ -215,10 +215,6 @@ class Config:
             _check(not m.fused_single_qkv_rope,
                    f"--residual {r.residual} needs the separate query/key/value tensors that "
                    "--fused-single-qkv-rope never materialises; drop --fused-single-qkv-rope")
-            _check(m.attention_backend == "local" or r.residual == "dca" or r.depth_attn_gqa == "query"
-                   or m.query_groups == m.num_attention_heads,
-                   "depth-attention's group mode feeds GQA values to the core attention; use "
-                   "--attention-backend local")
         if r.residual != "standard":
             _check(m.hidden_dropout == 0.0 or r.residual == "depth-attention",
                    "--hidden-dropout > 0 is only supported with the standard residual and depth-attention")
@@ -234,9 +230,8 @@ def _check(condition: bool, message: str) -> None:
 # Command line
 # ----------------------------------------------------------------------------------------------------------------
 
-# flag name -> (section, field). Flags are derived from field names (Megatron-LM spelling: dashes).
+# Flags are derived from field names with Megatron-LM's spelling (dashes): --num-layers, --dca-last-k, ...
 _SECTIONS = {"model": ModelConfig, "residual": ResidualConfig, "parallel": ParallelConfig, "training": TrainingConfig}
-_FLAG_ALIASES = {"--residual": ("residual", "residual"), "--dca-grn": ("residual", "dca_grn")}
 
 
 def _field_flag(name: str) -> str:

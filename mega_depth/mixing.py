@@ -26,9 +26,14 @@ from torch import Tensor, nn
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _fp32(x: Tensor) -> Tensor:
+    """At least fp32 (bf16/fp16 are upcast; fp64 stays, for reference checks)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_inverse(x: Tensor, eps: float) -> Tensor:
     """1 / RMS(x) over the last dim, in fp32: [*, d] -> [*]."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+    return torch.rsqrt(_fp32(x).pow(2).mean(-1) + eps)
 
 
 def attnres_logits(sources: Tensor, query: Tensor, key_norm_weight: Tensor, eps: float) -> Tensor:
@@ -37,8 +42,8 @@ def attnres_logits(sources: Tensor, query: Tensor, key_norm_weight: Tensor, eps:
     RMSNorm(v) . w = (v . (g * w)) / rms(v), so the gain folds into the query and the keys are never
     materialised normalised (one read of the sources instead of a normalised copy).
     """
-    folded_query = (key_norm_weight.float() * query.float()).to(sources.dtype)
-    return (sources @ folded_query).float() * rms_inverse(sources, eps)
+    folded_query = (_fp32(key_norm_weight) * _fp32(query)).to(sources.dtype)
+    return _fp32(sources @ folded_query) * rms_inverse(sources, eps)
 
 
 def attnres_mix(sources: Tensor, query: Tensor, key_norm_weight: Tensor, eps: float) -> Tensor:
@@ -151,9 +156,9 @@ def attnres_block_phase1(completed: Tensor, queries: Tensor, key_norm_weights: T
     completed [n, *, d]; queries / key_norm_weights [S, d]. Returns per query the running max m [S, *],
     the sum of exponentials z [S, *] (relative to m) and the unnormalised weighted sum o [S, *, d].
     """
-    folded = (key_norm_weights.float() * queries.float()).to(completed.dtype)  # [S, d]
+    folded = (_fp32(key_norm_weights) * _fp32(queries)).to(completed.dtype)  # [S, d]
     inv_rms = rms_inverse(completed, eps)  # [n, *]
-    logits = torch.einsum("n...d,sd->sn...", completed, folded).float() * inv_rms.unsqueeze(0)  # [S, n, *]
+    logits = _fp32(torch.einsum("n...d,sd->sn...", completed, folded)) * inv_rms.unsqueeze(0)  # [S, n, *]
     m = logits.amax(dim=1)
     p = torch.exp(logits - m.unsqueeze(1))
     z = p.sum(dim=1)
@@ -166,12 +171,12 @@ def attnres_block_phase2(
 ) -> Tensor:
     """Phase 2 for one sublayer: merge the partial sum into phase 1's (m, z, o) by an online-softmax update."""
     if partial is None:
-        return (o.float() / z.unsqueeze(-1)).to(o.dtype)
+        return (_fp32(o) / z.unsqueeze(-1)).to(o.dtype)
     logit = attnres_logits(partial.unsqueeze(0), query, key_norm_weight, eps)[0]
     new_m = torch.maximum(m, logit)
     scale_old = torch.exp(m - new_m)
     scale_new = torch.exp(logit - new_m)
-    numerator = o.float() * scale_old.unsqueeze(-1) + partial.float() * scale_new.unsqueeze(-1)
+    numerator = _fp32(o) * scale_old.unsqueeze(-1) + _fp32(partial) * scale_new.unsqueeze(-1)
     return (numerator / (z * scale_old + scale_new).unsqueeze(-1)).to(o.dtype)
 
 
@@ -222,7 +227,9 @@ def grn_apply(stack: Tensor, bias: Tensor, proj: Optional[Tensor], version: str)
         return torch.einsum("gk,k...d->g...d", bias.to(stack.dtype), stack)
     out = torch.einsum("gdk,k...d->g...d", bias.to(stack.dtype), stack)
     if version == "v3":
-        gate = torch.relu(torch.einsum("k...d,gd->gk...", stack, proj.to(stack.dtype)))  # [n, K, *]
+        # ReLU with subgradient 1 at 0 (clamp, not torch.relu): proj starts at exactly zero, where torch.relu's
+        # zero subgradient would leave the input-dependent term dead for the whole run. Forward is unchanged.
+        gate = torch.einsum("k...d,gd->gk...", stack, proj.to(stack.dtype)).clamp(min=0)  # [n, K, *]
         out = out + torch.einsum("gk...,k...d->g...d", gate, stack)
     return out
 
@@ -253,7 +260,7 @@ class GRN(nn.Module):
         b = self.bias.float() if self.version == "v1" else self.bias.float().mean(1)
         if self.version != "v3":
             return b
-        gate = torch.relu(torch.einsum("k...d,gd->gk...", stack.float(), self.proj.float()))
+        gate = torch.einsum("k...d,gd->gk...", stack.float(), self.proj.float()).clamp(min=0)
         return b + gate.flatten(2).mean(-1)
 
 
@@ -372,7 +379,7 @@ def depth_attention_mix(
         raise ValueError(f"unknown depth-attention GQA mode {gqa_mode!r}; choose one of {DEPTH_ATTN_GQA_MODES}")
     values = torch.cat([_expand_heads(cand_values, heads), _expand_heads(value, heads).unsqueeze(0)])
     keys = _expand_heads(keys, heads)
-    scores = (keys.float() * q.float().unsqueeze(0)).sum(-1) / math.sqrt(q.shape[-1])  # [C+1, *, heads]
+    scores = (_fp32(keys) * _fp32(q).unsqueeze(0)).sum(-1) / math.sqrt(q.shape[-1])  # [C+1, *, heads]
     alpha = torch.softmax(scores, dim=0).to(value.dtype)
     return (alpha.unsqueeze(-1) * values).sum(0)
 

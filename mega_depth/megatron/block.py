@@ -128,6 +128,13 @@ class DepthMixingBlock(TransformerBlock):
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
 
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # DCA's GRNs grow with depth (one column per source), so layers differ in shape: checkpoint them per layer.
+        if self.cfg.residual.residual == "dca":
+            metadata = dict(metadata or {}, non_homogeneous_layers=True)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+
 @contextlib.contextmanager
 def _decoder_class(block_class):
     """GPTModel.__init__ names TransformerBlock directly (megatron-core 0.16.1); swap it for one construction."""

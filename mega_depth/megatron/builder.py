@@ -86,6 +86,10 @@ def layer_spec(cfg: Config) -> ModuleSpec:
     attn = subs.self_attention.submodules
     attn.q_layernorm = RMSNorm if cfg.model.qk_layernorm else IdentityOp
     attn.k_layernorm = RMSNorm if cfg.model.qk_layernorm else IdentityOp
+    if cfg.model.attention_backend == "te":  # validated: TransformerEngine is installed
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        attn.core_attention = TEDotProductAttention
     if cfg.residual.residual != "standard":
         spec.module = DepthMixingLayer
         spec.params = {"residual": cfg.residual}

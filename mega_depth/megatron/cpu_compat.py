@@ -6,7 +6,8 @@ Megatron-core assumes CUDA in a few places:
 - the RNG tracker (`tensor_parallel/random.py`) reads and writes `torch.cuda` RNG states; attention always forks it;
 - `transformer/utils.py` builds causal masks on "cuda" (also imported by name in `fusions/fused_softmax.py`);
 - the schedules, grad clipping and the optimizer allocate small buffers with a literal `device="cuda"`;
-- `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`;
+- `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`, and the distributed / bf16
+  optimizers sort parameters by `param.type()` names of CUDA tensors while they build their groups;
 - pipeline p2p posts its sends and receives untagged. NCCL's grouped calls pair them, but gloo matches messages
   between two ranks in posting order, so with 2 stages (previous rank == next rank) an interleaved schedule's
   activation can land in the gradient buffer. On gloo, activations and gradients (and their shape messages)
@@ -119,9 +120,36 @@ def apply() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
     importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = \
         clip_grad_by_total_norm_fp32
+    optim = importlib.import_module("megatron.core.optimizer.optimizer")
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    for cls in (distrib.DistributedOptimizer, optim.Float16OptimizerWithFloat16Params):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
     _tag_pipeline_p2p()
     _APPLIED = True
     return True
+
+
+_CUDA_TYPE_NAMES = {f"torch.{n}Tensor": f"torch.cuda.{n}Tensor" for n in ("Float", "Half", "BFloat16")}
+
+
+def _with_cuda_type_names(init):
+    """Run `init` while a CPU tensor's `.type()` reports the CUDA name that Megatron's optimizers sort by."""
+
+    @functools.wraps(init)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def type_name(self, *a, **k):
+            out = original(self, *a, **k)
+            return _CUDA_TYPE_NAMES.get(out, out) if not a and not k else out
+
+        torch.Tensor.type = type_name
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapped
 
 
 _TAG_ACTIVATION, _TAG_GRADIENT, _TAG_ACTIVATION_SHAPE, _TAG_GRADIENT_SHAPE = 1, 2, 3, 4

@@ -63,8 +63,9 @@ def main() -> None:
         losses, hops = [], {}
         for step in range(cfg.training.train_iters):
             losses.append(train_step(state, sampler.microbatches(step))["loss"])
-            if step == 0:
-                hops = {str(k): v for k, v in providers.HOP_COUNTER.widths.items()}
+            if step == 0:  # {to_stage: [width per token, bytes per micro-batch]}
+                counter = providers.HOP_COUNTER
+                hops = {str(k): [counter.widths[k], counter.bytes[k][0]] for k in counter.widths}
         os.makedirs(cfg.training.output_dir, exist_ok=True)
         if dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             torch.save(grads, os.path.join(cfg.training.output_dir, f"grads_rank{rank}.pt"))
