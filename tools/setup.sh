@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install mega_depth with everything it needs. Idempotent: a second run only checks.
+# torch goes in first, pinned, so that nothing else can pull a multi-GB CUDA build of torch on a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  $PIP install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+$PIP install -q -e ".[test]"
+.venv/bin/python -c "import torch, megatron.core; print(f'mega_depth environment ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}')"
