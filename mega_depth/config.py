@@ -15,6 +15,7 @@ from typing import List, Optional
 from mega_depth.mixing import DEPTH_ATTN_GQA_MODES, GRN_VERSIONS
 
 RESIDUALS = ("standard", "attnres", "dca", "depth-attention")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 ATTENTION_BACKENDS = ("local", "te")
 
 
@@ -30,7 +31,7 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # None = MHA; fewer = GQA
     ffn_hidden_size: Optional[int] = None  # None = Llama's 8/3 * hidden rounded to a multiple of 64
     seq_length: int = 64
-    vocab_size: int = 256
+    vocab_size: Optional[int] = None  # from --tokenizer-model; needed with --mock-data (default 256 there)
     qk_layernorm: bool = True  # Qwen3-style q/k RMSNorm
     untie_embeddings_and_output_weights: bool = False
     rotary_base: int = 10000
@@ -81,18 +82,51 @@ class TrainingConfig:
     micro_batch_size: int = 2
     global_batch_size: Optional[int] = None  # None = micro_batch_size * data-parallel size
     train_iters: int = 10
+    exit_interval: Optional[int] = None  # stop (after saving) once the step count is a multiple of this
     lr: float = 1e-3
     min_lr: float = 0.0
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # None = train_iters
+    lr_wsd_decay_iters: Optional[int] = None  # WSD: length of the final decay (None = 10% of lr_decay_iters)
+    lr_wsd_decay_style: str = "linear"
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
-    mock_data: bool = False
-    output_dir: str = "runs/default"
-    log_interval: int = 1
     bf16: bool = False
-    deterministic: bool = True
+    on_nan: str = "stop"  # stop | skip: what a NaN/inf loss does
+    deepspeed: bool = False
+    deepspeed_config: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    mock_data: bool = False
+    data_path: Optional[List[str]] = None  # Megatron-LM style: PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ...
+    split: str = "969,30,1"
+    tokenizer_model: Optional[str] = None  # sentencepiece model; sets the vocabulary
+    eval_interval: Optional[int] = None
+    eval_iters: int = 10
+    data_cache_path: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    keep_last: int = 3  # checkpoints kept in --save (older ones are deleted after a successful save)
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events and heatmaps go here
+    log_interval: int = 1
+    tensorboard: bool = True
+    heatmap_interval: Optional[int] = None  # log depth-mixing weight heatmaps every N steps (None = at the end)
 
 
 @dataclass
@@ -101,6 +135,9 @@ class Config:
     residual: ResidualConfig = field(default_factory=ResidualConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def num_sublayers(self) -> int:
@@ -159,7 +196,11 @@ class Config:
                f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
                "use a TP size that divides the key-value heads")
         _check(m.ffn_size % tp == 0, f"the FFN size {m.ffn_size} is not divisible by TP={tp}")
-        _check(m.vocab_size >= 1, "--vocab-size must be positive")
+        if m.vocab_size is None and self.data.mock_data:
+            m.vocab_size = 256
+        _check(m.vocab_size is not None, "the vocabulary size comes from --tokenizer-model (or --vocab-size with "
+                                         "--mock-data)")
+        _check(m.vocab_size >= 2, "--vocab-size must be at least 2")
         if p.sequence_parallel:
             _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
             _check(m.seq_length % tp == 0,
@@ -181,6 +222,29 @@ class Config:
             _check(p.recompute_method in ("uniform", "block"),
                    f"--recompute-method must be uniform or block, not {p.recompute_method!r}")
         _check(t.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        _check(t.lr_decay_style in LR_DECAY_STYLES,
+               f"unknown --lr-decay-style {t.lr_decay_style!r}; choose one of {', '.join(LR_DECAY_STYLES)}")
+        _check(t.on_nan in ("stop", "skip"), f"--on-nan must be stop or skip, not {t.on_nan!r}")
+        d, c = self.data, self.checkpoint
+        _check(d.mock_data != bool(d.data_path),
+               "give exactly one data source: --data-path PREFIX... (see tools/preprocess_data.py) or --mock-data")
+        if d.data_path:
+            _check(d.tokenizer_model is not None, "--data-path needs --tokenizer-model (the tokenizer that made it)")
+        if d.tokenizer_model is not None:
+            import os
+
+            _check(os.path.isfile(d.tokenizer_model),
+                   f"--tokenizer-model {d.tokenizer_model} does not exist; train one with tools/train_tokenizer.py")
+        _check(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
+        _check(c.keep_last >= 1, "--keep-last must be >= 1")
+        if t.deepspeed:
+            _check(t.deepspeed_config is not None, "--deepspeed needs --deepspeed-config ds.json")
+            _check(p.pipeline_model_parallel_size == 1,
+                   "the DeepSpeed engine shards data-parallel state (ZeRO) and cannot drive Megatron's pipeline "
+                   "schedules; use --pipeline-model-parallel-size 1 with --deepspeed, or drop --deepspeed")
+            _check(not p.use_distributed_optimizer,
+                   "--use-distributed-optimizer is Megatron's ZeRO-1; with --deepspeed use the ZeRO stage in the "
+                   "DeepSpeed config instead")
         dp = self.data_parallel_size(world_size)
         if t.global_batch_size is not None:
             _check(
@@ -231,7 +295,8 @@ def _check(condition: bool, message: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 # Flags are derived from field names with Megatron-LM's spelling (dashes): --num-layers, --dca-last-k, ...
-_SECTIONS = {"model": ModelConfig, "residual": ResidualConfig, "parallel": ParallelConfig, "training": TrainingConfig}
+_SECTIONS = {"model": ModelConfig, "residual": ResidualConfig, "parallel": ParallelConfig, "training": TrainingConfig,
+             "data": DataConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 
 
 def _field_flag(name: str) -> str:
@@ -241,9 +306,11 @@ def _field_flag(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mega_depth.train",
-        description="Pretrain a depth-mixing language model on Megatron-core.",
+        description="Pretrain a depth-mixing language model on Megatron-core. Flags override --config YAML.",
         allow_abbrev=False,
     )
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="YAML file with sections model/residual/parallel/training/data/checkpoint/logging")
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
@@ -252,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
             kind = _base_type(f.type)
             if kind is bool:
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
+            elif "List" in str(f.type):
+                group.add_argument(flag, dest=dest, type=kind, nargs="+", default=None, metavar=f.name.upper())
             else:
                 group.add_argument(flag, dest=dest, type=kind, default=None, metavar=f.name.upper())
     return parser
@@ -265,13 +334,59 @@ def _base_type(annotation):
     raise TypeError(f"unsupported config field type {annotation}")
 
 
+def load_yaml(path: str, cfg: Config) -> Config:
+    """Apply a YAML config file to cfg. Unknown sections or keys are errors that name the nearest valid key."""
+    import difflib
+
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must map section names to settings")
+    for section, values in data.items():
+        if section not in _SECTIONS:
+            near = difflib.get_close_matches(str(section), list(_SECTIONS), n=1)
+            raise ConfigError(f"unknown section {section!r} in {path}" + (f"; did you mean {near[0]!r}?" if near else
+                              f"; sections are {', '.join(_SECTIONS)}"))
+        names = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
+        for key, value in (values or {}).items():
+            if key not in names:
+                near = difflib.get_close_matches(str(key), list(names), n=1)
+                raise ConfigError(f"unknown key {section}.{key} in {path}" + (f"; did you mean {section}.{near[0]}?"
+                                                                             if near else ""))
+            kind = _base_type(names[key].type)
+            if value is not None and not isinstance(value, list):
+                try:
+                    value = kind(value) if kind is not bool or isinstance(value, bool) else _bool(value, key)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{section}.{key} in {path} must be {kind.__name__}, got {value!r}") from None
+            setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def _bool(value, key):
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
+
+
 def parse_args(argv: Optional[List[str]] = None) -> Config:
-    """Parse the command line into a Config (not yet validated: validation needs the world size)."""
+    """--config YAML (if any), then command-line flags on top. Validation comes later: it needs the world size."""
     ns = build_parser().parse_args(argv)
     cfg = Config()
+    if ns.config:
+        load_yaml(ns.config, cfg)
     for key, value in vars(ns).items():
-        if value is None:
+        if value is None or key == "config":
             continue
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, value)
     return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

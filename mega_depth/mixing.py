@@ -22,6 +22,33 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # --------------------------------------------------------------------------------------------------------------
+# Recording depth weights (what each layer reads from which source), for heatmaps. Off unless a recorder is active.
+# --------------------------------------------------------------------------------------------------------------
+
+_RECORDER: Optional[dict] = None
+
+
+class record_depth_weights:
+    """Context manager: while active, every mix stores its mean depth weights, {key: [K] tensor}. Keys are the
+    mixer modules (AttnRes, GRN) or ("depth-attention", layer)."""
+
+    def __enter__(self) -> dict:
+        global _RECORDER
+        _RECORDER = {}
+        return _RECORDER
+
+    def __exit__(self, *exc):
+        global _RECORDER
+        _RECORDER = None
+
+
+def _record(key, weights: Tensor) -> None:
+    """weights [K, *]: mean over everything but the source dim."""
+    if _RECORDER is not None:
+        _RECORDER[key] = weights.detach().float().flatten(1).mean(1).cpu()
+
+
+# --------------------------------------------------------------------------------------------------------------
 # AttnRes (arXiv 2603.15031)
 # --------------------------------------------------------------------------------------------------------------
 
@@ -62,6 +89,8 @@ class AttnResMixer(nn.Module):
         self.key_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
     def forward(self, sources: Tensor) -> Tensor:
+        if _RECORDER is not None:
+            _record(self, self.weights(sources))
         return attnres_mix(sources, self.query, self.key_norm_weight, self.eps)
 
     def weights(self, sources: Tensor) -> Tensor:
@@ -253,6 +282,8 @@ class GRN(nn.Module):
     def forward(self, stack: Tensor) -> Tensor:
         if stack.shape[0] != self.num_sources:
             raise ValueError(f"GRN built for {self.num_sources} sources got a stack of {stack.shape[0]}")
+        if _RECORDER is not None:
+            _record(self, self.mean_weights(stack).mean(0, keepdim=True).T)  # [K, 1]: mean over instances
         return grn_apply(stack, self.bias, self.proj, self.version)
 
     def mean_weights(self, stack: Tensor) -> Tensor:
@@ -355,6 +386,7 @@ def depth_attention_mix(
     cand_values: Optional[Tensor],
     key_norm: Callable[[Tensor], Tensor],
     gqa_mode: str = "query",
+    record_key=None,
 ) -> Tensor:
     """Depth-mixed value of one layer (SPEC.md section 3).
 
@@ -380,8 +412,10 @@ def depth_attention_mix(
     values = torch.cat([_expand_heads(cand_values, heads), _expand_heads(value, heads).unsqueeze(0)])
     keys = _expand_heads(keys, heads)
     scores = (_fp32(keys) * _fp32(q).unsqueeze(0)).sum(-1) / math.sqrt(q.shape[-1])  # [C+1, *, heads]
-    alpha = torch.softmax(scores, dim=0).to(value.dtype)
-    return (alpha.unsqueeze(-1) * values).sum(0)
+    alpha = torch.softmax(scores, dim=0)
+    if record_key is not None:
+        _record(record_key, alpha)
+    return (alpha.to(value.dtype).unsqueeze(-1) * values).sum(0)
 
 
 @dataclass

@@ -1,35 +1,115 @@
-"""Datasets through megatron-core's BlendedMegatronDatasetBuilder (mock data now; indexed data plugs in here)."""
+"""Training data through megatron-core: indexed datasets (.bin/.idx) blended and split by
+BlendedMegatronDatasetBuilder into GPTDatasets, or Megatron's MockGPTDataset with --mock-data."""
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional
+import os
+import struct
+from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-from mega_depth.config import Config
+from mega_depth.config import Config, ConfigError
+
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
 
 
-def build_train_dataset(cfg: Config, num_samples: int):
-    """The training split. With --mock-data: Megatron's MockGPTDataset over ids < vocab_size - 1 (EOD last)."""
-    if not cfg.training.mock_data:
-        raise NotImplementedError("only --mock-data is wired in this build; pass --mock-data")
-    tokenizer = NullTokenizer(cfg.model.vocab_size - 1)
-    ds_cfg = GPTDatasetConfig(
+def check_indexed_dataset(prefix: str, vocab_size: Optional[int]) -> None:
+    """Fail early and clearly on a missing, truncated or foreign .bin/.idx pair, or one made with a bigger
+    vocabulary than the model's (that would silently train on wrapped-around ids)."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for path in (idx, bin_):
+        if not os.path.isfile(path):
+            raise ConfigError(f"data file {path} does not exist; build {prefix}.bin/.idx with tools/preprocess_data.py "
+                              "(--data-path takes the prefix, without .bin/.idx)")
+    with open(idx, "rb") as f:
+        header = f.read(9 + 8 + 1 + 8 + 8)
+    if len(header) < 34 or header[:9] != _IDX_MAGIC:
+        raise ConfigError(f"{idx} is not a Megatron indexed-dataset index (bad header); rebuild it with "
+                          "tools/preprocess_data.py")
+    dtype_code = header[17]
+    num_sequences = struct.unpack("<Q", header[18:26])[0]
+    from megatron.core.datasets.indexed_dataset import DType
+
+    try:
+        dtype = DType.dtype_from_code(dtype_code)
+    except (KeyError, ValueError):
+        raise ConfigError(f"{idx} names an unknown token dtype code {dtype_code}; rebuild it") from None
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=34, shape=(num_sequences,))
+    expected = int(lengths.sum(dtype=np.int64)) * np.dtype(dtype).itemsize
+    actual = os.path.getsize(bin_)
+    if actual != expected:
+        raise ConfigError(f"{bin_} holds {actual} bytes but {idx} describes {expected}: the pair is truncated or "
+                          "mismatched; rebuild both with tools/preprocess_data.py")
+    if vocab_size is not None and actual:
+        tokens = np.memmap(bin_, dtype=dtype, mode="r")
+        sample = tokens[: 1 << 24]  # the first 16M tokens are enough to catch a foreign tokenizer
+        top = int(sample.max())
+        if top >= vocab_size:
+            raise ConfigError(f"{bin_} contains token id {top}, but the tokenizer/model vocabulary has {vocab_size} "
+                              "entries: the data was made with another tokenizer; preprocess it with "
+                              "--tokenizer-model of this run")
+
+
+def _blend(paths: List[str]) -> Tuple[List[str], Optional[List[float]]]:
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    try:
+        return get_blend_from_list(paths)
+    except (AssertionError, ValueError):
+        raise ConfigError("--data-path takes PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...]") from None
+
+
+def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Optional[int], Optional[int]]):
+    """(train, valid, test) datasets. A split asked for None samples is built only if it has documents (megatron
+    loops forever asking a document-less split for samples)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    d = cfg.data
+    common = dict(
         random_seed=cfg.training.seed,
         sequence_length=cfg.model.seq_length,
-        split="1,0,0",
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
+        path_to_cache=d.data_cache_path,
         mid_level_dataset_surplus=0.005,
     )
-    builder = BlendedMegatronDatasetBuilder(MockGPTDataset, [num_samples, 0, 0], lambda: True, ds_cfg)
-    return builder.build()[0]
+    if d.mock_data:
+        ds_cfg = GPTDatasetConfig(split="1,1,1", **common)
+        cls = MockGPTDataset
+    else:
+        prefixes, weights = _blend(d.data_path)
+        for prefix in prefixes:
+            check_indexed_dataset(prefix, tokenizer.vocab_size)
+        ds_cfg = GPTDatasetConfig(blend=(prefixes, weights), split=d.split, **common)
+        cls = GPTDataset
+    rank0_first = d.data_cache_path is not None and torch.distributed.is_initialized()
+    builder = BlendedMegatronDatasetBuilder(
+        cls, list(num_samples), (lambda: torch.distributed.get_rank() == 0) if rank0_first else (lambda: True),
+        ds_cfg)
+    if rank0_first:  # rank 0 writes the index cache, the others read it
+        datasets = builder.build() if torch.distributed.get_rank() == 0 else None
+        torch.distributed.barrier()
+        if datasets is None:
+            datasets = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, ds_cfg).build()
+        return datasets
+    return builder.build()
+
+
+class MockTokenizer:
+    """What megatron-core's MockGPTDataset needs: a vocabulary size and an end-of-document id (the last id)."""
+
+    def __init__(self, vocab_size: int):
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+        self._null = NullTokenizer(vocab_size - 1)
+        self.vocab_size, self.eod = vocab_size, vocab_size - 1
+        self.unique_identifiers = self._null.unique_identifiers
 
 
 class GlobalBatchSampler:
@@ -37,7 +117,8 @@ class GlobalBatchSampler:
 
     Global batch `step` holds samples [step * gbs, (step + 1) * gbs); micro-batch m of data-parallel rank r holds
     the mbs samples starting at step * gbs + (m * dp + r) * mbs. Every layout with the same global batch sees
-    the same samples in each step, and resuming at `step` continues the same order.
+    the same samples in each step, and resuming at `step` continues the same order (the data position of a
+    checkpoint is its step).
     """
 
     def __init__(self, dataset, micro_batch_size: int, num_microbatches: int, dp_size: int, dp_rank: int):
@@ -53,7 +134,12 @@ class GlobalBatchSampler:
         for m in range(self.nmb):
             start = step * self.global_batch_size + (m * self.dp + self.dp_rank) * self.mbs
             samples = [self.dataset[i % len(self.dataset)] for i in range(start, start + self.mbs)]
-            out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels",
-                                                                                         "loss_mask",
-                                                                                         "position_ids")})
+            out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+                        for k in ("tokens", "labels", "loss_mask", "position_ids")})
         return out
+
+
+def build_train_dataset(cfg: Config, num_samples: int):
+    """Training split only (kept for the layout tests)."""
+    return build_datasets(cfg, MockTokenizer(cfg.model.vocab_size) if cfg.data.mock_data else None,
+                          (num_samples, 0, 0))[0]

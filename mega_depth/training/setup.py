@@ -91,28 +91,41 @@ def setup(cfg: Config) -> TrainState:
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
         clip_grad=t.clip_grad,
         bf16=t.bf16,
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
         use_distributed_optimizer=p.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=0,
-        lr_decay_steps=max(1, t.train_iters),
-        lr_decay_style="constant",
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
-        wd_incr_steps=max(1, t.train_iters),
-        wd_incr_style="constant",
-    )
+    scheduler = build_scheduler(cfg, optimizer)
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if len(model) > 1:
         tconfig.grad_sync_func = [m.start_grad_sync for m in model]
     return TrainState(cfg, model, optimizer, scheduler, cfg.num_microbatches(world))
+
+
+def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
+    """Megatron's scheduler: linear warm-up, then constant / linear / cosine / inverse-square-root / WSD decay."""
+    t = cfg.training
+    decay_iters = t.lr_decay_iters or t.train_iters
+    wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=max(1, decay_iters),
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=max(1, decay_iters),
+        wd_incr_style="constant",
+        wsd_decay_steps=wsd if t.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None,
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
+    )

@@ -46,7 +46,7 @@ def main() -> None:
         if only and name not in only.split(","):
             continue
         cfg = parse_args(MODEL + flags + layout).validate(world)
-        cfg.training.output_dir = os.path.join(out_dir, name)
+        cfg.logging.output_dir = os.path.join(out_dir, name)
         state = setup(cfg)
         dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         sampler = GlobalBatchSampler(build_train_dataset(cfg, 64), cfg.training.micro_batch_size,
@@ -66,13 +66,13 @@ def main() -> None:
             if step == 0:  # {to_stage: [width per token, bytes per micro-batch]}
                 counter = providers.HOP_COUNTER
                 hops = {str(k): [counter.widths[k], counter.bytes[k][0]] for k in counter.widths}
-        os.makedirs(cfg.training.output_dir, exist_ok=True)
+        os.makedirs(cfg.logging.output_dir, exist_ok=True)
         if dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            torch.save(grads, os.path.join(cfg.training.output_dir, f"grads_rank{rank}.pt"))
-            with open(os.path.join(cfg.training.output_dir, f"hops_rank{rank}.json"), "w") as f:
+            torch.save(grads, os.path.join(cfg.logging.output_dir, f"grads_rank{rank}.pt"))
+            with open(os.path.join(cfg.logging.output_dir, f"hops_rank{rank}.json"), "w") as f:
                 json.dump(hops, f)
         if rank == 0:
-            with open(os.path.join(cfg.training.output_dir, "losses.json"), "w") as f:
+            with open(os.path.join(cfg.logging.output_dir, "losses.json"), "w") as f:
                 json.dump(losses, f)
         parallel_state.destroy_model_parallel()
     torch.distributed.barrier()

@@ -1,0 +1,41 @@
+"""Reading raw text with the `datasets` library: plain text, jsonl (also .gz) and parquet, fully offline."""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+
+def _builder(path: str) -> str:
+    name = path[:-3] if path.endswith(".gz") else path
+    if name.endswith((".jsonl", ".json")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".txt"):
+        return "text"
+    raise ValueError(f"cannot tell the format of {path}: use .txt (one document per line), .jsonl[.gz] or .parquet")
+
+
+def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
+    """One `datasets.Dataset` with a single "text" column (several json keys are joined with a blank line)."""
+    import datasets
+
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"input file {p} does not exist")
+    kinds = {_builder(p) for p in paths}
+    if len(kinds) != 1:
+        raise ValueError(f"mixing input formats {sorted(kinds)} in one call; preprocess each format separately")
+    kind = kinds.pop()
+    datasets.disable_progress_bars() if os.environ.get("MEGA_DEPTH_QUIET") else None
+    ds = datasets.load_dataset(kind, data_files=list(paths), split="train")
+    if kind == "text":
+        return ds
+    missing = [k for k in json_keys if k not in ds.column_names]
+    if missing:
+        raise ValueError(f"json keys {missing} not in the data (columns: {ds.column_names}); set --json-keys")
+    if list(json_keys) == ["text"]:
+        return ds.select_columns(["text"])
+    return ds.map(lambda row: {"text": "\n\n".join(str(row[k]) for k in json_keys)},
+                  remove_columns=ds.column_names)

@@ -1,0 +1,177 @@
+"""Checkpoints with megatron-core dist_checkpointing: resumable, reshardable across TP/PP/DP layouts, atomic.
+
+Layout of --save DIR:
+    iter_0000010/                 a complete checkpoint (torch_dist shards + common.pt + metadata)
+      mega_depth.json             model/mechanism config and the step, for validation and for export
+    latest_checkpointed_iteration.txt   the step of the newest COMPLETE checkpoint
+A save writes iter_N.tmp/ first, renames it when every rank has finished, then replaces the pointer file
+atomically; a crash or kill during a save leaves the previous checkpoint and pointer intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from mega_depth.config import Config, ConfigError, to_dict
+
+POINTER = "latest_checkpointed_iteration.txt"
+META = "mega_depth.json"
+# What must match between a checkpoint and the run that loads it (the parallel layout may differ).
+_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "vocab_size", "qk_layernorm", "untie_embeddings_and_output_weights")
+_RESIDUAL_KEYS = ("residual", "attnres_num_blocks", "dca_last_k", "dca_grn", "depth_attn_stride",
+                  "depth_attn_window", "depth_attn_gqa")
+
+
+def iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def latest_step(root: str) -> Optional[int]:
+    path = os.path.join(root, POINTER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit() or not os.path.isdir(iter_dir(root, int(text))):
+        raise ConfigError(f"{path} names {text!r}, which is not a complete checkpoint in {root}")
+    return int(text)
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{ckpt_dir} is not a mega_depth checkpoint (no {META})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve(load: str) -> str:
+    """--load may be a save root (use its latest pointer) or one iter_N directory."""
+    if os.path.isfile(os.path.join(load, META)):
+        return load
+    if not os.path.isdir(load):
+        raise ConfigError(f"--load {load} does not exist")
+    step = latest_step(load)
+    if step is None:
+        raise ConfigError(f"--load {load} holds no checkpoint ({POINTER} missing); point it at a --save directory "
+                          "or at one iter_N directory")
+    return iter_dir(load, step)
+
+
+def check_compatible(meta: dict, cfg: Config, where: str) -> None:
+    saved_m, saved_r = meta["config"]["model"], meta["config"]["residual"]
+    now_m, now_r = to_dict(cfg)["model"], to_dict(cfg)["residual"]
+    diffs = [f"--{k.replace('_', '-')}: checkpoint {saved_r[k]!r}, this run {now_r[k]!r}"
+             for k in _RESIDUAL_KEYS if saved_r.get(k) != now_r.get(k)]
+    diffs += [f"--{k.replace('_', '-')}: checkpoint {saved_m[k]!r}, this run {now_m[k]!r}"
+              for k in _MODEL_KEYS if saved_m.get(k) != now_m.get(k)]
+    if diffs:
+        raise ConfigError(f"checkpoint {where} was trained with a different model or mechanism: " + "; ".join(diffs)
+                          + ". Pass the checkpoint's flags (or its --config), or start without --load.")
+
+
+def _rng_state() -> dict:
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout() -> tuple:
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size())
+
+
+def sharded_state(state, is_loading: bool = False) -> dict:
+    """Everything a resume needs, as a dist_checkpointing state dict (model chunks, optimizer, RNG)."""
+    model_sd = {}
+    for i, chunk in enumerate(state.model):
+        module = getattr(chunk, "module", chunk)
+        model_sd[f"model{i}"] = module.sharded_state_dict()
+    flat = {}
+    for sd in model_sd.values():
+        flat.update(sd)
+    out = dict(model_sd)
+    out["optimizer"] = state.optimizer.sharded_state_dict(
+        flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    pp, tp, dp = _layout()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    # RNG per (pp, tp) rank; restored only when the layout is unchanged (a resharded run reseeds).
+    out["rng_state"] = ShardedObject(f"rng_state_pp{pp}_tp{tp}", _rng_state(), (pp, tp), (pp_rank, tp_rank),
+                                     replica_id=parallel_state.get_data_parallel_rank())
+    return out
+
+
+def save(state, step: int, root: str) -> str:
+    """Save atomically as root/iter_<step>; returns its path. Collective over all ranks."""
+    final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous kill mid-save
+        os.makedirs(tmp)
+    torch.distributed.barrier()
+    sd = sharded_state(state)
+    sd["common"] = {"step": step, "scheduler": state.scheduler.state_dict()}
+    dist_checkpointing.save(sd, tmp)
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump({"step": step, "layout": dict(zip(("pp", "tp", "dp"), _layout())),
+                       "config": to_dict(state.cfg)}, f, indent=1)
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer_tmp = os.path.join(root, POINTER + ".tmp")
+        with open(pointer_tmp, "w") as f:
+            f.write(str(step))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, os.path.join(root, POINTER))
+        _prune(root, state.cfg.checkpoint.keep_last)
+    torch.distributed.barrier()
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit())
+    for step in steps[:-keep]:
+        shutil.rmtree(iter_dir(root, step), ignore_errors=True)
+
+
+def load(state, load_path: str) -> int:
+    """Restore model, optimizer, scheduler and (same layout) RNG; returns the step to continue from."""
+    ckpt = resolve(load_path)
+    meta = read_meta(ckpt)
+    check_compatible(meta, state.cfg, ckpt)
+    same_layout = tuple(meta["layout"][k] for k in ("pp", "tp", "dp")) == _layout()
+    template = sharded_state(state, is_loading=True)
+    if not same_layout:
+        template.pop("rng_state")
+    loaded = dist_checkpointing.load(template, ckpt)
+    for i, chunk in enumerate(state.model):
+        getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"])
+    state.optimizer.load_state_dict(loaded["optimizer"])
+    state.scheduler.load_state_dict(loaded["common"]["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    return int(loaded["common"]["step"])
