@@ -245,6 +245,9 @@ class Config:
             _check(not p.use_distributed_optimizer,
                    "--use-distributed-optimizer is Megatron's ZeRO-1; with --deepspeed use the ZeRO stage in the "
                    "DeepSpeed config instead")
+            _check(p.tensor_model_parallel_size == 1,
+                   "--deepspeed trains with data parallelism (ZeRO); use the Megatron path (no --deepspeed) for "
+                   "tensor or pipeline parallelism")
         dp = self.data_parallel_size(world_size)
         if t.global_batch_size is not None:
             _check(
@@ -309,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a depth-mixing language model on Megatron-core. Flags override --config YAML.",
         allow_abbrev=False,
     )
+    # The deepspeed launcher appends --local_rank=N (LOCAL_RANK is in the environment as well).
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, metavar="YAML",
                         help="YAML file with sections model/residual/parallel/training/data/checkpoint/logging")
     for section, cls in _SECTIONS.items():
@@ -381,7 +386,7 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
     if ns.config:
         load_yaml(ns.config, cfg)
     for key, value in vars(ns).items():
-        if value is None or key == "config":
+        if value is None or key in ("config", "local_rank"):
             continue
         section, name = key.split(".", 1)
         setattr(getattr(cfg, section), name, value)

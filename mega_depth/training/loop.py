@@ -66,20 +66,20 @@ def train_step(state: TrainState, microbatches: List[dict], step: Optional[int] 
     for m in state.model:
         m.zero_grad_buffer()
     state.optimizer.zero_grad()
+    lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies (the scheduler moves it afterwards)
     loss = _run_schedule(state, microbatches, forward_only=False)
     if not math.isfinite(loss):
         if state.cfg.training.on_nan == "stop":
             raise NonFiniteLoss(f"loss is {loss} at step {step}; stopping (--on-nan stop). Resume from the last "
                                 "checkpoint with a lower --lr or --clip-grad, or use --on-nan skip")
-        return {"loss": loss, "grad_norm": float("nan"), "lr": state.optimizer.param_groups[0]["lr"],
-                "skipped": True}
+        return {"loss": loss, "grad_norm": float("nan"), "lr": lr, "skipped": True}
     update_ok, grad_norm, _ = state.optimizer.step()
     if update_ok:
         state.scheduler.step(increment=1)
     return {
         "loss": loss,
         "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "lr": state.optimizer.param_groups[0]["lr"],
+        "lr": lr,
         "skipped": not update_ok,
     }
 
