@@ -225,6 +225,10 @@ class Config:
         _check(t.lr_decay_style in LR_DECAY_STYLES,
                f"unknown --lr-decay-style {t.lr_decay_style!r}; choose one of {', '.join(LR_DECAY_STYLES)}")
         _check(t.on_nan in ("stop", "skip"), f"--on-nan must be stop or skip, not {t.on_nan!r}")
+        decay = t.lr_decay_iters or t.train_iters
+        _check(t.lr_warmup_iters < decay,
+               f"--lr-warmup-iters {t.lr_warmup_iters} must be below the decay length ({decay}: --lr-decay-iters, "
+               "else --train-iters)")
         d, c = self.data, self.checkpoint
         _check(d.mock_data != bool(d.data_path),
                "give exactly one data source: --data-path PREFIX... (see tools/preprocess_data.py) or --mock-data")

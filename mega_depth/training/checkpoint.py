@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import signal
 from typing import Optional
 
 import numpy as np
@@ -134,6 +135,8 @@ def save(state, step: int, root: str) -> str:
     sd["common"] = {"step": step, "scheduler": state.scheduler.state_dict()}
     dist_checkpointing.save(sd, tmp)
     torch.distributed.barrier()
+    if os.environ.get("MEGA_DEPTH_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash test
+        _kill_self()
     if rank == 0:
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"step": step, "layout": dict(zip(("pp", "tp", "dp"), _layout())),
@@ -152,17 +155,54 @@ def save(state, step: int, root: str) -> str:
     return final
 
 
+def _kill_self() -> None:
+    """SIGKILL this process and its helpers (the checkpoint writer's worker processes), as an OOM kill would."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _prune(root: str, keep: int) -> None:
     steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit())
     for step in steps[:-keep]:
         shutil.rmtree(iter_dir(root, step), ignore_errors=True)
 
 
+def save_model_only(model_chunks, cfg: Config, root: str, step: int = 0) -> str:
+    """A weights-only checkpoint (e.g. imported from Hugging Face): training loads it and starts fresh."""
+    final, tmp = iter_dir(root, step), iter_dir(root, step) + ".tmp"
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    sd = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+    dist_checkpointing.save(sd, tmp)
+    with open(os.path.join(tmp, META), "w") as f:
+        json.dump({"step": step, "model_only": True, "layout": dict(zip(("pp", "tp", "dp"), _layout())),
+                   "config": to_dict(cfg)}, f, indent=1)
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    with open(os.path.join(root, POINTER + ".tmp"), "w") as f:
+        f.write(str(step))
+    os.replace(os.path.join(root, POINTER + ".tmp"), os.path.join(root, POINTER))
+    return final
+
+
 def load(state, load_path: str) -> int:
-    """Restore model, optimizer, scheduler and (same layout) RNG; returns the step to continue from."""
+    """Restore model, optimizer, scheduler and (same layout) RNG; returns the step to continue from.
+    A weights-only checkpoint restores the model and starts at step 0 with a fresh optimizer."""
     ckpt = resolve(load_path)
     meta = read_meta(ckpt)
     check_compatible(meta, state.cfg, ckpt)
+    if meta.get("model_only"):
+        template = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(state.model)}
+        loaded = dist_checkpointing.load(template, ckpt)
+        for i, chunk in enumerate(state.model):
+            getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"])
+        state.optimizer.reload_model_params()  # the optimizer's fp32 copies follow the loaded weights
+        return 0
     same_layout = tuple(meta["layout"][k] for k in ("pp", "tp", "dp")) == _layout()
     template = sharded_state(state, is_loading=True)
     if not same_layout:
@@ -171,7 +211,11 @@ def load(state, load_path: str) -> int:
     for i, chunk in enumerate(state.model):
         getattr(chunk, "module", chunk).load_state_dict(loaded[f"model{i}"])
     state.optimizer.load_state_dict(loaded["optimizer"])
-    state.scheduler.load_state_dict(loaded["common"]["scheduler"])
+    try:
+        state.scheduler.load_state_dict(loaded["common"]["scheduler"])
+    except AssertionError as e:  # megatron's scheduler asserts that the schedule did not change
+        raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt}'s ({e}); pass the "
+                          "checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style") from None
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return int(loaded["common"]["step"])

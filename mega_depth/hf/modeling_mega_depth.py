@@ -1,0 +1,68 @@
+"""Hugging Face model of an exported mega_depth depth-mixing model: a thin wrapper of mega_depth's plain
+decoder (model.py) and depth-mixing math (mixing.py), which the exporter copies next to this file."""
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_mega_depth import MegaDepthConfig
+from .model import Decoder, DecoderConfig
+
+
+def decoder_config(config: MegaDepthConfig) -> DecoderConfig:
+    return DecoderConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
+        ffn_hidden_size=config.intermediate_size, norm_epsilon=config.rms_norm_eps, rotary_base=config.rope_theta,
+        qk_layernorm=config.qk_layernorm, tie_word_embeddings=config.tie_word_embeddings, residual=config.residual,
+        attnres_num_blocks=config.attnres_num_blocks, dca_last_k=config.dca_last_k, dca_grn=config.dca_grn,
+        depth_attn_stride=config.depth_attn_stride, depth_attn_window=config.depth_attn_window,
+        depth_attn_gqa=config.depth_attn_gqa,
+    )
+
+
+class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = MegaDepthConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Layer"]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MegaDepthConfig):
+        super().__init__(config)
+        self.model = Decoder(decoder_config(config))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                use_cache=None, labels=None, logits_to_keep=0, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("mega_depth models take unpadded batches (attention_mask all ones); generate prompts "
+                             "one at a time or pad to equal length without masking")
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        hidden = self.model(input_ids, position_ids, cache if use_cache or cache is not None else None)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep else slice(None)
+        logits = self.lm_head(hidden[:, keep])
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)

@@ -1,0 +1,34 @@
+"""Import a Hugging Face folder (a mega_depth export, or a native Qwen3/Llama model) as a mega_depth checkpoint.
+
+    python tools/convert_from_hf.py --hf runs/tiny-attnres/hf --save runs/imported
+    python -m mega_depth.train --config ... --load runs/imported      # fine-tune from it (fresh optimizer)
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--hf", required=True, help="Hugging Face model folder")
+    parser.add_argument("--save", required=True, help="checkpoint directory to write (iter_0000000 inside)")
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+
+    from mega_depth.config import ConfigError
+    from mega_depth.hf.export import import_hf
+
+    try:
+        path = import_hf(args.hf, args.save, args.force)
+    except ConfigError as e:
+        print(f"convert_from_hf: {e}", file=sys.stderr)
+        return 2
+    print(f"imported {args.hf} as {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
