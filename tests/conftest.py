@@ -6,6 +6,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "data", "corpus", "python-docs-3.11.jsonl.gz")
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def run(args, expect=0, timeout=600, env=None):
+    """`python args...` from the repository root; fail with its output unless it exits with `expect`."""
+    proc = subprocess.run([PY] + args, capture_output=True, text=True, cwd=ROOT, env=dict(ENV, **(env or {})),
+                          timeout=timeout)
+    if expect is not None and proc.returncode != expect:
+        pytest.fail(f"{' '.join(args)} exited {proc.returncode} (expected {expect}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-5000:]}")
+    return proc
 
 
 def free_port() -> int:
@@ -25,3 +38,14 @@ def torchrun(nproc: int, script_and_args, log_path: str, env=None, timeout=600) 
         with open(log_path) as f:
             tail = f.read()[-6000:]
         pytest.fail(f"{' '.join(cmd)} failed with {proc.returncode}:\n{tail}")
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """A 1000-piece tokenizer trained on the embedded corpus, and the corpus preprocessed with it."""
+    d = tmp_path_factory.mktemp("data")
+    run(["tools/train_tokenizer.py", "--input", CORPUS, "--vocab-size", "1000", "--output-prefix", str(d / "spm")])
+    run(["tools/preprocess_data.py", "--input", CORPUS, "--output-prefix", str(d / "docs"), "--tokenizer-model",
+         str(d / "spm.model"), "--workers", "2", "--append-eod"])
+    return {"dir": d, "flags": ["--data-path", str(d / "docs"), "--tokenizer-model", str(d / "spm.model"),
+                                "--split", "90,10,0"]}

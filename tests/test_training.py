@@ -12,38 +12,15 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port, torchrun
-
-CORPUS = os.path.join(ROOT, "data", "corpus", "python-docs-3.11.jsonl.gz")
-PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+from conftest import CORPUS, ENV, PY, ROOT, free_port, run, torchrun
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2",
          "--residual", "attnres", "--attnres-num-blocks", "2", "--log-interval", "5"]
 
 
-def run(args, expect=0, timeout=600, env=None):
-    proc = subprocess.run([PY] + args, capture_output=True, text=True, cwd=ROOT, env=dict(ENV, **(env or {})),
-                          timeout=timeout)
-    if expect is not None and proc.returncode != expect:
-        pytest.fail(f"{' '.join(args)} exited {proc.returncode} (expected {expect}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-5000:]}")
-    return proc
-
-
 def metrics(path):
     with open(os.path.join(path, "metrics.jsonl")) as f:
         return {r["step"]: r for r in map(json.loads, f)}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    run(["tools/train_tokenizer.py", "--input", CORPUS, "--vocab-size", "1000", "--output-prefix", str(d / "spm")])
-    run(["tools/preprocess_data.py", "--input", CORPUS, "--output-prefix", str(d / "docs"), "--tokenizer-model",
-         str(d / "spm.model"), "--workers", "2", "--append-eod"])
-    return {"dir": d, "flags": ["--data-path", str(d / "docs"), "--tokenizer-model", str(d / "spm.model"),
-                                "--split", "90,10,0"]}
 
 
 @pytest.fixture(scope="module")

@@ -14,4 +14,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 $PIP install -q -e ".[test]"
-.venv/bin/python -c "import torch, megatron.core; print(f'mega_depth environment ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}')"
+# DeepSpeed after torch (installed first it would pull a CUDA torch), built here with its CPU comm op so that
+# init_distributed does not JIT-compile it (~25 s) in every process.
+if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+  $PIP install -q "setuptools>=70" wheel
+  DS_BUILD_SHM_COMM=1 $PIP install -q --no-build-isolation "deepspeed==${DEEPSPEED_VERSION:-0.19.8}"
+fi
+DS_ACCELERATOR=cpu .venv/bin/python -c "import torch, megatron.core, deepspeed; print(f'mega_depth environment ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, deepspeed {deepspeed.__version__}')" 2>/dev/null

@@ -1,0 +1,195 @@
+"""Hugging Face export/import: logit parity with the training model for every mechanism, from checkpoints saved
+at TP=1 x PP=1 and TP=2 x PP=2; KV-cache parity in generation; bit-exact round trip; offline loading; errors."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import ROOT, run, torchrun
+
+SCRIPT = os.path.join(ROOT, "tests", "distributed", "train_and_save.py")
+MECHANISMS = ["standard", "attnres-full", "attnres-block", "dca", "dca-2", "depth-attention"]
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """Every mechanism trained 4 steps (so zero-initialised mixing parameters are nonzero), in two layouts."""
+    root = tmp_path_factory.mktemp("trained")
+    args = [str(data["dir"] / "docs"), str(data["dir"] / "spm.model")]
+    torchrun(1, [SCRIPT, str(root / "tp1")] + args, str(root / "tp1.log"))
+    torchrun(4, [SCRIPT, str(root / "tp2pp2")] + args + ["--tensor-model-parallel-size", "2",
+                                                         "--pipeline-model-parallel-size", "2"],
+             str(root / "tp2pp2.log"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def exports(trained, tmp_path_factory):
+    from mega_depth.hf.export import export
+
+    out = tmp_path_factory.mktemp("hf")
+    for layout in ("tp1", "tp2pp2"):
+        for mech in MECHANISMS:
+            export(str(trained / layout / mech / "ckpt"), str(out / layout / mech))
+    return out
+
+
+def training_model(ckpt):
+    """The Megatron-core model (TP=1) with the checkpoint's weights: the reference for parity."""
+    from mega_depth.hf.export import _config_from_meta, load_megatron_weights
+    from mega_depth.megatron.builder import build_model_chunks
+    from mega_depth.training.checkpoint import read_meta, resolve
+
+    state, meta, _ = load_megatron_weights(ckpt)
+    (model,) = build_model_chunks(_config_from_meta(read_meta(resolve(ckpt))))
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def megatron_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+
+
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(data):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(data["dir"] / "spm.model"))
+    return torch.tensor([sp.encode("The tutorial explains how Python handles exceptions and")])
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_exported_logits_equal_the_training_model(trained, exports, prompt, layout, mechanism):
+    ckpt = trained / layout / mechanism / "ckpt"
+    ref = training_model(str(ckpt))
+    if mechanism != "standard":  # trained: the zero-initialised parameters have moved
+        # (layer 0's attention mixer has a single source, the embedding, so its query never moves)
+        moved = [p for n, p in ref.named_parameters() if n.endswith(("mixer.query", "grn_qkv.proj"))
+                 and "layers.0.attn_mixer" not in n]
+        assert mechanism == "depth-attention" or all(p.abs().max() > 0 for p in moved)
+    model = hf_model(exports / layout / mechanism)
+    config = json.load(open(exports / layout / mechanism / "config.json"))
+    if mechanism == "standard":
+        assert config["model_type"] == "qwen3" and "auto_map" not in config  # native, no remote code
+    else:
+        assert config["model_type"] == "mega_depth_lm" and "AutoModelForCausalLM" in config["auto_map"]
+    with torch.no_grad():
+        hf_logits = model(prompt).logits
+    diff = (hf_logits - megatron_logits(ref, prompt)).abs().max().item()
+    assert diff <= 1e-4, f"{layout}/{mechanism}: max |logit diff| {diff}"
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_kv_cache_generation_matches_no_cache_and_the_training_model(trained, exports, prompt, mechanism):
+    model = hf_model(exports / "tp1" / mechanism)
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+        uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert cached.tolist() == uncached.tolist()
+    ref = training_model(str(trained / "tp1" / mechanism / "ckpt"))
+    ids = prompt
+    for _ in range(12):  # the training model's own greedy decoding (no cache)
+        nxt = megatron_logits(ref, ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    assert cached.tolist() == ids.tolist()
+
+
+def test_depth_attention_cache_holds_mixed_values_in_the_standard_layout(exports, prompt):
+    from transformers.cache_utils import DynamicCache
+
+    model = hf_model(exports / "tp1" / "depth-attention")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+    layer = cache.layers[1]
+    b, s = prompt.shape
+    assert tuple(layer.keys.shape) == (b, 2, s, 8)  # GQA keys: 2 key-value heads of 8
+    assert tuple(layer.values.shape) == (b, 4, s, 8)  # per-query-head mixed values (the authors' default)
+
+
+@pytest.mark.parametrize("mechanism", ["attnres-block", "dca-2", "depth-attention", "standard"])
+def test_round_trip_export_import_export_is_bit_exact(exports, tmp_path, mechanism):
+    from safetensors.torch import load_file
+
+    from mega_depth.hf.export import export, import_hf
+
+    first = exports / "tp2pp2" / mechanism
+    import_hf(str(first), str(tmp_path / "ckpt"))
+    export(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_imported_checkpoint_fine_tunes(data, exports, tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from run_layout import MECHANISMS as FLAGS
+    from train_and_save import MODEL
+
+    run(["tools/convert_from_hf.py", "--hf", str(exports / "tp1" / "dca-2"), "--save", str(tmp_path / "ckpt")])
+    out = run(["-m", "mega_depth.train"] + MODEL + FLAGS["dca-2"] + data["flags"][:4] + [
+        "--load", str(tmp_path / "ckpt"), "--train-iters", "2", "--output-dir", str(tmp_path / "run")]).stdout
+    assert "resumed from" in out and "at step 0" in out
+    losses = [json.loads(line)["loss"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 2 and losses[0] < 6.5  # starts from the trained weights, not from ln(1024) ~ 6.9
+
+
+def test_offline_tokenizer_and_pipeline(data, exports):
+    import sentencepiece as spm
+    from transformers import AutoTokenizer, pipeline
+
+    sp = spm.SentencePieceProcessor(model_file=str(data["dir"] / "spm.model"))
+    text = "Python's  for statement iterates over 3 items:\n\tlists, tuples and strings."
+    for mechanism in ("standard", "attnres-block"):
+        folder = str(exports / "tp1" / mechanism)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        assert tok(text)["input_ids"] == sp.encode(text)
+        generator = pipeline("text-generation", model=folder, tokenizer=folder, trust_remote_code=True)
+        out = generator("The tutorial", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+        assert out.startswith("The tutorial") and len(out) > len("The tutorial")
+
+
+@pytest.mark.parametrize("case", ["not-a-checkpoint", "missing-tokenizer", "non-empty-out", "bad-dtype",
+                                  "config-mismatch"])
+def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_path, case):
+    ckpt = trained / "tp1" / "attnres-block" / "ckpt"
+    out = tmp_path / "out"
+    args = ["tools/convert_to_hf.py", "--load", str(ckpt), "--out", str(out)]
+    expected = {"not-a-checkpoint": "does not exist", "missing-tokenizer": "no tokenizer for this checkpoint",
+                "non-empty-out": "exists and is not empty; pass --force", "bad-dtype": "--dtype 'fp16' is not supported",
+                "config-mismatch": "weights do not match its recorded config"}[case]
+    if case == "not-a-checkpoint":
+        args[2] = str(tmp_path / "nowhere")
+    elif case == "missing-tokenizer":
+        args += ["--tokenizer-model", str(tmp_path / "missing.model")]
+    elif case == "non-empty-out":
+        out.mkdir()
+        (out / "keep.txt").write_text("user data")
+    elif case == "bad-dtype":
+        args += ["--dtype", "fp16"]
+    else:
+        broken = tmp_path / "broken"
+        shutil.copytree(ckpt / "iter_0000004", broken)
+        meta = json.load(open(broken / "mega_depth.json"))
+        meta["config"]["model"]["hidden_size"] = 64
+        json.dump(meta, open(broken / "mega_depth.json", "w"))
+        args[2] = str(broken)
+    proc = run(args, expect=2)
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    if case == "non-empty-out":
+        assert os.listdir(out) == ["keep.txt"]  # untouched
+    else:
+        assert not out.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".export-")]  # no half-written folder
