@@ -30,6 +30,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch
 
+    from mega_depth.training.loop import NonFiniteLoss
     from mega_depth.training.setup import init_distributed, setup
 
     init_distributed()
@@ -40,6 +41,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"mega_depth: {e}", file=sys.stderr)
         torch.distributed.destroy_process_group()
         return 2
+    except NonFiniteLoss as e:
+        print(f"mega_depth: {e}", file=sys.stderr)
+        torch.distributed.destroy_process_group()
+        return 3
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

@@ -142,8 +142,11 @@ def test_imported_checkpoint_fine_tunes(data, exports, tmp_path):
     out = run(["-m", "mega_depth.train"] + MODEL + FLAGS["dca-2"] + data["flags"][:4] + [
         "--load", str(tmp_path / "ckpt"), "--train-iters", "2", "--output-dir", str(tmp_path / "run")]).stdout
     assert "resumed from" in out and "at step 0" in out
-    losses = [json.loads(line)["loss"] for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert len(losses) == 2 and losses[0] < 6.5  # starts from the trained weights, not from ln(1024) ~ 6.9
+    run(["-m", "mega_depth.train"] + MODEL + FLAGS["dca-2"] + data["flags"][:4] + [
+        "--train-iters", "2", "--output-dir", str(tmp_path / "fresh")])
+    tuned = [json.loads(line)["loss"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    fresh = [json.loads(line)["loss"] for line in open(tmp_path / "fresh" / "metrics.jsonl")]
+    assert len(tuned) == 2 and tuned[0] < fresh[0] - 0.05  # it starts from the trained weights
 
 
 def test_offline_tokenizer_and_pipeline(data, exports):
@@ -151,7 +154,9 @@ def test_offline_tokenizer_and_pipeline(data, exports):
     from transformers import AutoTokenizer, pipeline
 
     sp = spm.SentencePieceProcessor(model_file=str(data["dir"] / "spm.model"))
-    text = "Python's  for statement iterates over 3 items:\n\tlists, tuples and strings."
+    # (sentencepiece and transformers' LlamaTokenizer can split runs of LEADING spaces differently; inner
+    # whitespace, tabs, newlines and digits match, which is what mega_depth's documents contain)
+    text = "Python's  for statement iterates over 3 items:\n\tlists, tuples and strings.\n\nAll 42 of them."
     for mechanism in ("standard", "attnres-block"):
         folder = str(exports / "tp1" / mechanism)
         tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)

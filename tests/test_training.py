@@ -196,6 +196,20 @@ def test_bad_input_gets_a_clear_error(data, baseline, tmp_path, case):
         assert "did you mean model.num_layers?" in proc.stderr
 
 
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss_is_handled_as_configured(data, tmp_path, policy):
+    args = ["-m", "mega_depth.train"] + MODEL + data["flags"] + [
+        "--train-iters", "5", "--on-nan", policy, "--output-dir", str(tmp_path / "run")]
+    proc = run(args, expect=3 if policy == "stop" else 0, env={"MEGA_DEPTH_FAULT_NAN_AT_STEP": "3"})
+    m = metrics(tmp_path / "run")
+    if policy == "stop":
+        assert "loss is nan at step 3; stopping (--on-nan stop)" in proc.stderr
+        assert sorted(m) == [1, 2]
+    else:
+        assert sorted(m) == [1, 2, 3, 4, 5] and m[3].get("skipped") and not m[4].get("skipped")
+        assert "skipped (non-finite loss)" in proc.stdout
+
+
 def test_every_shipped_config_validates(data):
     from mega_depth.config import parse_args
 

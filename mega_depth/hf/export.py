@@ -66,11 +66,14 @@ def load_megatron_weights(ckpt: str) -> Tuple[Dict[str, torch.Tensor], dict, Dec
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     (model,) = build_model_chunks(cfg)
     template = {"model0": model.sharded_state_dict()}
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         loaded = dist_checkpointing.load(template, ckpt)
-    except Exception as e:  # a shape/key mismatch between mega_depth.json and the stored tensors
-        raise ConfigError(f"checkpoint {ckpt}: its weights do not match its recorded config ({type(e).__name__}: "
-                          f"{str(e)[:300]}); the checkpoint is damaged or mega_depth.json was edited") from None
+    except (Exception, CheckpointException) as e:  # a shape/key mismatch between mega_depth.json and the tensors
+        lines = [l.strip() for l in str(e).splitlines() if "mismatch" in l or "Missing" in l] or [str(e)[-300:]]
+        raise ConfigError(f"checkpoint {ckpt}: its weights do not match its recorded config ({lines[-1]}); the "
+                          "checkpoint is damaged or mega_depth.json was edited") from None
     try:
         model.load_state_dict(loaded["model0"])
     except RuntimeError as e:
@@ -118,7 +121,8 @@ def write_tokenizer(spm_model: str, out: str) -> None:
     sentencepiece ids; mega_depth trains without BOS, so none is added)."""
     shutil.copy(spm_model, os.path.join(out, "tokenizer.model"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
+        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "add_bos_token": False,
                    "add_eos_token": False, "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False},
                   f, indent=1)
 

@@ -68,6 +68,8 @@ def train_step(state: TrainState, microbatches: List[dict], step: Optional[int] 
     state.optimizer.zero_grad()
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step applies (the scheduler moves it afterwards)
     loss = _run_schedule(state, microbatches, forward_only=False)
+    if os.environ.get("MEGA_DEPTH_FAULT_NAN_AT_STEP") == str(step):  # fault injection for the NaN tests
+        loss = float("nan")
     if not math.isfinite(loss):
         if state.cfg.training.on_nan == "stop":
             raise NonFiniteLoss(f"loss is {loss} at step {step}; stopping (--on-nan stop). Resume from the last "
