@@ -371,16 +371,14 @@ def load_yaml(path: str, cfg: Config) -> Config:
                                                                              if near else ""))
             kind = _base_type(names[key].type)
             if value is not None and not isinstance(value, list):
+                if kind is bool and not isinstance(value, bool):
+                    raise ConfigError(f"{section}.{key} in {path} must be true or false, got {value!r}")
                 try:
-                    value = kind(value) if kind is not bool or isinstance(value, bool) else _bool(value, key)
+                    value = kind(value)
                 except (TypeError, ValueError):
                     raise ConfigError(f"{section}.{key} in {path} must be {kind.__name__}, got {value!r}") from None
             setattr(getattr(cfg, section), key, value)
     return cfg
-
-
-def _bool(value, key):
-    raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> Config:

@@ -131,6 +131,21 @@ def test_round_trip_export_import_export_is_bit_exact(exports, tmp_path, mechani
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_native_qwen3_folder_imports(exports, tmp_path):
+    """A plain Qwen3 folder (no mega_depth.json) imports from its config.json alone, bit for bit."""
+    from safetensors.torch import load_file
+
+    from mega_depth.hf.export import export, import_hf
+
+    native = tmp_path / "qwen3"
+    shutil.copytree(exports / "tp1" / "standard", native)
+    os.remove(native / "mega_depth.json")
+    import_hf(str(native), str(tmp_path / "ckpt"))
+    export(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    a, b = load_file(str(native / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_imported_checkpoint_fine_tunes(data, exports, tmp_path):
     import sys
 

@@ -6,7 +6,7 @@ import torch
 from mega_depth.config import parse_args
 
 MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
-         "--seq-length", "16", "--vocab-size", "100", "--seed", "3"]
+         "--seq-length", "16", "--vocab-size", "100", "--seed", "3", "--mock-data"]
 
 
 @pytest.fixture(scope="module")
@@ -16,9 +16,9 @@ def megatron_world():
     from mega_depth.training.setup import init_distributed
 
     init_distributed()
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():  # another module (the HF export) may have done it
+        parallel_state.initialize_model_parallel(1, 1)
     yield
-    parallel_state.destroy_model_parallel()
 
 
 def build(flags):

@@ -105,10 +105,10 @@ def test_kill_during_save_keeps_the_previous_checkpoint(data, tmp_path):
 
 def test_checkpoints_reshard_between_tp2xpp2_and_one_process(data, tmp_path):
     flags = MODEL + data["flags"] + ["--residual", "dca", "--dca-last-k", "1", "--num-layers", "4",
-                                     "--train-iters", "11", "--save-interval", "10"]
+                                     "--train-iters", "11"]
     big = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     # TP2 x PP2 -> 1 process
-    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--save", str(tmp_path / "a"),
+    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--save", str(tmp_path / "a"), "--save-interval", "10",
                                                             "--output-dir", str(tmp_path / "a-run")],
              str(tmp_path / "a.log"))
     shutil.rmtree(tmp_path / "a" / "iter_0000011")
@@ -117,7 +117,8 @@ def test_checkpoints_reshard_between_tp2xpp2_and_one_process(data, tmp_path):
     assert metrics(tmp_path / "a-resumed")[11]["loss"] == pytest.approx(metrics(tmp_path / "a-run")[11]["loss"],
                                                                         rel=1e-5)
     # 1 process -> TP2 x PP2
-    run(["-m", "mega_depth.train"] + flags + ["--save", str(tmp_path / "b"), "--output-dir", str(tmp_path / "b-run")])
+    run(["-m", "mega_depth.train"] + flags + ["--save", str(tmp_path / "b"), "--save-interval", "10",
+                                              "--output-dir", str(tmp_path / "b-run")])
     torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--load", str(tmp_path / "b" / "iter_0000010"),
                                                             "--output-dir", str(tmp_path / "b-resumed")],
              str(tmp_path / "b.log"))

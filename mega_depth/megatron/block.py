@@ -62,7 +62,7 @@ class DepthMixingBlock(TransformerBlock):
         entries = p.entries(state)
         sent, _ = prov.hop_layout(p, geo, next_stage, self.cfg.residual.vp_cache)
         carrier_name = sent[0].name
-        if self.cfg.residual.vp_cache and next_stage + geo.pp - 1 < geo.num_stages and geo.vpp > 1:
+        if self.cfg.residual.vp_cache and geo.vpp > 1 and self.stage + geo.pp < geo.num_stages:
             # This rank runs stage `self.stage + pp` of the same micro-batch next: keep what it will not receive.
             _, keep = prov.hop_layout(p, geo, self.stage + geo.pp, True)
             if keep:

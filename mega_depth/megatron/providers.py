@@ -204,15 +204,7 @@ class DepthAttentionProvider(Provider):
         return t.view(t.shape[0], b, -1, self.head_dim)
 
 
-class StandardProvider(Provider):
-    """Only used for layout arithmetic (the standard model runs Megatron's own block)."""
-
-    def layout(self, boundary):
-        return [Entry("hidden", self.hidden, False)]
-
-
 PROVIDERS = {
-    "standard": StandardProvider,
     "attnres": AttnResProvider,
     "dca": DCAProvider,
     "depth-attention": DepthAttentionProvider,

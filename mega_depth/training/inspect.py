@@ -1,7 +1,5 @@
-"""Layout-independent views of a sharded model: full (TP-gathered) tensors under global parameter names.
-
-Used to compare runs across parallel layouts (tests) and to export (one canonical name per parameter).
-"""
+"""Layout-independent views of a sharded model: full (TP-gathered) tensors under global parameter names,
+so that runs in different parallel layouts can be compared (the layout tests compare step-1 gradients)."""
 
 from __future__ import annotations
 
@@ -44,7 +42,3 @@ def full_tensors(model_chunks, pick: Callable) -> Dict[str, torch.Tensor]:
 def full_grads(model_chunks) -> Dict[str, torch.Tensor]:
     return full_tensors(model_chunks, lambda p: getattr(p, "main_grad", None) if getattr(p, "main_grad", None)
                         is not None else p.grad)
-
-
-def full_params(model_chunks) -> Dict[str, torch.Tensor]:
-    return full_tensors(model_chunks, lambda p: p)

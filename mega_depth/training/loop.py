@@ -191,7 +191,7 @@ def train(state: TrainState, sampler: GlobalBatchSampler, start_step: int = 0, v
             if rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-                if done % cfg.logging.log_interval == 0 or "val_loss" in record:
+                if done % cfg.logging.log_interval == 0 or "val_loss" in record or result["skipped"]:
                     line = (f"step {done:>6} | loss {record['loss']:.6f} | lr {record['lr']:.3e} | "
                             f"grad norm {record['grad_norm']:.4f} | {record['tokens_per_s']:.0f} tokens/s")
                     if "val_loss" in record:
