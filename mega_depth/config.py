@@ -265,6 +265,10 @@ class Config:
             _check(nmb % pp == 0,
                    f"interleaved pipelines need the number of micro-batches ({nmb}) to be a multiple of "
                    f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
+            _check(r.residual == "standard" or nmb >= 2 * pp,
+                   f"interleaved pipelines with --residual {r.residual} need at least 2 x "
+                   f"--pipeline-model-parallel-size micro-batches per step (got {nmb}): with every micro-batch in "
+                   "warm-up the variable-shape p2p exchange deadlocks on this version; raise --global-batch-size")
 
         # Mechanism-specific checks.
         if r.residual == "attnres" and r.attnres_num_blocks is not None:

@@ -31,6 +31,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--global-batch-size", "3", "--micro-batch-size", "2"], 1, "--global-batch-size 3 is not divisible"),
         (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
           "--global-batch-size", "3", "--micro-batch-size", "1"], 2, "multiple of --pipeline-model-parallel-size"),
+        (["--residual", "attnres", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+          "1", "--global-batch-size", "2", "--micro-batch-size", "1"], 2, "need at least 2 x"),
     ],
 )
 def test_bad_configuration_names_the_fix(flags, world, message):

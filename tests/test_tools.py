@@ -17,3 +17,16 @@ def test_bench_throughput_reports_every_mechanism_against_the_baseline(tmp_path)
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
         assert abs(r["throughput_ratio"] * r["step_time_ratio"] - 1) < 1e-9
     assert "vs baseline" in stdout
+
+
+def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
+    out = tmp_path / "comm.json"
+    run(["tools/bench_comm.py", "--grid", "2x2", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "16",
+         "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert {(r["mechanism"], r["cache"]) for r in report} == {
+        (m, c) for m in ("standard", "attnres-full", "attnres-block", "dca", "dca-2", "depth-attention")
+        for c in (True, False)}
+    assert all(r["matches_formula"] for r in report)
+    full = {r["cache"]: r for r in report if r["mechanism"] == "attnres-full"}
+    assert full[True]["peak_hop_bytes"] < full[False]["peak_hop_bytes"]  # cross-stage caching pays

@@ -36,11 +36,12 @@ def _readers(state) -> Dict[int, Tuple[float, str]]:
     return out
 
 
-def collect(state, microbatch: dict, run_forward) -> Optional[List[Tuple[float, str, List[float]]]]:
-    """Run one forward with recording on (collective); rank 0 gets [(order, label, weights)], others None."""
+def collect(state, microbatches: List[dict], run_forward) -> Optional[List[Tuple[float, str, List[float]]]]:
+    """Run a forward-only pass with recording on (collective; a whole step's micro-batches, which interleaved
+    schedules need); rank 0 gets [(order, label, weights)] of the last micro-batch, the others None."""
     readers = _readers(state)
     with mixing.record_depth_weights() as recorded:
-        run_forward(state, [microbatch])
+        run_forward(state, microbatches)
     rows = []
     for key, weights in recorded.items():
         if isinstance(key, tuple):  # ("depth-attention", layer)

@@ -111,14 +111,14 @@ def evaluate(state: TrainState, sampler: GlobalBatchSampler, iters: int) -> floa
 
 
 def _log_heatmap(state: TrainState, sampler: GlobalBatchSampler, step: int, logger) -> None:
-    """Collective: a probe forward on this step's first micro-batch records the depth weights."""
+    """Collective: a forward-only probe on this step's micro-batches records the depth weights."""
     from mega_depth.training.depth_weights import collect
 
     for m in state.model:
         m.eval()
     try:
         with torch.no_grad():
-            rows = collect(state, sampler.microbatches(step)[0],
+            rows = collect(state, sampler.microbatches(step),
                            lambda st, mbs: _run_schedule(st, mbs, forward_only=True))
     finally:
         for m in state.model:
