@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import ROOT, run, torchrun
+from mega_depth.catalogue import MECHANISMS
 
 SCRIPT = os.path.join(ROOT, "tests", "distributed", "train_and_save.py")
-MECHANISMS = ["standard", "attnres-full", "attnres-block", "dca", "dca-2", "depth-attention"]
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from conftest import torchrun
+from mega_depth.catalogue import MECHANISMS
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "run_layout.py")
-MECHANISMS = ["standard", "attnres-full", "attnres-block", "dca", "dca-2", "depth-attention"]
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]

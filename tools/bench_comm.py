@@ -19,15 +19,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms, residual_settings  # noqa: E402
 
-MECHANISMS = {
-    "standard": ["--residual", "standard"],
-    "attnres-full": ["--residual", "attnres"],
-    "attnres-block": ["--residual", "attnres", "--attnres-num-blocks", "4"],
-    "dca": ["--residual", "dca"],
-    "dca-2": ["--residual", "dca", "--dca-last-k", "2"],
-    "depth-attention": ["--residual", "depth-attention", "--depth-attn-stride", "4", "--depth-attn-window", "1"],
-}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -68,7 +61,7 @@ def depth_entries(lam, num_layers, stride, window, kv_units, v_units):
     return out
 
 
-def expected_widths(mech, num_layers, pp, vpp, cache, kv_units, v_units):
+def expected_widths(mech, num_layers, num_blocks, pp, vpp, cache, kv_units, v_units):
     """{receiving stage: width in units of d} for every hop."""
     per_stage = num_layers // (pp * vpp)
 
@@ -76,10 +69,11 @@ def expected_widths(mech, num_layers, pp, vpp, cache, kv_units, v_units):
         if mech == "standard":
             return {"hidden": (1, False)}
         if mech.startswith("attnres"):
-            return attnres_entries(lam, num_layers, 4 if mech == "attnres-block" else None)
+            return attnres_entries(lam, num_layers, num_blocks if mech == "attnres-block" else None)
         if mech.startswith("dca"):
             return dca_entries(lam, 2 if mech == "dca-2" else None)
-        return depth_entries(lam, num_layers, 4, 1, kv_units, v_units)
+        return depth_entries(lam, num_layers, residual_settings(mech, num_layers)["depth_attn_stride"], 1, kv_units,
+                             v_units)
 
     out = {}
     for stage in range(1, pp * vpp):
@@ -93,7 +87,7 @@ def expected_widths(mech, num_layers, pp, vpp, cache, kv_units, v_units):
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def _worker(out_path, model_flags, mechanisms):
+def _worker(out_path, model_flags, mechanisms, num_layers, num_blocks):
     """Runs inside each torchrun process: one step per mechanism (with and without caching), hop counters out."""
     import torch
     from megatron.core import parallel_state
@@ -108,7 +102,7 @@ def _worker(out_path, model_flags, mechanisms):
     records = []
     for name in mechanisms:
         for cache in (True, False):
-            cfg = parse_args(model_flags + MECHANISMS[name] + ([] if cache else ["--no-vp-cache"])).validate(world)
+            cfg = parse_args(model_flags + mechanism_flags(name, num_layers, attnres_num_blocks=num_blocks) + ([] if cache else ["--no-vp-cache"])).validate(world)
             state = setup(cfg)
             data = build_datasets(cfg, MockTokenizer(cfg.model.vocab_size), (64, None, None))[0]
             sampler = GlobalBatchSampler(data, cfg.training.micro_batch_size, state.num_microbatches, 1, 0)
@@ -154,14 +148,15 @@ def main(argv=None) -> int:
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--num-query-groups", type=int, default=2)
     parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--attnres-num-blocks", type=int, default=4, help="blocks of Block AttnRes")
     parser.add_argument("--mechanisms", default=",".join(MECHANISMS))
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    mechanisms = args.mechanisms.split(",")
+    mechanisms = parse_mechanisms(args.mechanisms)
     if args.worker:
         pp, vpp = map(int, args.grid.lower().split("x"))
-        _worker(args.worker, _model_flags(args, pp, vpp), mechanisms)
+        _worker(args.worker, _model_flags(args, pp, vpp), mechanisms, args.num_layers, args.attnres_num_blocks)
         return 0
 
     d, s, heads, groups = args.hidden_size, args.seq_length, args.num_attention_heads, args.num_query_groups
@@ -183,7 +178,7 @@ def main(argv=None) -> int:
                 return 1
             measured = json.load(open(out))
         for r in measured:
-            exp = expected_widths(r["mechanism"], args.num_layers, pp, vpp, r["cache"], kv_units, v_units)
+            exp = expected_widths(r["mechanism"], args.num_layers, args.attnres_num_blocks, pp, vpp, r["cache"], kv_units, v_units)
             hops = {int(k): v for k, v in r["hops"].items()}
             if r["mechanism"] == "standard":  # Megatron's own block sends the [s, b, d] hidden state, uncounted
                 hops = {stage: [d, s * d * 4] for stage in range(1, pp * vpp)}

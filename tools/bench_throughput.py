@@ -4,9 +4,10 @@
         [--out bench.json] [--mechanisms standard,attnres-block,...]
 
 All models are built once; then `--rounds` rounds each time `--steps` training steps of every mechanism in turn
-(interleaved, so drifts of the machine hit all of them alike). Reports median step time, tokens/s and peak memory
-per mechanism, each also as a ratio to the baseline. One process (the one GPU, or the CPU); run it under torchrun
-with the usual parallel flags (--tensor-model-parallel-size ...) for a multi-process layout.
+(interleaved, so drifts of the machine hit all of them alike). Reports median step time, tokens/s and (on a GPU)
+the step's peak memory above what was resident before it (activations and temporaries; every model stays
+resident, so the plain peak would count them all) per mechanism, each also as a ratio to the baseline.
+One process (the one GPU, or the CPU); run it under torchrun with the usual parallel flags (--tensor-model-parallel-size ...) for a multi-process layout.
 """
 
 import argparse
@@ -17,24 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-MECHANISMS = {
-    "standard": ["--residual", "standard"],
-    "attnres-full": ["--residual", "attnres"],
-    "attnres-block": ["--residual", "attnres", "--attnres-num-blocks", "8"],
-    "dca": ["--residual", "dca"],
-    "dca-2": ["--residual", "dca", "--dca-last-k", "2"],
-    "depth-attention": ["--residual", "depth-attention", "--depth-attn-window", "1"],
-}
-
-
-def _flags(name: str, num_layers: int) -> list:
-    """The mechanism's flags; Block AttnRes uses 8 blocks (the paper's setting), fewer on very shallow models."""
-    flags = list(MECHANISMS[name])
-    if name == "attnres-block":
-        flags[-1] = str(min(8, 2 * num_layers))
-    return flags
-
+from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -59,7 +43,7 @@ def main(argv=None) -> int:
 
     world = init_distributed()
     gpu = torch.cuda.is_available()
-    names = args.mechanisms.split(",")
+    names = parse_mechanisms(args.mechanisms)
     if names[0] != "standard":
         names = ["standard"] + [n for n in names if n != "standard"]
     runs = {}
@@ -68,7 +52,7 @@ def main(argv=None) -> int:
                           "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
                           "--vocab-size", "32000", "--micro-batch-size", str(args.micro_batch_size),
                           "--train-iters", str(args.steps * args.rounds + 1), "--lr-decay-style", "constant"]
-                         + (["--bf16"] if gpu else []) + _flags(name, args.num_layers) + layout).validate(world)
+                         + (["--bf16"] if gpu else []) + mechanism_flags(name, args.num_layers) + layout).validate(world)
         # Each mechanism keeps its own parallel groups alive: build them all up front, time them interleaved.
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -88,6 +72,7 @@ def main(argv=None) -> int:
             if gpu:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 train_step(r["state"], r["sampler"].microbatches(r["step"]), r["step"] + 1)
@@ -96,7 +81,7 @@ def main(argv=None) -> int:
                 r["times"].append(time.perf_counter() - t0)
                 r["step"] += 1
             if gpu:
-                r["peak"] = max(r["peak"], torch.cuda.max_memory_allocated() / 2**20)
+                r["peak"] = max(r["peak"], (torch.cuda.max_memory_allocated() - resident) / 2**20)
     base = statistics.median(runs["standard"]["times"])
     base_peak = runs["standard"]["peak"]
     results = []
@@ -106,17 +91,19 @@ def main(argv=None) -> int:
         results.append({
             "mechanism": name, "step_time_s": t, "tokens_per_s": r["tokens"] / t,
             "step_time_ratio": t / base, "throughput_ratio": base / t, "overhead_pct": 100 * (t / base - 1),
-            "peak_memory_mib": r["peak"] if gpu else None,
-            "peak_memory_ratio": (r["peak"] / base_peak) if gpu and base_peak else None,
+            "step_peak_memory_mib": r["peak"] if gpu else None,
+            "step_peak_memory_ratio": (r["peak"] / base_peak) if gpu and base_peak else None,
         })
     device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
     if torch.distributed.get_rank() == 0:
         print(f"\nthroughput on {device}, world {world}: {args.num_layers} layers, hidden {args.hidden_size}, "
               f"seq {args.seq_length}, mbs {args.micro_batch_size}; median of {args.rounds} x {args.steps} steps")
-        print(f"{'mechanism':<17}{'step s':>9}{'tokens/s':>11}{'vs baseline':>13}{'overhead':>10}")
+        print(f"{'mechanism':<17}{'step s':>9}{'tokens/s':>11}{'vs baseline':>13}{'overhead':>10}"
+              + (f"{'step MiB':>10}{'vs base':>9}" if gpu else ""))
         for r in results:
             print(f"{r['mechanism']:<17}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
-                  f"{r['throughput_ratio']:>12.3f}x{r['overhead_pct']:>9.1f}%")
+                  f"{r['throughput_ratio']:>12.3f}x{r['overhead_pct']:>9.1f}%"
+                  + (f"{r['step_peak_memory_mib']:>10.0f}{r['step_peak_memory_ratio']:>8.2f}x" if gpu else ""))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"device": device, "world_size": world, "args": vars(args), "layout": layout,

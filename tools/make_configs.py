@@ -2,7 +2,12 @@
 
 import os
 
+import sys
+
 import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mega_depth.catalogue import residual_settings  # noqa: E402
 
 SIZES = {
     # tiny: CPU quickstart on the embedded corpus (tools/quickstart.sh prepares data/processed/)
@@ -44,33 +49,18 @@ SIZES = {
     ),
 }
 
-MECHANISMS = {
-    "standard": dict(residual="standard"),
-    "attnres": dict(residual="attnres", attnres_num_blocks=8),  # Block AttnRes (the paper's practical form)
-    "attnres-full": dict(residual="attnres"),
-    "dca": dict(residual="dca"),
-    "dca-2": dict(residual="dca", dca_last_k=2),
-    "depth-attention": dict(residual="depth-attention"),
-}
-
-
-def residual_for(size: dict, mech: dict) -> dict:
-    r = dict(mech)
-    layers = size["model"]["num_layers"]
-    if r.get("residual") == "attnres" and "attnres_num_blocks" in r:
-        r["attnres_num_blocks"] = min(r["attnres_num_blocks"], layers)  # at most one block per layer
-    if r.get("residual") == "depth-attention":
-        r.update(depth_attn_stride=max(1, layers // 2), depth_attn_window=1)
-    return r
+# config-file name -> catalogue entry ("attnres" is Block AttnRes, the paper's practical form)
+CONFIG_NAMES = {"standard": "standard", "attnres": "attnres-block", "attnres-full": "attnres-full", "dca": "dca",
+                "dca-2": "dca-2", "depth-attention": "depth-attention"}
 
 
 def main() -> None:
     out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs")
     os.makedirs(out, exist_ok=True)
     for size_name, size in SIZES.items():
-        for mech_name, mech in MECHANISMS.items():
+        for mech_name, entry in CONFIG_NAMES.items():
             doc = {k: dict(v) for k, v in size.items()}
-            doc["residual"] = residual_for(size, mech)
+            doc["residual"] = residual_settings(entry, size["model"]["num_layers"])
             if "logging" in doc:
                 doc["logging"]["output_dir"] = f"runs/{size_name}-{mech_name}"
             else:
@@ -81,7 +71,7 @@ def main() -> None:
                 f.write(f"# {size_name} {mech_name}: python -m mega_depth.train --config {os.path.relpath(path)}"
                         " [--flag value ...]\n")
                 yaml.safe_dump(doc, f, sort_keys=False)
-    print(f"wrote {len(SIZES) * len(MECHANISMS)} configs to {out}")
+    print(f"wrote {len(SIZES) * len(CONFIG_NAMES)} configs to {out}")
 
 
 if __name__ == "__main__":

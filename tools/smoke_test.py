@@ -15,14 +15,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MECHANISMS = {
-    "standard": ["--residual", "standard"],
-    "attnres-full": ["--residual", "attnres"],
-    "attnres-block": ["--residual", "attnres", "--attnres-num-blocks", "2"],
-    "dca": ["--residual", "dca"],
-    "dca-2": ["--residual", "dca", "--dca-last-k", "2"],
-    "depth-attention": ["--residual", "depth-attention", "--depth-attn-stride", "2", "--depth-attn-window", "1"],
-}
 
 
 def main(argv=None) -> int:
@@ -38,6 +30,7 @@ def main(argv=None) -> int:
     import torch
     from megatron.core import parallel_state
 
+    from mega_depth.catalogue import MECHANISMS, mechanism_flags
     from mega_depth.config import parse_args
     from mega_depth.data.datasets import GlobalBatchSampler, MockTokenizer, build_datasets
     from mega_depth.training.loop import train_step
@@ -46,7 +39,8 @@ def main(argv=None) -> int:
     init_distributed()
     gpu = torch.cuda.is_available()
     results = []
-    for name, flags in MECHANISMS.items():
+    for name in MECHANISMS:
+        flags = mechanism_flags(name, args.num_layers)
         cfg = parse_args(["--mock-data", "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
                           "--num-attention-heads", "4", "--seq-length", str(args.seq_length), "--vocab-size", "512",
                           "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.steps),

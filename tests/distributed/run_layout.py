@@ -14,14 +14,10 @@ import sys
 
 import torch
 
-MECHANISMS = {
-    "standard": ["--residual", "standard"],
-    "attnres-full": ["--residual", "attnres"],
-    "attnres-block": ["--residual", "attnres", "--attnres-num-blocks", "3"],
-    "dca": ["--residual", "dca"],
-    "dca-2": ["--residual", "dca", "--dca-last-k", "2"],
-    "depth-attention": ["--residual", "depth-attention", "--depth-attn-stride", "2", "--depth-attn-window", "1"],
-}
+from mega_depth.catalogue import MECHANISMS as NAMES, mechanism_flags  # noqa: E402
+
+# 4 layers: 3 AttnRes blocks so that a block straddles a stage boundary; Depth-Attention stride 2, window 1.
+MECHANISMS = {name: mechanism_flags(name, 4, attnres_num_blocks=3) for name in NAMES}
 # A small GQA model (4 query heads, 2 key-value groups) so TP=2 splits the groups too.
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--seq-length", "16", "--vocab-size", "128", "--train-iters", "3", "--lr", "3e-3", "--seed", "7",
