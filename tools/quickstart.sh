@@ -7,13 +7,7 @@ cd "$(dirname "$0")/.."
 bash tools/setup.sh
 PY=.venv/bin/python
 MECH=${MECH:-attnres}
-CORPUS=data/corpus/python-docs-3.11.jsonl.gz
-if [ ! -f data/processed/python-docs.idx ] || [ ! -f data/processed/spm.model ]; then
-  echo "== preparing the embedded corpus (Python 3.11 documentation, PSF licence)"
-  $PY tools/train_tokenizer.py --input "$CORPUS" --vocab-size 4000 --output-prefix data/processed/spm
-  $PY tools/preprocess_data.py --input "$CORPUS" --output-prefix data/processed/python-docs \
-    --tokenizer-model data/processed/spm.model --workers 2 --append-eod
-fi
+bash tools/prepare_corpus.sh
 RUN=runs/tiny-$MECH
 rm -rf "$RUN"  # a fresh run each time (use --load to resume one)
 echo "== training $MECH (launch/configs/tiny-$MECH.yaml)"

@@ -174,13 +174,16 @@ def train(state: TrainState, sampler: GlobalBatchSampler, start_step: int = 0, v
     tokens_per_step = sampler.global_batch_size * cfg.model.seq_length
     preemption = _Preemption()
     ck = cfg.checkpoint
+    train_time = 0.0  # seconds spent in training steps since this launch (no eval, no checkpoints)
     try:
         for step in range(start_step, cfg.training.train_iters):
             t0 = time.perf_counter()
             result = train_step(state, sampler.microbatches(step), step + 1)
             elapsed = time.perf_counter() - t0
+            train_time += elapsed
             record = {"step": step + 1, "loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
-                      "tokens_per_s": tokens_per_step / elapsed}
+                      "tokens_per_s": tokens_per_step / elapsed, "tokens": (step + 1) * tokens_per_step,
+                      "train_time_s": train_time}
             if result["skipped"]:
                 record["skipped"] = True
             done = step + 1

@@ -1,0 +1,250 @@
+"""Quality for the same compute: every mechanism trained on the embedded corpus with the same model size, tokens,
+data order and schedule, over several seeds.
+
+    python tools/bench_quality.py                                  # CPU default, about an hour on 2 cores
+    python tools/bench_quality.py --num-layers 12 --hidden-size 512 --seq-length 512 --global-batch-size 32 \\
+        --train-iters 2000 --seeds 0,1,2                          # the same on a GPU (bf16 by default there)
+    python tools/bench_quality.py --train-iters 20 --num-layers 2 --seeds 0,1 --out-dir /tmp/q   # a quick check
+
+Runs `python -m mega_depth.train` once per (seed, mechanism), seeds outermost so that slow drifts of the machine
+hit every mechanism alike; any trainer flag not listed here passes through (e.g. --lr 1e-3, or a parallel layout
+with --nproc-per-node). Writes to --out-dir: one folder per run (metrics.jsonl, TensorBoard, heatmaps),
+quality.json (one record per mechanism), loss_vs_tokens.png, loss_vs_time.png and heatmap_<mechanism>.png (the
+first seed's depth-mixing weights after training). Prints a table: final validation loss and perplexity, mean and
+spread (min..max) over seeds, and the difference to the baseline.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms  # noqa: E402
+
+DATA_PREFIX = os.path.join(ROOT, "data", "processed", "python-docs")
+TOKENIZER = os.path.join(ROOT, "data", "processed", "spm.model")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_flags(args) -> list:
+    return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
+            "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
+            "--train-iters", str(args.train_iters), "--lr", str(args.lr), "--min-lr", str(args.lr / 10),
+            "--lr-warmup-iters", str(max(1, args.train_iters // 20)), "--lr-decay-style", "cosine",
+            "--weight-decay", "0.1", "--clip-grad", "1.0", "--data-path", args.data_path,
+            "--tokenizer-model", args.tokenizer_model, "--split", "95,5,0",
+            "--eval-interval", str(args.eval_interval or max(1, args.train_iters // 8)),
+            "--eval-iters", str(args.eval_iters), "--log-interval", str(max(1, args.train_iters // 10))]
+
+
+def parameter_counts(flags: list) -> dict:
+    """Exact parameter count of the model these flags train (the plain-PyTorch twin, built on the meta device)."""
+    import torch
+
+    from mega_depth.config import parse_args
+    from mega_depth.data.tokenizer import SentencePieceTokenizer
+    from mega_depth.megatron.state_dict import decoder_config
+    from mega_depth.model import CausalLM
+
+    cfg = parse_args(flags)
+    vocab = SentencePieceTokenizer(cfg.data.tokenizer_model).vocab_size
+    dc = decoder_config({"model": dataclasses.asdict(cfg.model), "residual": dataclasses.asdict(cfg.residual)},
+                        vocab)
+    with torch.device("meta"):
+        model = CausalLM(dc)
+    total = sum(p.numel() for p in model.parameters())
+    mixing = sum(p.numel() for n, p in model.named_parameters()
+                 if "mixer" in n or "grn" in n)
+    return {"params": total, "mixing_params": mixing}
+
+
+def read_run(run_dir: str) -> dict:
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    evals = [r for r in records if "val_loss" in r]
+    if not evals:
+        raise SystemExit(f"{run_dir}: no validation loss was logged; raise --train-iters or lower --eval-interval")
+    return {"tokens": [r["tokens"] for r in records], "loss": [r["loss"] for r in records],
+            "time": [r["train_time_s"] for r in records], "val_tokens": [r["tokens"] for r in evals],
+            "val_loss": [r["val_loss"] for r in evals], "final_val_loss": evals[-1]["val_loss"],
+            "train_time_s": records[-1]["train_time_s"], "total_tokens": records[-1]["tokens"]}
+
+
+def smooth(values: list, window: int) -> list:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def summarise(runs: dict, names: list, params: dict) -> list:
+    """One record per mechanism: final validation loss/perplexity over seeds, and the gap to the baseline."""
+    base = statistics.mean(r["final_val_loss"] for r in runs["standard"].values()) if "standard" in runs else None
+    results = []
+    for name in names:
+        finals = [r["final_val_loss"] for r in runs[name].values()]
+        mean = statistics.mean(finals)
+        results.append({
+            "mechanism": name, "seeds": sorted(runs[name]), "val_loss": finals,
+            "val_loss_mean": mean, "val_loss_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "val_loss_min": min(finals), "val_loss_max": max(finals),
+            "val_ppl_mean": statistics.mean(math.exp(v) for v in finals),
+            "val_ppl_min": math.exp(min(finals)), "val_ppl_max": math.exp(max(finals)),
+            "delta_vs_baseline": None if base is None else mean - base,
+            "ppl_ratio_vs_baseline": None if base is None else math.exp(mean - base),
+            "tokens": runs[name][min(runs[name])]["total_tokens"],
+            "train_time_s_mean": statistics.mean(r["train_time_s"] for r in runs[name].values()),
+            **params[name],
+            "params_ratio_vs_baseline": params[name]["params"] / params["standard"]["params"]
+            if "standard" in params else None,
+        })
+    return results
+
+
+def plot(runs: dict, names: list, out_dir: str, title: str) -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for x_key, x_label, fname in (("tokens", "training tokens", "loss_vs_tokens.png"),
+                                  ("time", "training time (s, steps only)", "loss_vs_time.png")):
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        for i, name in enumerate(names):
+            color = f"C{i}"
+            seeds = sorted(runs[name])
+            n = min(len(runs[name][s]["loss"]) for s in seeds)
+            window = max(1, n // 25)
+            curves = [smooth(runs[name][s]["loss"][:n], window) for s in seeds]
+            x = [statistics.mean(runs[name][s][x_key][j] for s in seeds) for j in range(n)]
+            mean = [statistics.mean(c[j] for c in curves) for j in range(n)]
+            ax.plot(x, mean, color=color, lw=1.4, label=name)
+            ax.fill_between(x, [min(c[j] for c in curves) for j in range(n)],
+                            [max(c[j] for c in curves) for j in range(n)], color=color, alpha=0.15, lw=0)
+            if x_key == "tokens":  # validation points: mean over seeds
+                vt = runs[name][seeds[0]]["val_tokens"]
+                vl = [statistics.mean(runs[name][s]["val_loss"][j] for s in seeds) for j in range(len(vt))]
+                ax.plot(vt, vl, "o", color=color, ms=3.5)
+        lows = [min(min(r["loss"]) for r in runs[n].values()) for n in names]
+        ax.set_ylim(min(lows) - 0.1, min(lows) + 2.5)
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("training loss (smoothed; band: seeds' min..max)" if x_key == "time" else
+                      "training loss (line, band: seeds) / validation loss (dots)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    parser.add_argument("--seeds", default="0,1", help="comma-separated; at least 2 give a spread")
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--train-iters", type=int, default=500)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--eval-interval", type=int, default=None, help="default: train-iters / 8")
+    parser.add_argument("--eval-iters", type=int, default=8)
+    parser.add_argument("--data-path", default=DATA_PREFIX)
+    parser.add_argument("--tokenizer-model", default=TOKENIZER)
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="launch each run with torchrun")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_quality"))
+    parser.add_argument("--out", default=None, help="JSON results (default: OUT_DIR/quality.json)")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs in OUT_DIR instead of retraining")
+    args, passthrough = parser.parse_known_args(argv)
+    names = parse_mechanisms(args.mechanisms)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if args.data_path == DATA_PREFIX and not os.path.exists(DATA_PREFIX + ".idx"):
+        subprocess.run(["bash", os.path.join(ROOT, "tools", "prepare_corpus.sh")], check=True,
+                       env=dict(os.environ, PY=sys.executable))
+    for path in (args.data_path + ".idx", args.tokenizer_model):
+        if not os.path.exists(path):
+            raise SystemExit(f"{path} not found: run `bash tools/prepare_corpus.sh` or pass --data-path/"
+                             "--tokenizer-model")
+
+    import torch
+
+    base_flags = model_flags(args) + (["--bf16"] if torch.cuda.is_available() and "--fp32" not in passthrough
+                                      else []) + [f for f in passthrough if f != "--fp32"]
+    params = {name: parameter_counts(base_flags + mechanism_flags(name, args.num_layers)) for name in names}
+    os.makedirs(args.out_dir, exist_ok=True)
+    runs = {name: {} for name in names}
+    started = time.time()
+    for seed in seeds:
+        for name in names:
+            run_dir = os.path.join(args.out_dir, f"{name}-seed{seed}")
+            if not (args.reuse and os.path.exists(os.path.join(run_dir, "done"))):
+                shutil.rmtree(run_dir, ignore_errors=True)
+                cmd = ["-m", "mega_depth.train"] + base_flags + mechanism_flags(name, args.num_layers) + [
+                    "--seed", str(seed), "--output-dir", run_dir]
+                if args.nproc_per_node > 1:
+                    cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] + cmd
+                t0 = time.time()
+                proc = subprocess.run([sys.executable] + cmd, cwd=ROOT, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+                    raise SystemExit(f"training {name} (seed {seed}) failed with exit status {proc.returncode}")
+                open(os.path.join(run_dir, "done"), "w").close()
+                print(f"  {name:<16} seed {seed}: {time.time() - t0:6.0f} s", flush=True)
+            runs[name][seed] = read_run(run_dir)
+    results = summarise(runs, names, params)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    title = (f"{args.num_layers} layers, d={args.hidden_size}, seq {args.seq_length}, "
+             f"{results[0]['tokens'] / 1e6:.2f}M tokens, seeds {args.seeds}, {device}")
+    plots = plot(runs, names, args.out_dir, title)
+    for name in names:  # what each layer reads, after training (first seed)
+        heatmaps = sorted(os.listdir(os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps"))) \
+            if name != "standard" else []
+        if heatmaps:
+            dest = os.path.join(args.out_dir, f"heatmap_{name}.png")
+            shutil.copy(os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps", heatmaps[-1]), dest)
+            plots.append(dest)
+
+    print(f"\nquality on the embedded corpus, {device}: {title}; wall {time.time() - started:.0f} s")
+    print(f"{'mechanism':<17}{'params':>10}{'val loss (min..max)':>28}{'val ppl':>9}{'vs baseline':>13}"
+          f"{'train s':>9}")
+    for r in results:
+        delta = "" if r["delta_vs_baseline"] is None else f"{r['delta_vs_baseline']:+.4f}"
+        print(f"{r['mechanism']:<17}{r['params']:>10,}{r['val_loss_mean']:>10.4f} "
+              f"({r['val_loss_min']:.4f}..{r['val_loss_max']:.4f}){r['val_ppl_mean']:>9.2f}{delta:>13}"
+              f"{r['train_time_s_mean']:>9.0f}")
+    out = args.out or os.path.join(args.out_dir, "quality.json")
+    with open(out, "w") as f:
+        json.dump({"device": device, "args": vars(args), "trainer_flags": base_flags, "results": results,
+                   "plots": [os.path.relpath(p, args.out_dir) for p in plots]}, f, indent=1)
+    print(f"wrote {out} and {len(plots)} plots to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
