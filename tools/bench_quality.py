@@ -5,6 +5,7 @@ data order and schedule, over several seeds.
     python tools/bench_quality.py --num-layers 12 --hidden-size 512 --seq-length 512 --global-batch-size 32 \\
         --train-iters 2000 --seeds 0,1,2                          # the same on a GPU (bf16 by default there)
     python tools/bench_quality.py --train-iters 20 --num-layers 2 --seeds 0,1 --out-dir /tmp/q   # a quick check
+    --jobs N trains N runs at once (small models on one GPU); keep 1 where the wall-clock curves matter.
 
 Runs `python -m mega_depth.train` once per (seed, mechanism), seeds outermost so that slow drifts of the machine
 hit every mechanism alike; any trainer flag not listed here passes through (e.g. --lr 1e-3, or a parallel layout
@@ -177,6 +178,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data-path", default=DATA_PREFIX)
     parser.add_argument("--tokenizer-model", default=TOKENIZER)
     parser.add_argument("--nproc-per-node", type=int, default=1, help="launch each run with torchrun")
+    parser.add_argument("--fp32", action="store_true", help="fp32 on a GPU too (bf16 is the GPU default)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time (a GPU fits several small ones; wall-clock curves want 1)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "runs", "bench_quality"))
     parser.add_argument("--out", default=None, help="JSON results (default: OUT_DIR/quality.json)")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs in OUT_DIR instead of retraining")
@@ -193,30 +197,46 @@ def main(argv=None) -> int:
 
     import torch
 
-    base_flags = model_flags(args) + (["--bf16"] if torch.cuda.is_available() and "--fp32" not in passthrough
-                                      else []) + [f for f in passthrough if f != "--fp32"]
+    base_flags = model_flags(args) + (["--bf16"] if torch.cuda.is_available() and not args.fp32 else []) + passthrough
     params = {name: parameter_counts(base_flags + mechanism_flags(name, args.num_layers)) for name in names}
     os.makedirs(args.out_dir, exist_ok=True)
     runs = {name: {} for name in names}
     started = time.time()
+    pending = [(seed, name) for seed in seeds for name in names]
+    active = []  # (seed, name, process, start time, log file)
+    while pending or active:
+        while pending and len(active) < args.jobs:
+            seed, name = pending.pop(0)
+            run_dir = os.path.join(args.out_dir, f"{name}-seed{seed}")
+            if args.reuse and os.path.exists(os.path.join(run_dir, "done")):
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os.makedirs(run_dir)
+            cmd = ["-m", "mega_depth.train"] + base_flags + mechanism_flags(name, args.num_layers) + [
+                "--seed", str(seed), "--output-dir", run_dir]
+            if args.nproc_per_node > 1:
+                cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
+                       "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] + cmd
+            log = open(os.path.join(run_dir, "train.log"), "w")
+            proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            active.append((seed, name, proc, time.time(), log))
+        time.sleep(0.5)
+        for job in [j for j in active if j[2].poll() is not None]:
+            seed, name, proc, t0, log = job
+            active.remove(job)
+            log.close()
+            run_dir = os.path.join(args.out_dir, f"{name}-seed{seed}")
+            if proc.returncode != 0:
+                for other in active:
+                    other[2].kill()
+                sys.stderr.write(open(log.name).read()[-4000:])
+                raise SystemExit(f"training {name} (seed {seed}) failed with exit status {proc.returncode}; "
+                                 f"log: {log.name}")
+            open(os.path.join(run_dir, "done"), "w").close()
+            print(f"  {name:<16} seed {seed}: {time.time() - t0:6.0f} s", flush=True)
     for seed in seeds:
         for name in names:
-            run_dir = os.path.join(args.out_dir, f"{name}-seed{seed}")
-            if not (args.reuse and os.path.exists(os.path.join(run_dir, "done"))):
-                shutil.rmtree(run_dir, ignore_errors=True)
-                cmd = ["-m", "mega_depth.train"] + base_flags + mechanism_flags(name, args.num_layers) + [
-                    "--seed", str(seed), "--output-dir", run_dir]
-                if args.nproc_per_node > 1:
-                    cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
-                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] + cmd
-                t0 = time.time()
-                proc = subprocess.run([sys.executable] + cmd, cwd=ROOT, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-                    raise SystemExit(f"training {name} (seed {seed}) failed with exit status {proc.returncode}")
-                open(os.path.join(run_dir, "done"), "w").close()
-                print(f"  {name:<16} seed {seed}: {time.time() - t0:6.0f} s", flush=True)
-            runs[name][seed] = read_run(run_dir)
+            runs[name][seed] = read_run(os.path.join(args.out_dir, f"{name}-seed{seed}"))
     results = summarise(runs, names, params)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     title = (f"{args.num_layers} layers, d={args.hidden_size}, seq {args.seq_length}, "
