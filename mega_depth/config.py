@@ -63,6 +63,7 @@ class ResidualConfig:
     depth_attn_window: int = 1
     depth_attn_gqa: str = "query"  # query = authors' per-query-head values; group = keeps the GQA cache size
     vp_cache: bool = True  # with virtual stages, send only the depth entries the receiver does not hold yet
+    compile_mixing: bool = False  # torch.compile the mixing math (fused kernels; pays off on a GPU)
 
 
 @dataclass

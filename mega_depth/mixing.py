@@ -53,6 +53,24 @@ def _record(key, weights: Tensor) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+# torch.compile'd twins of the hot functions, switched on by `compile_kernels(True)` (--compile-mixing): on a GPU
+# the eager mixing is many small memory-bound kernels, which the compiler fuses. The eager functions below stay
+# the reference, and are what the heatmap recorder runs.
+_COMPILED: dict = {}
+
+
+def compile_kernels(enabled: bool) -> None:
+    _COMPILED.clear()
+    if enabled:
+        for fn in (attnres_mix, grn_apply, depth_attention_mix):
+            _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+
+
+def kernel(fn: Callable) -> Callable:
+    """`fn`, or its compiled twin when compile_kernels(True) is on and no recorder is listening."""
+    return fn if _RECORDER is not None else _COMPILED.get(fn.__name__, fn)
+
+
 def _fp32(x: Tensor) -> Tensor:
     """At least fp32 (bf16/fp16 are upcast; fp64 stays, for reference checks)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -91,7 +109,7 @@ class AttnResMixer(nn.Module):
     def forward(self, sources: Tensor) -> Tensor:
         if _RECORDER is not None:
             _record(self, self.weights(sources))
-        return attnres_mix(sources, self.query, self.key_norm_weight, self.eps)
+        return kernel(attnres_mix)(sources, self.query, self.key_norm_weight, self.eps)
 
     def weights(self, sources: Tensor) -> Tensor:
         """The depth weights alpha [K, *] (for logging / heatmaps)."""
@@ -284,7 +302,7 @@ class GRN(nn.Module):
             raise ValueError(f"GRN built for {self.num_sources} sources got a stack of {stack.shape[0]}")
         if _RECORDER is not None:
             _record(self, self.mean_weights(stack).mean(0, keepdim=True).T)  # [K, 1]: mean over instances
-        return grn_apply(stack, self.bias, self.proj, self.version)
+        return kernel(grn_apply)(stack, self.bias, self.proj, self.version)
 
     def mean_weights(self, stack: Tensor) -> Tensor:
         """Per-instance, per-source weight averaged over channels and tokens [count, K] (for heatmaps)."""

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         cfg = parse_args(["--mock-data", "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
                           "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
                           "--vocab-size", "32000", "--micro-batch-size", str(args.micro_batch_size),
-                          "--train-iters", str(args.steps * args.rounds + 1), "--lr-decay-style", "constant"]
+                          "--train-iters", str(args.steps * args.rounds + 2), "--lr-decay-style", "constant"]
                          + (["--bf16"] if gpu else []) + mechanism_flags(name, args.num_layers) + layout).validate(world)
         # Each mechanism keeps its own parallel groups alive: build them all up front, time them interleaved.
         if parallel_state.model_parallel_is_initialized():
@@ -62,9 +62,10 @@ def main(argv=None) -> int:
         data = build_datasets(cfg, MockTokenizer(32000), (cfg.training.train_iters * gbs, None, None))[0]
         sampler = GlobalBatchSampler(data, cfg.training.micro_batch_size, state.num_microbatches, dp,
                                      parallel_state.get_data_parallel_rank())
-        train_step(state, sampler.microbatches(0), 1)  # warm-up (allocations, first-call overheads)
+        for step in range(2):  # warm-up: allocations, first-call overheads, compilation (--compile-mixing)
+            train_step(state, sampler.microbatches(step), step + 1)
         runs[name] = {"state": state, "sampler": sampler, "times": [], "tokens": gbs * cfg.model.seq_length,
-                      "peak": 0.0, "step": 1}
+                      "peak": 0.0, "step": 2}
     step = 1
     for _ in range(args.rounds):
         for name in names:

@@ -115,8 +115,9 @@ class DepthMixingSelfAttention(SelfAttention):
             call = hooks.depth
             key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
             cand_keys, cand_values = call.state.candidates(call.layer, call.stride, call.window)
-            value = mixing.depth_attention_mix(query, key, value, cand_keys, cand_values, key_norm, call.gqa_mode,
-                                               record_key=("depth-attention", call.layer))
+            mix = mixing.kernel(mixing.depth_attention_mix)
+            value = mix(query, key, value, cand_keys, cand_values, key_norm, call.gqa_mode,
+                        record_key=("depth-attention", call.layer))
             call.state.store(call.layer, raw_key, value, call.num_layers, call.stride, call.window)
             if self.values_per_query_head:
                 key = mixing._expand_heads(key, query.shape[-2])

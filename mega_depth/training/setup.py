@@ -15,6 +15,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from mega_depth import mixing
 from mega_depth.config import Config
 from mega_depth.megatron import cpu_compat
 from mega_depth.megatron.builder import build_model_chunks
@@ -70,6 +71,7 @@ def setup(cfg: Config) -> TrainState:
     )
     seed_everything(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+    mixing.compile_kernels(cfg.residual.compile_mixing)
     chunks = build_model_chunks(cfg)
     if torch.cuda.is_available():
         for c in chunks:
