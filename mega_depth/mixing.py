@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 # --------------------------------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def load_megatron_weights(ckpt: str) -> Tuple[Dict[str, torch.Tensor], dict, Dec
     config. One process: dist_checkpointing reassembles the shards."""
     from megatron.core import dist_checkpointing, tensor_parallel
 
-    from mega_depth.megatron.builder import build_model_chunks, padded_vocab_size
+    from mega_depth.megatron.builder import build_model_chunks
+    from mega_depth.init import padded_vocab_size
     from mega_depth.megatron.state_dict import decoder_config
     from mega_depth.training.checkpoint import read_meta, resolve
 
@@ -193,7 +194,8 @@ def _read_hf_weights(folder: str) -> Dict[str, torch.Tensor]:
 def import_hf(folder: str, save: str, force: bool = False) -> str:
     """A Hugging Face folder (a mega_depth export, or a native Qwen3/Llama model) -> a weights-only mega_depth
     checkpoint that `python -m mega_depth.train --load` fine-tunes from."""
-    from mega_depth.megatron.builder import build_model_chunks, padded_vocab_size
+    from mega_depth.megatron.builder import build_model_chunks
+    from mega_depth.init import padded_vocab_size
     from mega_depth.megatron.state_dict import from_canonical
     from mega_depth.training.checkpoint import save_model_only
 

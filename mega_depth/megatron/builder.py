@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import copy
-import hashlib
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -18,16 +17,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mega_depth.config import Config
+from mega_depth.init import is_random_init, keyed_normal, padded_vocab_size  # noqa: F401 (re-exported)
 from mega_depth.megatron.block import DepthMixingGPTModel
 from mega_depth.megatron.layers import DepthMixingLayer, DepthMixingSelfAttention
 from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.providers import StageGeometry, make_provider
 
-VOCAB_MULTIPLE = 128  # embedding rows are padded to this multiple, independent of TP (like Megatron-LM's default)
-
-
-def padded_vocab_size(vocab_size: int) -> int:
-    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
@@ -155,11 +150,6 @@ def global_param_name(local_name: str, first_layer: int) -> str:
     return ".".join(parts)
 
 
-def _is_random_init(name: str, param: torch.Tensor) -> bool:
-    """Matrices of linear layers and embeddings; never norms or depth-mixing parameters (their init is the math)."""
-    return param.dim() >= 2 and not any(k in name for k in ("_mixer.", "grn"))
-
-
 def init_layout_independent(model: GPTModel, cfg: Config, geometry: StageGeometry, vp_stage: int, pp_rank: int):
     """Re-initialise every random matrix from a generator keyed by (seed, global parameter name), drawing the
     FULL tensor and keeping this rank's TP shard. Any TP x PP x VPP layout then starts from the same weights as
@@ -167,11 +157,9 @@ def init_layout_independent(model: GPTModel, cfg: Config, geometry: StageGeometr
     first_layer = geometry.start(vp_stage * geometry.pp + pp_rank)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    std = cfg.model.init_method_std
-    out_std = std / (2.0 * cfg.model.num_layers) ** 0.5  # Megatron's scaled init for residual-branch outputs
     with torch.no_grad():
         for local_name, param in model.named_parameters():
-            if not _is_random_init(local_name, param):
+            if not is_random_init(local_name, param):
                 continue
             name = global_param_name(local_name, first_layer)
             if name == "output_layer.weight" and not cfg.model.untie_embeddings_and_output_weights:
@@ -180,10 +168,7 @@ def init_layout_independent(model: GPTModel, cfg: Config, geometry: StageGeometr
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             if dim >= 0:
                 full_shape[dim] *= tp
-            seed = int.from_bytes(hashlib.sha256(f"{cfg.training.seed}:{name}".encode()).digest()[:8], "little")
-            gen = torch.Generator().manual_seed(seed)
-            scale = out_std if ("linear_proj" in name or "linear_fc2" in name) else std
-            full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * scale
+            full = keyed_normal(cfg.training.seed, name, full_shape, cfg.model.init_method_std, cfg.model.num_layers)
             if dim >= 0:
                 stride = getattr(param, "partition_stride", 1)
                 pieces = full.chunk(tp * stride, dim=dim)[tp_rank::tp]

@@ -85,7 +85,8 @@ def run(cfg: Config) -> int:
     from mega_depth.data.tokenizer import SentencePieceTokenizer
     from mega_depth.megatron import cpu_compat
     from mega_depth.megatron.builder import build_model_chunks
-    from mega_depth.training.setup import build_scheduler, seed_everything
+    from mega_depth.init import seed_everything
+    from mega_depth.training.schedule import build_scheduler
 
     cpu_compat.apply()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import datetime
 import os
-import random
 from dataclasses import dataclass
 from typing import List
 
-import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from mega_depth import mixing
 from mega_depth.config import Config
+from mega_depth.init import seed_everything
+from mega_depth.training.schedule import build_scheduler
 from mega_depth.megatron import cpu_compat
 from mega_depth.megatron.builder import build_model_chunks
 
@@ -45,18 +44,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 @dataclass
 class TrainState:
     cfg: Config
     model: List[torch.nn.Module]  # DDP-wrapped chunks, one per virtual stage
     optimizer: object
-    scheduler: OptimizerParamScheduler
+    scheduler: object  # megatron.core OptimizerParamScheduler (training/schedule.py)
     num_microbatches: int
 
 
@@ -109,25 +102,3 @@ def setup(cfg: Config) -> TrainState:
     return TrainState(cfg, model, optimizer, scheduler, cfg.num_microbatches(world))
 
 
-def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
-    """Megatron's scheduler: linear warm-up, then constant / linear / cosine / inverse-square-root / WSD decay."""
-    t = cfg.training
-    decay_iters = t.lr_decay_iters or t.train_iters
-    wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=t.lr_warmup_iters,
-        lr_decay_steps=max(1, decay_iters),
-        lr_decay_style=t.lr_decay_style,
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
-        wd_incr_steps=max(1, decay_iters),
-        wd_incr_style="constant",
-        wsd_decay_steps=wsd if t.lr_decay_style == "WSD" else None,
-        lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None,
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
-    )
