@@ -40,3 +40,21 @@ def keyed_normal(seed: int, megatron_name: str, full_shape: Sequence[int], init_
     out_std = init_std / (2.0 * num_layers) ** 0.5  # Megatron's scaled init for residual-branch outputs
     scale = out_std if ("linear_proj" in megatron_name or "linear_fc2" in megatron_name) else init_std
     return torch.randn(list(full_shape), generator=gen, dtype=torch.float32) * scale
+
+
+def init_plain_model(model: torch.nn.Module, dc, seed: int, init_std: float) -> None:
+    """Give a plain `mega_depth.model.CausalLM` exactly the initial weights the Megatron trainer draws for the same
+    seed: its random matrices go through the Megatron names (fused q/k/v, gate/up) and back."""
+    from mega_depth.megatron.state_dict import from_canonical, to_canonical
+
+    canonical = {k: v.detach().float() for k, v in model.state_dict().items()}
+    if dc.tie_word_embeddings:
+        canonical.pop("lm_head.weight", None)
+    megatron = from_canonical(canonical, dc)
+    for name, value in megatron.items():
+        if is_random_init(name, value):
+            megatron[name] = keyed_normal(seed, name, value.shape, init_std, dc.num_layers)
+    missing, unexpected = model.load_state_dict(to_canonical(megatron, dc), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and dc.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"plain-model init: missing {missing}, unexpected {unexpected}")
