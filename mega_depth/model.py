@@ -233,7 +233,12 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head. Call again after moving to a device whose tensors cannot be
+        converted in place (XLA): Module.to() then makes a new Parameter per module and unties them."""
+        if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None) -> Tensor:

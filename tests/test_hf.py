@@ -3,6 +3,7 @@ at TP=1 x PP=1 and TP=2 x PP=2; KV-cache parity in generation; bit-exact round t
 
 import json
 import os
+import sys
 import shutil
 
 import pytest
@@ -147,7 +148,6 @@ def test_native_qwen3_folder_imports(exports, tmp_path):
 
 
 def test_imported_checkpoint_fine_tunes(data, exports, tmp_path):
-    import sys
 
     sys.path.insert(0, os.path.dirname(SCRIPT))
     from run_layout import MECHANISMS as FLAGS
@@ -213,3 +213,40 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
     else:
         assert not out.exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".export-")]  # no half-written folder
+
+
+def test_xla_trainer_checkpoint_exports_and_converts_to_megatron(data, prompt, tmp_path):
+    """The plain/XLA trainer's checkpoint (trained eagerly here; tests/xla trains it under torch-xla) exports to a
+    Hugging Face folder with the trained model's logits, and converts to a Megatron checkpoint holding the same
+    weights, which the Megatron trainer loads."""
+    from safetensors.torch import load_file
+
+    from mega_depth.catalogue import mechanism_flags
+    from mega_depth.hf.export import load_canonical_weights
+    from mega_depth.model import CausalLM
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from train_and_save import MODEL
+
+    flags = MODEL + mechanism_flags("attnres-block", 4, attnres_num_blocks=3) + data["flags"][:4]
+    run(["-m", "mega_depth.xla.train", "--device", "cpu"] + flags + [
+        "--save", str(tmp_path / "plain"), "--output-dir", str(tmp_path / "run")])
+    run(["tools/convert_to_hf.py", "--load", str(tmp_path / "plain"), "--out", str(tmp_path / "hf")])
+    weights, _, dc = load_canonical_weights(str(tmp_path / "plain"))
+    trained = CausalLM(dc)
+    trained.load_state_dict(weights, strict=False)
+    assert trained.model.layers[1].attn_mixer.query.abs().max() > 0  # trained, not the initialisation
+    with torch.no_grad():
+        diff = (hf_model(tmp_path / "hf")(prompt).logits - trained.eval()(prompt)).abs().max().item()
+    assert diff <= 1e-5
+
+    run(["tools/convert_from_hf.py", "--hf", str(tmp_path / "plain"), "--save", str(tmp_path / "megatron")])
+    run(["tools/convert_to_hf.py", "--load", str(tmp_path / "megatron"), "--out", str(tmp_path / "hf2")])
+    a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    out = run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "megatron"), "--train-iters", "1",
+                                                    "--output-dir", str(tmp_path / "fine-tune")]).stdout
+    assert "resumed from" in out and "at step 0" in out
+    refused = run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "plain"), "--output-dir",
+                                                        str(tmp_path / "refused")], expect=2)
+    assert "convert_from_hf.py" in refused.stderr

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from conftest import torchrun
+from conftest import run, torchrun
 from mega_depth.catalogue import MECHANISMS
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "run_layout.py")
@@ -115,3 +115,15 @@ def test_block_attnres_cross_stage_caching_sends_the_minimum(runs):
     for stage, units in expect_uncached.items():
         assert uncached[stage] == [units * hidden, units * hidden * seq * mbs * 4]
     assert sum(b for _, b in cached.values()) < sum(b for _, b in uncached.values())
+
+
+def test_plain_trainer_matches_the_megatron_trainer(runs, tmp_path):
+    """The XLA path's trainer, run eagerly (--device cpu), starts from the same keyed weights and reads the same
+    batches: its losses are the Megatron single-process losses, for every mechanism."""
+    run([os.path.join(os.path.dirname(SCRIPT), "run_plain.py"), str(tmp_path), "--device", "cpu"])
+    for mech in MECHANISMS:
+        plain = json.loads((tmp_path / mech / "losses.json").read_text())
+        ref = load(runs, "single", mech)[0]
+        assert len(plain) == len(ref) == 3
+        torch.testing.assert_close(torch.tensor(plain), torch.tensor(ref), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{mech}: {m}")

@@ -1,6 +1,8 @@
-"""Import a Hugging Face folder (a mega_depth export, or a native Qwen3/Llama model) as a mega_depth checkpoint.
+"""Import a Hugging Face folder (a mega_depth export, or a native Qwen3/Llama model) or an XLA-trainer checkpoint
+as a Megatron mega_depth checkpoint.
 
     python tools/convert_from_hf.py --hf runs/tiny-attnres/hf --save runs/imported
+    python tools/convert_from_hf.py --hf runs/xla/checkpoints --save runs/from-xla   # mega_depth.xla.train output
     python -m mega_depth.train --config ... --load runs/imported      # fine-tune from it (fresh optimizer)
 """
 
@@ -13,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--hf", required=True, help="Hugging Face model folder")
+    parser.add_argument("--hf", required=True, help="Hugging Face model folder, or an XLA-trainer --save directory")
     parser.add_argument("--save", required=True, help="checkpoint directory to write (iter_0000000 inside)")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)

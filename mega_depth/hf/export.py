@@ -83,6 +83,23 @@ def load_megatron_weights(ckpt: str) -> Tuple[Dict[str, torch.Tensor], dict, Dec
     return state, meta, decoder_config(meta["config"], padded_vocab_size(cfg.model.vocab_size))
 
 
+def load_canonical_weights(load: str) -> Tuple[Dict[str, torch.Tensor], dict, DecoderConfig]:
+    """Canonical (Hugging Face-named) weights, metadata and model config of any mega_depth checkpoint: a Megatron
+    one in any layout, or a plain one from the XLA trainer (mega_depth/xla/checkpoint.py)."""
+    from mega_depth.checkpoint_dirs import read_meta, resolve
+    from mega_depth.init import padded_vocab_size
+    from mega_depth.megatron.state_dict import decoder_config, to_canonical
+    from mega_depth.xla import checkpoint as plain
+
+    ckpt = resolve(load)
+    if plain.is_plain(ckpt):
+        meta = read_meta(ckpt)
+        dc = decoder_config(meta["config"], padded_vocab_size(meta["config"]["model"]["vocab_size"]))
+        return plain.load_weights(ckpt), meta, dc
+    state, meta, dc = load_megatron_weights(ckpt)
+    return to_canonical(state, dc), meta, dc
+
+
 def _qwen3_or_llama(dc: DecoderConfig, max_positions: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -134,14 +151,11 @@ def export(load: str, out: str, dtype: str = "fp32", force: bool = False, tokeni
         raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not force:
         raise ConfigError(f"--out {out} exists and is not empty; pass --force to replace it")
-    state, meta, dc = load_megatron_weights(load)
+    canonical, meta, dc = load_canonical_weights(load)
     spm = tokenizer_model or meta["config"].get("data", {}).get("tokenizer_model")
     if not spm or not os.path.isfile(spm):
         raise ConfigError(f"no tokenizer for this checkpoint ({spm or 'none recorded'}); pass --tokenizer-model "
                           "(the sentencepiece model the data was made with)")
-    from mega_depth.megatron.state_dict import to_canonical
-
-    canonical = to_canonical(state, dc)
     max_positions = meta["config"]["model"]["seq_length"]
     model = (_qwen3_or_llama if dc.residual == "standard" else _mega_depth_model)(dc, max_positions)
     missing, unexpected = model.load_state_dict(canonical, strict=False)
@@ -191,22 +205,42 @@ def _read_hf_weights(folder: str) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _plain_checkpoint(path: str):
+    """The iter_N directory if `path` is (a --save root of) an XLA-trainer checkpoint, else None."""
+    from mega_depth.checkpoint_dirs import resolve
+    from mega_depth.xla import checkpoint as plain
+
+    try:
+        ckpt = resolve(path)
+    except ConfigError:
+        return None
+    return ckpt if plain.is_plain(ckpt) else None
+
+
 def import_hf(folder: str, save: str, force: bool = False) -> str:
-    """A Hugging Face folder (a mega_depth export, or a native Qwen3/Llama model) -> a weights-only mega_depth
-    checkpoint that `python -m mega_depth.train --load` fine-tunes from."""
+    """A Hugging Face folder (a mega_depth export, or a native Qwen3/Llama model) or an XLA-trainer checkpoint ->
+    a weights-only Megatron checkpoint that `python -m mega_depth.train --load` fine-tunes from (any layout)."""
     from mega_depth.megatron.builder import build_model_chunks
     from mega_depth.init import padded_vocab_size
     from mega_depth.megatron.state_dict import from_canonical
     from mega_depth.training.checkpoint import save_model_only
 
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise ConfigError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    from mega_depth.xla import checkpoint as plain
+
     if os.path.isdir(save) and os.listdir(save) and not force:
         raise ConfigError(f"--save {save} exists and is not empty; pass --force to write into it")
-    hf = json.load(open(config_path))
+    plain_dir = _plain_checkpoint(folder)
+    config_path = os.path.join(folder, "config.json")
+    if plain_dir is None and not os.path.isfile(config_path):
+        raise ConfigError(f"{folder} is neither a Hugging Face model folder (no config.json) nor an XLA-trainer "
+                          "checkpoint")
+    hf = json.load(open(config_path)) if plain_dir is None else {}
     meta_path = os.path.join(folder, "mega_depth.json")
-    if os.path.isfile(meta_path):  # our own export: the exact training config travels with it
+    if plain_dir is not None:  # the XLA trainer's checkpoint: canonical weights and the exact config
+        meta = json.load(open(os.path.join(plain_dir, "mega_depth.json")))
+        cfg = _config_from_meta(meta)
+        cfg.data.tokenizer_model = meta["config"].get("data", {}).get("tokenizer_model")
+    elif os.path.isfile(meta_path):  # our own export: the exact training config travels with it
         cfg = _config_from_meta(json.load(open(meta_path)))
     elif hf.get("model_type") in ("qwen3", "llama"):
         rope = hf.get("rope_parameters") or {}
@@ -232,7 +266,7 @@ def import_hf(folder: str, save: str, force: bool = False) -> str:
 
     padded = padded_vocab_size(cfg.model.vocab_size)
     dc = decoder_config(to_dict(cfg), padded)
-    canonical = _read_hf_weights(folder)
+    canonical = plain.load_weights(plain_dir) if plain_dir is not None else _read_hf_weights(folder)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):  # foreign vocabularies: pad rows like Megatron
         if name in canonical and canonical[name].shape[0] < padded:
             t = canonical[name]

@@ -134,6 +134,9 @@ def load(state, load_path: str) -> int:
     A weights-only checkpoint restores the model and starts at step 0 with a fresh optimizer."""
     ckpt = resolve(load_path)
     meta = read_meta(ckpt)
+    if meta.get("format") == "plain":
+        raise ConfigError(f"--load {ckpt} was written by the XLA trainer; convert it first: python "
+                          f"tools/convert_from_hf.py --hf {load_path} --save DIR, then --load DIR")
     check_compatible(meta, state.cfg, ckpt)
     if meta.get("model_only"):
         template = {f"model{i}": getattr(c, "module", c).sharded_state_dict() for i, c in enumerate(state.model)}

@@ -95,6 +95,7 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
         self.model = model.to(self.device)
+        self.model.tie_weights()
         self.layout.shard_params(self.model)
         t = cfg.training
         # Megatron's grouping: no weight decay on 1-D parameters and biases (norm gains, AttnRes queries, GRN bias).
@@ -272,6 +273,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         xr.use_spmd()  # before any tensor reaches the device
         if own.mat_mul_precision != "default":
+            import torch_xla.backends
+
             torch_xla.backends.set_mat_mul_precision(own.mat_mul_precision)
     elif own.mesh is not None:
         print("mega_depth.xla: configuration error: --mesh needs --device xla", file=sys.stderr)
