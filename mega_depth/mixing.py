@@ -61,6 +61,9 @@ _COMPILED: dict = {}
 def compile_kernels(enabled: bool) -> None:
     _COMPILED.clear()
     if enabled:
+        # One compiled graph per distinct source count / None-pattern: a deep model needs more than dynamo's
+        # default of 8 before it would fall back to eager (seen on an H200 with 24 sublayers).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for fn in (attnres_mix, grn_apply, depth_attention_mix):
             _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
 

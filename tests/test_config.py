@@ -58,3 +58,21 @@ def test_cli_rejects_bad_input_before_any_work():
     proc = subprocess.run([sys.executable, "-m", "mega_depth.train", "--no-such-flag"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_xla_entry_point_without_torch_xla_and_with_megatron_only_flags():
+    """torch-xla is imported only on the XLA path: here (no torch-xla) the entry point says how to get it; flags
+    that only the Megatron trainer uses are refused by name."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+
+    def xla_train(*flags):
+        return subprocess.run([sys.executable, "-m", "mega_depth.xla.train"] + BASE + list(flags),
+                              capture_output=True, text=True, env=env, timeout=120)
+
+    proc = xla_train()
+    assert proc.returncode == 2 and "torch-xla is not installed" in proc.stderr and "--device cpu" in proc.stderr
+    proc = xla_train("--tensor-model-parallel-size", "2", "--deepspeed")
+    assert proc.returncode == 2
+    assert "--tensor-model-parallel-size, --deepspeed: Megatron-trainer options" in proc.stderr and "--mesh" in proc.stderr
+    proc = xla_train("--device", "cpu", "--mesh", "2,1")
+    assert proc.returncode == 2 and "--mesh needs --device xla" in proc.stderr

@@ -148,7 +148,6 @@ def test_native_qwen3_folder_imports(exports, tmp_path):
 
 
 def test_imported_checkpoint_fine_tunes(data, exports, tmp_path):
-
     sys.path.insert(0, os.path.dirname(SCRIPT))
     from run_layout import MECHANISMS as FLAGS
     from train_and_save import MODEL

@@ -187,3 +187,40 @@ def test_depth_attention_state_keeps_only_what_later_layers_need():
         assert sorted(state.raw_keys) == mixing.depth_attention_needed_after(layer, 6, 3, 1)
     with pytest.raises(RuntimeError, match="not carried"):
         mixing.DepthAttentionState(hidden=torch.zeros(1)).candidates(4, 3, 1)
+
+
+def test_compiled_kernels_equal_the_eager_math():
+    """--compile-mixing routes the three hot functions through torch.compile; values and gradients must not move.
+    The heatmap recorder always gets the eager path."""
+    g = torch.Generator().manual_seed(0)
+
+    def inputs():
+        return dict(sources=torch.randn(3, 2, 5, 16, generator=g), query=torch.randn(16, generator=g),
+                    gain=1 + 0.1 * torch.randn(16, generator=g), stack=torch.randn(3, 2, 5, 16, generator=g),
+                    bias=torch.randn(2, 16, 3, generator=g), proj=torch.randn(2, 16, generator=g),
+                    q=torch.randn(2, 5, 4, 8, generator=g), k=torch.randn(2, 5, 2, 8, generator=g),
+                    v=torch.randn(2, 5, 2, 8, generator=g), ck=torch.randn(2, 2, 5, 2, 8, generator=g),
+                    cv=torch.randn(2, 2, 5, 4, 8, generator=g))
+
+    def run(x):
+        x = {k: t.clone().requires_grad_() for k, t in x.items()}
+        out = (mixing.kernel(mixing.attnres_mix)(x["sources"], x["query"], x["gain"], 1e-6).square().sum()
+               + mixing.kernel(mixing.grn_apply)(x["stack"], x["bias"], x["proj"], "v3").square().sum()
+               + mixing.kernel(mixing.depth_attention_mix)(x["q"], x["k"], x["v"], x["ck"], x["cv"],
+                                                            lambda t: t * 1.5).square().sum())
+        out.backward()
+        return out.detach(), {k: t.grad for k, t in x.items()}
+
+    x = inputs()
+    try:
+        mixing.compile_kernels(True)
+        assert mixing.kernel(mixing.attnres_mix) is not mixing.attnres_mix
+        with mixing.record_depth_weights():
+            assert mixing.kernel(mixing.attnres_mix) is mixing.attnres_mix
+        compiled, compiled_grads = run(x)
+    finally:
+        mixing.compile_kernels(False)
+    eager, eager_grads = run(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for name in eager_grads:
+        torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)

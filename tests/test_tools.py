@@ -30,3 +30,23 @@ def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
     assert all(r["matches_formula"] for r in report)
     full = {r["cache"]: r for r in report if r["mechanism"] == "attnres-full"}
     assert full[True]["peak_hop_bytes"] < full[False]["peak_hop_bytes"]  # cross-stage caching pays
+
+
+def test_bench_quality_trains_every_seed_and_reports_the_spread(data, tmp_path):
+    out = tmp_path / "quality"
+    stdout = run(["tools/bench_quality.py", "--mechanisms", "standard,attnres-block,dca-2", "--seeds", "0,1",
+                  "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--train-iters", "4",
+                  "--eval-iters", "2", "--eval-interval", "2", "--data-path", str(data["dir"] / "docs"),
+                  "--tokenizer-model", str(data["dir"] / "spm.model"), "--out-dir", str(out)]).stdout
+    report = json.loads((out / "quality.json").read_text())
+    results = {r["mechanism"]: r for r in report["results"]}
+    assert list(results) == ["standard", "attnres-block", "dca-2"]
+    for r in results.values():
+        assert len(r["val_loss"]) == 2 and r["val_loss_min"] <= r["val_loss_mean"] <= r["val_loss_max"]
+        assert r["tokens"] == 4 * 16 * 32  # iterations x global batch x sequence: the same for every mechanism
+    assert results["standard"]["delta_vs_baseline"] == 0.0
+    assert results["attnres-block"]["params"] > results["standard"]["params"]  # the mixing parameters
+    assert results["standard"]["val_loss"][0] != results["standard"]["val_loss"][1]  # the seeds differ
+    for plot in ("loss_vs_tokens.png", "loss_vs_time.png", "heatmap_attnres-block.png", "heatmap_dca-2.png"):
+        assert (out / plot).stat().st_size > 1000
+    assert "vs baseline" in stdout

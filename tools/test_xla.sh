@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The TPU path's real test, on the CPU PJRT device: its own venv (.venv-xla) with torch 2.9.0 and torch-xla 2.9.0
 # (torch-xla 2.9.0 requires exactly torch 2.9.0; PyPI's is the CUDA build, ~4 GB of wheels, which runs on CPU),
-# then tests/xla (one device and 2-device SPMD), each in its own process.
+# then tests/xla (one device, and 2-device SPMD: data parallel and FSDP), each XLA run in its own process.
 #   bash tools/test_xla.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash tools/setup.sh  # the main environment: the tests export and load the Hugging Face folder there
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv-xla/bin/python ]; then

@@ -272,6 +272,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"mega_depth.xla: {INSTALL_HINT}", file=sys.stderr)
             return 2
         xr.use_spmd()  # before any tensor reaches the device
+        if os.environ.get("MEGA_DEPTH_XLA_CACHE"):
+            xr.initialize_cache(os.environ["MEGA_DEPTH_XLA_CACHE"], readonly=False)
+        if xr.process_count() > 1 and cfg.checkpoint.save:
+            print("mega_depth.xla: configuration error: --save on a multi-host pod is not supported yet (checkpoints "
+                  "gather full tensors on one host); train without --save there, or on a single host",
+                  file=sys.stderr)
+            return 2
         if own.mat_mul_precision != "default":
             import torch_xla.backends
 

@@ -1,0 +1,87 @@
+"""The TPU path for real, on the CPU PJRT device: XLA losses equal the eager run's, 2-device SPMD (data parallel
+and FSDP) equals 1 device, and an XLA checkpoint exports to Hugging Face with the XLA model's logits."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run
+from mega_depth.catalogue import MECHANISMS
+
+# 2-device layouts: each mechanism once, half of them data parallel, half FSDP-sharded.
+SPMD = {"attnres-block": "2,1", "dca-2": "2,1", "depth-attention": "2,1",
+        "standard": "1,2", "attnres-full": "1,2", "dca": "1,2"}
+PRECISE = ["--mat-mul-precision", "highest"]
+SMALL = ["--num-layers", "2"]  # run_layout.py's model, two layers deep: XLA's CPU compiler is slow
+
+
+def losses(root, mechanism):
+    return json.loads((root / mechanism / "losses.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("xla")
+    run([RUN_PLAIN, str(root / "eager"), "--device", "cpu"] + SMALL)
+    run([RUN_PLAIN, str(root / "xla1")] + SMALL + PRECISE)
+    for mesh in sorted(set(SPMD.values())):
+        only = ",".join(m for m, v in SPMD.items() if v == mesh)
+        run([RUN_PLAIN, str(root / f"xla2-{mesh.replace(',', 'x')}"), "--mesh", mesh] + SMALL + PRECISE,
+            env={"CPU_NUM_DEVICES": "2", "MECHANISMS": only})
+    return root
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_xla_losses_equal_the_eager_run(runs, mechanism):
+    xla, eager = losses(runs / "xla1", mechanism), losses(runs / "eager", mechanism)
+    assert len(xla) == len(eager) == 3 and xla[-1] < xla[0]
+    torch.testing.assert_close(torch.tensor(xla), torch.tensor(eager), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_two_device_spmd_equals_one_device(runs, mechanism):
+    mesh = SPMD[mechanism].replace(",", "x")
+    spmd, single = losses(runs / f"xla2-{mesh}", mechanism), losses(runs / "xla1", mechanism)
+    torch.testing.assert_close(torch.tensor(spmd), torch.tensor(single), rtol=1e-5, atol=1e-6)
+
+
+def test_xla_checkpoint_exports_to_hugging_face_with_equal_logits(tmp_path):
+    corpus = os.path.join(ROOT, "data", "corpus", "python-docs-3.11.jsonl.gz")
+    run(["tools/train_tokenizer.py", "--input", corpus, "--vocab-size", "600", "--output-prefix",
+         str(tmp_path / "spm")], python=MAIN_PY)
+    ckpt = tmp_path / "ckpt"
+    run(["-m", "mega_depth.xla.train", "--mock-data", "--tokenizer-model", str(tmp_path / "spm.model"),
+         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3",
+         "--lr", "1e-2", "--residual", "dca", "--dca-last-k", "2", "--mesh", "1,2", "--save", str(ckpt),
+         "--output-dir", str(tmp_path / "run"), "--no-tensorboard"] + PRECISE, env={"CPU_NUM_DEVICES": "2"})
+    ids = [[5, 17, 33, 2, 250, 9, 41, 77]]
+    # The trained weights on the XLA device (its own process), and the exported folder in the main environment.
+    run(["-c", f"""
+import torch, torch_xla, torch_xla.backends
+torch_xla.backends.set_mat_mul_precision("highest")
+from mega_depth.hf.export import load_canonical_weights
+from mega_depth.model import CausalLM
+weights, _, dc = load_canonical_weights({str(ckpt)!r})
+model = CausalLM(dc)
+model.load_state_dict(weights, strict=False)
+model = model.to(torch_xla.device()).eval()
+model.tie_weights()
+with torch.no_grad():
+    logits = model(torch.tensor({ids}).to(torch_xla.device())).cpu()
+torch.save(logits, {str(tmp_path / "xla_logits.pt")!r})
+"""])
+    run(["tools/convert_to_hf.py", "--load", str(ckpt), "--out", str(tmp_path / "hf")], python=MAIN_PY)
+    out = run(["-c", f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = model(torch.tensor({ids})).logits
+ref = torch.load({str(tmp_path / "xla_logits.pt")!r})
+print("max_diff", (logits - ref).abs().max().item(), "trained_dca", model.model.layers[1].grn_qkv.proj.abs().max().item())
+"""], python=MAIN_PY).stdout
+    diff, trained = (float(x) for x in out.split()[1::2])
+    assert trained > 0 and diff <= 1e-4, out
