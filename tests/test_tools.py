@@ -16,6 +16,8 @@ def test_bench_throughput_reports_every_mechanism_against_the_baseline(tmp_path)
     for r in results.values():
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
         assert abs(r["throughput_ratio"] * r["step_time_ratio"] - 1) < 1e-9
+        assert len(r["overhead_pct_by_round"]) == 2
+    assert results["standard"]["overhead_pct_by_round"] == [0.0, 0.0]
     assert "vs baseline" in stdout
 
 

@@ -85,13 +85,21 @@ def main(argv=None) -> int:
                 r["peak"] = max(r["peak"], (torch.cuda.max_memory_allocated() - resident) / 2**20)
     base = statistics.median(runs["standard"]["times"])
     base_peak = runs["standard"]["peak"]
+
+    def round_medians(times):
+        return [statistics.median(times[i * args.steps:(i + 1) * args.steps]) for i in range(args.rounds)]
+
+    base_rounds = round_medians(runs["standard"]["times"])
     results = []
     for name in names:
         r = runs[name]
         t = statistics.median(r["times"])
+        # Noise estimate from the same run: the overhead measured within each round separately.
+        per_round = [100 * (m / b - 1) for m, b in zip(round_medians(r["times"]), base_rounds)]
         results.append({
             "mechanism": name, "step_time_s": t, "tokens_per_s": r["tokens"] / t,
             "step_time_ratio": t / base, "throughput_ratio": base / t, "overhead_pct": 100 * (t / base - 1),
+            "overhead_pct_by_round": per_round,
             "step_peak_memory_mib": r["peak"] if gpu else None,
             "step_peak_memory_ratio": (r["peak"] / base_peak) if gpu and base_peak else None,
         })
@@ -100,10 +108,11 @@ def main(argv=None) -> int:
         print(f"\nthroughput on {device}, world {world}: {args.num_layers} layers, hidden {args.hidden_size}, "
               f"seq {args.seq_length}, mbs {args.micro_batch_size}; median of {args.rounds} x {args.steps} steps")
         print(f"{'mechanism':<17}{'step s':>9}{'tokens/s':>11}{'vs baseline':>13}{'overhead':>10}"
-              + (f"{'step MiB':>10}{'vs base':>9}" if gpu else ""))
+              f"{'rounds min..max':>18}" + (f"{'step MiB':>10}{'vs base':>9}" if gpu else ""))
         for r in results:
+            spread = f"{min(r['overhead_pct_by_round']):.1f}..{max(r['overhead_pct_by_round']):.1f}%"
             print(f"{r['mechanism']:<17}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
-                  f"{r['throughput_ratio']:>12.3f}x{r['overhead_pct']:>9.1f}%"
+                  f"{r['throughput_ratio']:>12.3f}x{r['overhead_pct']:>9.1f}%{spread:>18}"
                   + (f"{r['step_peak_memory_mib']:>10.0f}{r['step_peak_memory_ratio']:>8.2f}x" if gpu else ""))
         if args.out:
             with open(args.out, "w") as f:
