@@ -42,7 +42,7 @@ def training_model(ckpt):
     """The Megatron-core model (TP=1) with the checkpoint's weights: the reference for parity."""
     from mega_depth.hf.export import _config_from_meta, load_megatron_weights
     from mega_depth.megatron.builder import build_model_chunks
-    from mega_depth.training.checkpoint import read_meta, resolve
+    from mega_depth.checkpoint_dirs import read_meta, resolve
 
     state, meta, _ = load_megatron_weights(ckpt)
     (model,) = build_model_chunks(_config_from_meta(read_meta(resolve(ckpt))))

@@ -58,7 +58,7 @@ def load_megatron_weights(ckpt: str) -> Tuple[Dict[str, torch.Tensor], dict, Dec
     from mega_depth.megatron.builder import build_model_chunks
     from mega_depth.init import padded_vocab_size
     from mega_depth.megatron.state_dict import decoder_config
-    from mega_depth.training.checkpoint import read_meta, resolve
+    from mega_depth.checkpoint_dirs import read_meta, resolve
 
     ckpt = resolve(ckpt)
     meta = read_meta(ckpt)

@@ -24,7 +24,6 @@ from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.providers import StageGeometry, make_provider
 
 
-
 def transformer_config(cfg: Config) -> TransformerConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     dtype = torch.bfloat16 if t.bf16 else torch.float32

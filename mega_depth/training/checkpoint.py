@@ -21,8 +21,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from mega_depth.checkpoint_dirs import (META, POINTER, check_compatible, iter_dir, latest_step,  # noqa: F401
-                                        prune, read_meta, resolve)
+from mega_depth.checkpoint_dirs import (META, check_compatible, iter_dir, prune, read_meta, resolve,
+                                        write_pointer)
 from mega_depth.config import Config, ConfigError, to_dict
 
 def _rng_state() -> dict:
@@ -89,12 +89,7 @@ def save(state, step: int, root: str) -> str:
         if os.path.isdir(final):
             shutil.rmtree(final)
         os.rename(tmp, final)
-        pointer_tmp = os.path.join(root, POINTER + ".tmp")
-        with open(pointer_tmp, "w") as f:
-            f.write(str(step))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, os.path.join(root, POINTER))
+        write_pointer(root, step)
         prune(root, state.cfg.checkpoint.keep_last)
     torch.distributed.barrier()
     return final
@@ -123,9 +118,7 @@ def save_model_only(model_chunks, cfg: Config, root: str, step: int = 0) -> str:
     if os.path.isdir(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
-    with open(os.path.join(root, POINTER + ".tmp"), "w") as f:
-        f.write(str(step))
-    os.replace(os.path.join(root, POINTER + ".tmp"), os.path.join(root, POINTER))
+    write_pointer(root, step)
     return final
 
 
