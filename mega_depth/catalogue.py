@@ -1,42 +1,34 @@
-"""The six residual settings that tools, tests and launch configs compare, scaled to the model depth.
+"""The named settings that tools, tests and launch configs compare ("attnres-block", "dca-2", ...).
 
-One place, so that a benchmark, a layout test and a shipped config mean the same thing by "Block AttnRes" or
-"Depth-Attention". Each entry is a set of `ResidualConfig` fields; `mechanism_flags` turns it into CLI flags.
+Each mechanism names its own settings (Mechanism.catalogue in its file); this module lists them in registry order
+and turns them into trainer flags, so that a benchmark, a layout test and a shipped config mean the same thing by
+"Block AttnRes" or "Depth-Attention".
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-MECHANISMS = ("standard", "attnres-full", "attnres-block", "dca", "dca-2", "depth-attention")
+from mega_depth.model.registry import catalogue
+
+MECHANISMS = tuple(catalogue(8))  # the names; the settings themselves may scale with depth
 
 
-def residual_settings(name: str, num_layers: int, attnres_num_blocks: Optional[int] = None,
-                      depth_attn_stride: Optional[int] = None) -> Dict[str, object]:
-    """`ResidualConfig` fields of mechanism `name` for a model of `num_layers` transformer layers.
-
-    Block AttnRes uses 8 blocks (the paper's setting), at most one per layer; Depth-Attention mixes every
-    (L/2)-th layer plus the previous one (the released 3B model: 48 layers, stride 24, window 0 plus the residual).
-    """
-    if name == "standard":
-        return {"residual": "standard"}
-    if name == "attnres-full":
-        return {"residual": "attnres"}
-    if name == "attnres-block":
-        return {"residual": "attnres", "attnres_num_blocks": attnres_num_blocks or min(8, num_layers)}
-    if name == "dca":
-        return {"residual": "dca"}
-    if name == "dca-2":
-        return {"residual": "dca", "dca_last_k": 2}
-    if name == "depth-attention":
-        return {"residual": "depth-attention", "depth_attn_stride": depth_attn_stride or max(1, num_layers // 2),
-                "depth_attn_window": 1}
-    raise ValueError(f"unknown mechanism {name!r}; choose from {', '.join(MECHANISMS)}")
+def residual_settings(name: str, num_layers: int, **overrides) -> Dict[str, object]:
+    """`ResidualConfig` fields of the named setting for a model of `num_layers` layers. An override replaces a
+    field the setting has (e.g. attnres_num_blocks=3 for a block that straddles a pipeline stage in tests)."""
+    settings = catalogue(num_layers)
+    if name not in settings:
+        raise ValueError(f"unknown mechanism {name!r}; choose from {', '.join(settings)}")
+    out = dict(settings[name])
+    out.update({k: v for k, v in overrides.items() if k in out and v is not None})
+    return out
 
 
 def mechanism_flags(name: str, num_layers: int, **overrides) -> List[str]:
-    """The same settings as `mega_depth.train` flags, e.g. ['--residual', 'attnres', '--attnres-num-blocks', '8']."""
+    """The same settings as trainer flags, e.g. ['--residual', 'attnres', '--attnres-num-blocks', '8']."""
     flags = []
     for key, value in residual_settings(name, num_layers, **overrides).items():
-        flags += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        flags += [flag if value is True else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)]
     return flags
 
 

@@ -12,11 +12,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mega_depth.mixing import DEPTH_ATTN_GQA_MODES, GRN_VERSIONS
+from mega_depth.model.config import DecoderConfig, ResidualConfig
+from mega_depth.model.registry import MECHANISMS, mechanism_class
 
-RESIDUALS = ("standard", "attnres", "dca", "depth-attention")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 ATTENTION_BACKENDS = ("local", "te")
+MIXING_IMPLS = ("eager", "compiled")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     attention_backend: str = "local"  # local = Megatron-core DotProductAttention; te = TransformerEngine
     fused_single_qkv_rope: bool = False
+    mixing_impl: str = "eager"  # eager (mixing.py, the reference) | compiled (torch.compile'd twins)
 
     @property
     def ffn_size(self) -> int:
@@ -54,19 +56,6 @@ class ModelConfig:
 
 
 @dataclass
-class ResidualConfig:
-    residual: str = "standard"
-    attnres_num_blocks: Optional[int] = None  # None = Full AttnRes (one block per sublayer)
-    dca_last_k: Optional[int] = None  # None = all earlier blocks
-    dca_grn: str = "v3"
-    depth_attn_stride: Optional[int] = None
-    depth_attn_window: int = 1
-    depth_attn_gqa: str = "query"  # query = authors' per-query-head values; group = keeps the GQA cache size
-    vp_cache: bool = True  # with virtual stages, send only the depth entries the receiver does not hold yet
-    compile_mixing: bool = False  # torch.compile the mixing math (fused kernels; pays off on a GPU)
-
-
-@dataclass
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -76,6 +65,7 @@ class ParallelConfig:
     recompute_granularity: Optional[str] = None  # None | full | selective
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    vp_cache: bool = True  # with virtual stages, send only the depth entries the receiver does not hold yet
 
 
 @dataclass
@@ -119,7 +109,10 @@ class CheckpointConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
-    keep_last: int = 3  # checkpoints kept in --save (older ones are deleted after a successful save)
+    keep_last: int = 3  # this run's checkpoints kept in --save (its older ones are deleted after a save)
+    # allow a run started from scratch to save beside another run's checkpoints (a step it saves replaces the same
+    # step of the other run; pruning still removes only this run's own checkpoints)
+    overwrite_save: bool = False
 
 
 @dataclass
@@ -164,8 +157,11 @@ class Config:
     def validate(self, world_size: int = 1) -> "Config":
         """Refuse every combination that cannot work, naming the fix. Returns self."""
         m, r, p, t = self.model, self.residual, self.parallel, self.training
-        _check(r.residual in RESIDUALS, f"unknown --residual {r.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        _check(r.residual in MECHANISMS, f"unknown --residual {r.residual!r}; choose one of {', '.join(MECHANISMS)}")
+        _check_choices(self)
         _check(m.num_layers >= 1 and m.hidden_size >= 1, "--num-layers and --hidden-size must be positive")
+        _check(m.num_attention_heads >= 1 and m.seq_length >= 1,
+               "--num-attention-heads and --seq-length must be positive")
         _check(
             m.hidden_size % m.num_attention_heads == 0,
             f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
@@ -175,8 +171,8 @@ class Config:
             m.num_attention_heads % m.query_groups == 0,
             f"--num-query-groups {m.query_groups} must divide --num-attention-heads {m.num_attention_heads}",
         )
-        _check(m.attention_backend in ATTENTION_BACKENDS,
-               f"unknown --attention-backend {m.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+        _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+               "--hidden-dropout and --attention-dropout must lie in [0, 1)")
         if m.attention_backend == "te":
             try:
                 import transformer_engine  # noqa: F401
@@ -218,19 +214,23 @@ class Config:
                    "--num-layers-per-virtual-pipeline-stage leaves a single virtual stage per rank; drop the flag "
                    "(plain 1F1B) or lower it")
         if p.recompute_granularity is not None:
-            _check(p.recompute_granularity in ("full", "selective"),
-                   f"--recompute-granularity must be full or selective, not {p.recompute_granularity!r}")
-            _check(p.recompute_method in ("uniform", "block"),
-                   f"--recompute-method must be uniform or block, not {p.recompute_method!r}")
+            _check(p.recompute_num_layers >= 1, "--recompute-num-layers must be >= 1")
         _check(t.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
-        _check(t.lr_decay_style in LR_DECAY_STYLES,
-               f"unknown --lr-decay-style {t.lr_decay_style!r}; choose one of {', '.join(LR_DECAY_STYLES)}")
-        _check(t.on_nan in ("stop", "skip"), f"--on-nan must be stop or skip, not {t.on_nan!r}")
+        _check(t.train_iters >= 1, "--train-iters must be >= 1")
+        _check(t.lr > 0, f"--lr {t.lr} must be positive")
+        _check(0 <= t.min_lr <= t.lr, f"--min-lr {t.min_lr} must lie in [0, --lr {t.lr}]")
+        _check(t.weight_decay >= 0, f"--weight-decay {t.weight_decay} must be >= 0")
+        _check(t.clip_grad >= 0, f"--clip-grad {t.clip_grad} must be >= 0 (0 disables clipping)")
+        _check(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1,
+               f"--adam-beta1 {t.adam_beta1} and --adam-beta2 {t.adam_beta2} must lie in [0, 1)")
+        _check(t.adam_eps > 0, f"--adam-eps {t.adam_eps} must be positive")
+        _check(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
         decay = t.lr_decay_iters or t.train_iters
         _check(t.lr_warmup_iters < decay,
                f"--lr-warmup-iters {t.lr_warmup_iters} must be below the decay length ({decay}: --lr-decay-iters, "
                "else --train-iters)")
-        d, c = self.data, self.checkpoint
+        _check(t.exit_interval is None or t.exit_interval >= 1, "--exit-interval must be >= 1")
+        d, c, log = self.data, self.checkpoint, self.logging
         _check(d.mock_data != bool(d.data_path),
                "give exactly one data source: --data-path PREFIX... (see tools/preprocess_data.py) or --mock-data")
         if d.data_path:
@@ -240,8 +240,13 @@ class Config:
 
             _check(os.path.isfile(d.tokenizer_model),
                    f"--tokenizer-model {d.tokenizer_model} does not exist; train one with tools/train_tokenizer.py")
+        _check(d.eval_interval is None or d.eval_interval >= 1, "--eval-interval must be >= 1")
+        _check(d.eval_iters >= 1, "--eval-iters must be >= 1")
         _check(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
+        _check(c.save_interval is None or c.save_interval >= 1, "--save-interval must be >= 1")
         _check(c.keep_last >= 1, "--keep-last must be >= 1")
+        _check(log.log_interval >= 1, "--log-interval must be >= 1")
+        _check(log.heatmap_interval is None or log.heatmap_interval >= 1, "--heatmap-interval must be >= 1")
         if t.deepspeed:
             _check(t.deepspeed_config is not None, "--deepspeed needs --deepspeed-config ds.json")
             _check(p.pipeline_model_parallel_size == 1,
@@ -270,31 +275,34 @@ class Config:
                    f"interleaved pipelines with --residual {r.residual} need at least 2 x "
                    f"--pipeline-model-parallel-size micro-batches per step (got {nmb}): with every micro-batch in "
                    "warm-up the variable-shape p2p exchange deadlocks on this version; raise --global-batch-size")
-
-        # Mechanism-specific checks.
-        if r.residual == "attnres" and r.attnres_num_blocks is not None:
-            _check(1 <= r.attnres_num_blocks <= self.num_sublayers,
-                   f"--attnres-num-blocks {r.attnres_num_blocks} must lie in 1..{self.num_sublayers} (2 sublayers per "
-                   f"layer x {m.num_layers} layers); omit it for Full AttnRes")
-        if r.residual == "dca":
-            _check(r.dca_grn in GRN_VERSIONS, f"unknown --dca-grn {r.dca_grn!r}; choose one of {GRN_VERSIONS}")
-            if r.dca_last_k is not None:
-                _check(1 <= r.dca_last_k <= m.num_layers,
-                       f"--dca-last-k {r.dca_last_k} must lie in 1..--num-layers ({m.num_layers}); omit it to keep "
-                       "all layers")
-        if r.residual == "depth-attention":
-            _check(r.depth_attn_gqa in DEPTH_ATTN_GQA_MODES,
-                   f"unknown --depth-attn-gqa {r.depth_attn_gqa!r}; choose one of {DEPTH_ATTN_GQA_MODES}")
-            _check(r.depth_attn_stride is None or r.depth_attn_stride >= 1, "--depth-attn-stride must be >= 1")
-            _check(r.depth_attn_window >= 0, "--depth-attn-window must be >= 0")
-        if r.residual in ("dca", "depth-attention"):
-            _check(not m.fused_single_qkv_rope,
-                   f"--residual {r.residual} needs the separate query/key/value tensors that "
-                   "--fused-single-qkv-rope never materialises; drop --fused-single-qkv-rope")
-        if r.residual != "standard":
-            _check(m.hidden_dropout == 0.0 or r.residual == "depth-attention",
-                   "--hidden-dropout > 0 is only supported with the standard residual and depth-attention")
+        mechanism_class(r.residual).validate(self, _check)
         return self
+
+    def decoder_config(self, vocab_size: Optional[int] = None) -> DecoderConfig:
+        """The model as the plain decoder, the HF export and the state-dict adapter see it (vocab_size: padded)."""
+        m = self.model
+        return DecoderConfig(
+            vocab_size=vocab_size or m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size,
+            norm_epsilon=m.norm_epsilon, rotary_base=m.rotary_base, qk_layernorm=m.qk_layernorm,
+            tie_word_embeddings=not m.untie_embeddings_and_output_weights, hidden_dropout=m.hidden_dropout,
+            residual=self.residual)
+
+
+def _check_choices(cfg: "Config") -> None:
+    """Fields with a fixed set of values (declared once, in `choices` metadata or the tuples above)."""
+    fixed = {("model", "attention_backend"): ATTENTION_BACKENDS, ("model", "mixing_impl"): MIXING_IMPLS,
+             ("training", "lr_decay_style"): LR_DECAY_STYLES, ("training", "on_nan"): ("stop", "skip"),
+             ("training", "lr_wsd_decay_style"): ("linear", "cosine", "exponential", "minus_sqrt"),
+             ("parallel", "recompute_granularity"): (None, "full", "selective"),
+             ("parallel", "recompute_method"): ("uniform", "block")}
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices") or fixed.get((section, f.name))
+            value = getattr(getattr(cfg, section), f.name)
+            if choices and value not in choices:
+                shown = ", ".join(str(c) for c in choices if c is not None)
+                raise ConfigError(f"unknown {_field_flag(f.name)} {value!r}; choose one of {shown}")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -331,12 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
             flag = _field_flag(f.name)
             dest = f"{section}.{f.name}"
             kind = _base_type(f.type)
+            default = f.default if f.default is not dataclasses.MISSING else None
+            choices = f.metadata.get("choices")  # checked in validate(), with the config-error message
+            help_text = f.metadata.get("help", "") + (f"; one of {', '.join(map(str, choices))}" if choices else "") \
+                + (f" (default: {default})" if default is not None else "")
             if kind is bool:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text or None)
             elif "List" in str(f.type):
-                group.add_argument(flag, dest=dest, type=kind, nargs="+", default=None, metavar=f.name.upper())
+                group.add_argument(flag, dest=dest, type=kind, nargs="+", default=None, metavar=f.name.upper(),
+                                   help=help_text or None)
             else:
-                group.add_argument(flag, dest=dest, type=kind, default=None, metavar=f.name.upper())
+                group.add_argument(flag, dest=dest, type=kind, default=None, metavar=f.name.upper(),
+                                   help=help_text or None)
     return parser
 
 

@@ -19,6 +19,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms, residual_settings  # noqa: E402
 
 
@@ -72,7 +73,8 @@ def expected_widths(mech, num_layers, num_blocks, pp, vpp, cache, kv_units, v_un
             return attnres_entries(lam, num_layers, num_blocks if mech == "attnres-block" else None)
         if mech.startswith("dca"):
             return dca_entries(lam, 2 if mech == "dca-2" else None)
-        return depth_entries(lam, num_layers, residual_settings(mech, num_layers)["depth_attn_stride"], 1, kv_units,
+        settings = residual_settings(mech, num_layers)
+        return depth_entries(lam, num_layers, settings["depth_attn_stride"], settings["depth_attn_window"], kv_units,
                              v_units)
 
     out = {}
@@ -90,27 +92,23 @@ def expected_widths(mech, num_layers, num_blocks, pp, vpp, cache, kv_units, v_un
 def _worker(out_path, model_flags, mechanisms, num_layers, num_blocks):
     """Runs inside each torchrun process: one step per mechanism (with and without caching), hop counters out."""
     import torch
-    from megatron.core import parallel_state
 
-    from mega_depth.config import parse_args
-    from mega_depth.data.datasets import GlobalBatchSampler, MockTokenizer, build_datasets
-    from mega_depth.megatron import providers
-    from mega_depth.training.loop import train_step
-    from mega_depth.training.setup import init_distributed, setup
+    from harness import megatron_run, start, train_step
+    from mega_depth.megatron.pipeline import pipelines_of
 
-    world = init_distributed()
+    world = start()
     records = []
     for name in mechanisms:
         for cache in (True, False):
-            cfg = parse_args(model_flags + mechanism_flags(name, num_layers, attnres_num_blocks=num_blocks) + ([] if cache else ["--no-vp-cache"])).validate(world)
-            state = setup(cfg)
-            data = build_datasets(cfg, MockTokenizer(cfg.model.vocab_size), (64, None, None))[0]
-            sampler = GlobalBatchSampler(data, cfg.training.micro_batch_size, state.num_microbatches, 1, 0)
-            train_step(state, sampler.microbatches(0), 1)
-            counter = providers.HOP_COUNTER
-            records.append({"mechanism": name, "cache": cache,
-                            "hops": {k: [counter.widths[k], counter.bytes[k][0]] for k in counter.widths}})
-            parallel_state.destroy_model_parallel()
+            flags = model_flags + mechanism_flags(name, num_layers, attnres_num_blocks=num_blocks) + \
+                ([] if cache else ["--no-vp-cache"])
+            backend, sampler = megatron_run(flags, 64)
+            train_step(backend, sampler.microbatches(0))
+            hops = {}
+            for pipe in pipelines_of(backend.model):  # standard: Megatron's own block, nothing counted
+                hops = {k: [pipe.hops.widths[k], pipe.hops.bytes[k][0]] for k in pipe.hops.widths}
+            records.append({"mechanism": name, "cache": cache, "hops": hops})
+            backend.close()
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, records)
     if torch.distributed.get_rank() == 0:

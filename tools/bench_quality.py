@@ -17,7 +17,6 @@ CPU default reads it about once); for larger runs pass your own --data-path and 
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -60,18 +59,15 @@ def parameter_counts(flags: list) -> dict:
 
     from mega_depth.config import parse_args
     from mega_depth.data.tokenizer import SentencePieceTokenizer
-    from mega_depth.megatron.state_dict import decoder_config
-    from mega_depth.model import CausalLM
+    from mega_depth.model.decoder import CausalLM
 
     cfg = parse_args(flags)
-    vocab = SentencePieceTokenizer(cfg.data.tokenizer_model).vocab_size
-    dc = decoder_config({"model": dataclasses.asdict(cfg.model), "residual": dataclasses.asdict(cfg.residual)},
-                        vocab)
+    dc = cfg.decoder_config(SentencePieceTokenizer(cfg.data.tokenizer_model).vocab_size)
     with torch.device("meta"):
         model = CausalLM(dc)
+    mechanism = model.model.mechanism
     total = sum(p.numel() for p in model.parameters())
-    mixing = sum(p.numel() for n, p in model.named_parameters()
-                 if "mixer" in n or "grn" in n)
+    mixing = sum(p.numel() for n, p in model.named_parameters() if mechanism.owns(n))
     return {"params": total, "mixing_params": mixing}
 
 
@@ -243,12 +239,15 @@ def main(argv=None) -> int:
     title = (f"{args.num_layers} layers, d={args.hidden_size}, seq {args.seq_length}, "
              f"{results[0]['tokens'] / 1e6:.2f}M tokens, seeds {args.seeds}, {device}")
     plots = plot(runs, names, args.out_dir, title)
-    for name in names:  # what each layer reads, after training (first seed)
-        heatmaps = sorted(os.listdir(os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps"))) \
-            if name != "standard" else []
-        if heatmaps:
-            dest = os.path.join(args.out_dir, f"heatmap_{name}.png")
-            shutil.copy(os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps", heatmaps[-1]), dest)
+    for name in names:  # what each layer reads, after training (first seed): every figure of the last heatmap step
+        folder = os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps")
+        pictures = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        last = [p for p in pictures if pictures and p.endswith(pictures[-1].rsplit("_step", 1)[1])]
+        for picture in last:
+            figure = picture.rsplit("_step", 1)[0]
+            dest = os.path.join(args.out_dir, f"heatmap_{name}.png" if len(last) == 1 else
+                                f"heatmap_{name}-{figure}.png")
+            shutil.copy(os.path.join(folder, picture), dest)
             plots.append(dest)
 
     print(f"\nquality on the embedded corpus, {device}: {title}; wall {time.time() - started:.0f} s")

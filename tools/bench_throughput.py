@@ -1,13 +1,25 @@
-"""Training throughput of every mechanism against the standard residual, measured in the same run.
+"""Training throughput and activation memory of every mechanism against the standard residual, in the same run.
 
     python tools/bench_throughput.py [--hidden-size 512 --num-layers 12 --seq-length 256 --steps 4 --rounds 3]
-        [--out bench.json] [--mechanisms standard,attnres-block,...]
+        [--out bench.json] [--mechanisms standard,attnres-block,...] [--resident pair|all] [--mixing-impl ...]
 
-All models are built once; then `--rounds` rounds each time `--steps` training steps of every mechanism in turn
-(interleaved, so drifts of the machine hit all of them alike). Reports median step time, tokens/s and (on a GPU)
-the step's peak memory above what was resident before it (activations and temporaries; every model stays
-resident, so the plain peak would count them all) per mechanism, each also as a ratio to the baseline.
-One process (the one GPU, or the CPU); run it under torchrun with the usual parallel flags (--tensor-model-parallel-size ...) for a multi-process layout.
+Per mechanism it reports:
+- step time (median of --rounds x --steps timed steps), tokens/s and the ratio to the baseline's step time. The
+  baseline is re-measured in the same run, interleaved with the mechanism (--resident pair: one mechanism and the
+  baseline resident at a time, for sizes where every model does not fit at once; all: every model built up front,
+  rounds over all of them), so drifts of the machine hit both alike;
+- the bytes saved for backward in one training step (torch.autograd.graph.saved_tensors_hooks; unique storages,
+  parameters excluded): a machine-independent measure of activation memory, shown on CPU as on a GPU;
+- on a GPU: the step's peak memory above what was resident before it;
+- the baseline's MFU: tokens/s x model FLOPs per token / the chip's peak (null on CPU). Model FLOPs per token
+  (training = 3 x forward, attention counted over the full sequence as Megatron-LM and PaLM do):
+      forward = 2 * (L * (d*hq*hn + 2*d*hkv*hn + hq*hn*d + 3*d*ffn) + d*V) + 4 * L * s * hq*hn
+- an analytic bound: the step-time ratio the mixing's extra memory traffic alone would cost if nothing hid it, at
+  the chip's HBM bandwidth against the baseline at --bound-mfu of its peak (--bound-device's numbers on a CPU):
+      ratio >= 1 + 3 * extra_units * d * bytes_per_element / bandwidth / (FLOPs per token / (mfu * peak))
+  extra_units: the forward I/O per token (units of d) the mixing adds over the plain residual's 3 per sublayer
+  (io_units below, from SPEC's per-sublayer I/O; training is ~3x the forward).
+One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout.
 """
 
 import argparse
@@ -18,106 +30,205 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms, residual_settings  # noqa: E402
+
+# bf16 dense peak FLOP/s and HBM bandwidth (bytes/s) by device-name fragment (vendor datasheets, SXM parts)
+DEVICES = {"h200": (989e12, 4.8e12), "h100": (989e12, 3.35e12), "a100": (312e12, 2.0e12)}
+
+
+def flops_per_token(L, d, heads, groups, ffn, vocab, seq) -> float:
+    hn = d // heads
+    per_layer = d * heads * hn + 2 * d * groups * hn + heads * hn * d + 3 * d * ffn
+    forward = 2 * (L * per_layer + d * vocab) + 4 * L * seq * heads * hn
+    return 3.0 * forward
+
+
+def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
+    """Forward memory traffic of the depth mixing per token, in units of d, summed over the model."""
+    kind, S = settings["residual"], 2 * L
+    if kind == "standard":
+        return 3.0 * S
+    if kind == "attnres":
+        blocks = settings.get("attnres_num_blocks") or S
+        size = S // blocks
+        if size == 1 or settings.get("attnres_query", "static") == "input":  # sublayer by sublayer
+            extra = 1.0 if settings.get("attnres_query") == "input" else 0.0  # the query reads the newest source
+            return sum(l + 1 + extra for l in range(1, S + 1)) + (S + 2)
+        total = 0.0  # two-phase: per sublayer n/S (phase 1's read of the completed blocks, shared) + 5
+        for b in range(1, blocks + 1):
+            members = size if b < blocks else S - size * (blocks - 1)
+            total += members * (b / members + 5)
+        return total + (blocks + 2)  # the output aggregation
+    if kind == "dca":
+        k = settings.get("dca_last_k")
+        total = 0.0
+        for t in range(1, L + 2):
+            sources = t if k is None else min(t, k + 2)
+            total += sources + (3 if t <= L else 1)  # read the stack, write q/k/v inputs (final: one output)
+            if t <= L:
+                total += 6 + (3 if k is not None and t > k + 1 else 0)  # a + q_in, f = a + m; k-DCA's running sum
+        return total
+    if kind == "depth-attention":
+        from mega_depth.model.mixing import depth_attention_candidates
+
+        stride = settings.get("depth_attn_stride") or max(1, L // 2)
+        window = settings.get("depth_attn_window", 0)
+        kv, v = groups / heads, (heads if settings.get("depth_attn_gqa", "query") == "query" else groups) / heads
+        cands = sum(len(depth_attention_candidates(l, stride, window)) for l in range(L))
+        return 3.0 * S + cands * (kv + v) + L * (v - kv)
+    raise ValueError(f"no I/O model for {kind}")
+
+
+def saved_bytes(backend, microbatches) -> int:
+    """Bytes of the tensors autograd saves for backward in one training step (unique storages, no parameters)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for m in backend.model for p in m.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        backend.forward_backward(microbatches)
+    backend.discard()
+    return sum(storages.values())
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=12)
     parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--num-query-groups", type=int, default=None)
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mechanism per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    parser.add_argument("--resident", choices=("pair", "all"), default="pair",
+                        help="pair: one mechanism and the baseline at a time; all: every model up front")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's bf16 peak (default: by name)")
+    parser.add_argument("--bound-device", default="h200", help="whose peak/bandwidth the bound uses on a CPU")
+    parser.add_argument("--bound-mfu", type=float, default=0.4)
     parser.add_argument("--out", default=None)
     args, layout = parser.parse_known_args(argv)
 
     import torch
-    from megatron.core import parallel_state
 
-    from mega_depth.config import parse_args
-    from mega_depth.data.datasets import GlobalBatchSampler, MockTokenizer, build_datasets
-    from mega_depth.training.loop import train_step
-    from mega_depth.training.setup import init_distributed, setup
+    from harness import megatron_run, start, train_step
 
-    world = init_distributed()
+    world = start()
     gpu = torch.cuda.is_available()
-    names = parse_mechanisms(args.mechanisms)
-    if names[0] != "standard":
-        names = ["standard"] + [n for n in names if n != "standard"]
-    runs = {}
-    for name in names:
-        cfg = parse_args(["--mock-data", "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
-                          "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
-                          "--vocab-size", "32000", "--micro-batch-size", str(args.micro_batch_size),
-                          "--train-iters", str(args.steps * args.rounds + 2), "--lr-decay-style", "constant"]
-                         + (["--bf16"] if gpu else []) + mechanism_flags(name, args.num_layers) + layout).validate(world)
-        # Each mechanism keeps its own parallel groups alive: build them all up front, time them interleaved.
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        state = setup(cfg)
-        dp = parallel_state.get_data_parallel_world_size()
-        gbs = cfg.training.micro_batch_size * state.num_microbatches * dp
-        data = build_datasets(cfg, MockTokenizer(32000), (cfg.training.train_iters * gbs, None, None))[0]
-        sampler = GlobalBatchSampler(data, cfg.training.micro_batch_size, state.num_microbatches, dp,
-                                     parallel_state.get_data_parallel_rank())
-        for step in range(2):  # warm-up: allocations, first-call overheads, compilation (--compile-mixing)
-            train_step(state, sampler.microbatches(step), step + 1)
-        runs[name] = {"state": state, "sampler": sampler, "times": [], "tokens": gbs * cfg.model.seq_length,
-                      "peak": 0.0, "step": 2}
-    step = 1
-    for _ in range(args.rounds):
-        for name in names:
-            r = runs[name]
+    device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
+    names = ["standard"] + [n for n in parse_mechanisms(args.mechanisms) if n != "standard"]
+    L, d, heads = args.num_layers, args.hidden_size, args.num_attention_heads
+    groups = args.num_query_groups or heads
+    ffn = max(64, int(8 * d / 3 + 63) // 64 * 64)
+    total_steps = args.steps * args.rounds + 3
+
+    def build(name):
+        flags = ["--mock-data", "--hidden-size", str(d), "--num-layers", str(L), "--num-attention-heads",
+                 str(heads), "--num-query-groups", str(groups), "--seq-length", str(args.seq_length),
+                 "--vocab-size", "32000", "--micro-batch-size", str(args.micro_batch_size),
+                 "--train-iters", str(total_steps), "--lr-decay-style", "constant"] \
+            + (["--bf16"] if gpu else []) + mechanism_flags(name, L) + layout
+        backend, sampler = megatron_run(flags, total_steps * 64)
+        run = {"backend": backend, "sampler": sampler, "times": [], "step": 0, "peak": 0.0,
+               "tokens": sampler.global_batch_size * args.seq_length}
+        run["saved_bytes"] = saved_bytes(backend, sampler.microbatches(0))
+        for _ in range(2):  # warm-up: allocations, first-call overheads, compilation (--mixing-impl compiled)
+            timed(run, 1, record=False)
+        return run
+
+    def timed(run, steps, record=True):
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            resident = torch.cuda.memory_allocated()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            train_step(run["backend"], run["sampler"].microbatches(run["step"]))
             if gpu:
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                resident = torch.cuda.memory_allocated()
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                train_step(r["state"], r["sampler"].microbatches(r["step"]), r["step"] + 1)
-                if gpu:
-                    torch.cuda.synchronize()
-                r["times"].append(time.perf_counter() - t0)
-                r["step"] += 1
-            if gpu:
-                r["peak"] = max(r["peak"], (torch.cuda.max_memory_allocated() - resident) / 2**20)
-    base = statistics.median(runs["standard"]["times"])
-    base_peak = runs["standard"]["peak"]
+            if record:
+                run["times"].append(time.perf_counter() - t0)
+            run["step"] += 1
+        if gpu and record:
+            run["peak"] = max(run["peak"], (torch.cuda.max_memory_allocated() - resident) / 2**20)
 
-    def round_medians(times):
+    def rounds(group):  # interleaved: drifts of the machine hit every model of the group alike
+        for _ in range(args.rounds):
+            for run in group:
+                timed(run, args.steps)
+
+    def medians(times):
         return [statistics.median(times[i * args.steps:(i + 1) * args.steps]) for i in range(args.rounds)]
 
-    base_rounds = round_medians(runs["standard"]["times"])
+    measured = {}  # name -> (its run, the baseline run it was timed against)
+    if args.resident == "all":
+        runs = {name: build(name) for name in names}
+        rounds(list(runs.values()))
+        measured = {name: (runs[name], runs["standard"]) for name in names}
+    else:
+        for name in names:
+            base = build("standard")
+            run = base if name == "standard" else build(name)
+            rounds([base] if run is base else [base, run])
+            measured[name] = (run, base)
+            for r in {id(base): base, id(run): run}.values():
+                r["backend"].close()
+                r["backend"] = r["sampler"] = None
+            if gpu:
+                torch.cuda.empty_cache()
+
+    key = next((k for k in DEVICES if k in device.lower()), None)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (DEVICES[key][0] if key else None)
+    bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
+    fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length)
+    base_io = io_units({"residual": "standard"}, L, d, heads, groups)
+    bytes_el = 2 if gpu else 4
     results = []
     for name in names:
-        r = runs[name]
-        t = statistics.median(r["times"])
-        # Noise estimate from the same run: the overhead measured within each round separately.
-        per_round = [100 * (m / b - 1) for m, b in zip(round_medians(r["times"]), base_rounds)]
+        run, base = measured[name]
+        t, tb = statistics.median(run["times"]), statistics.median(base["times"])
+        extra = io_units(residual_settings(name, L), L, d, heads, groups) - base_io
+        bound = 1 + 3 * extra * d * bytes_el / bound_bw / (fpt / (args.bound_mfu * bound_peak))
+        tps_base = base["tokens"] / tb
         results.append({
-            "mechanism": name, "step_time_s": t, "tokens_per_s": r["tokens"] / t,
-            "step_time_ratio": t / base, "throughput_ratio": base / t, "overhead_pct": 100 * (t / base - 1),
-            "overhead_pct_by_round": per_round,
-            "step_peak_memory_mib": r["peak"] if gpu else None,
-            "step_peak_memory_ratio": (r["peak"] / base_peak) if gpu and base_peak else None,
+            "mechanism": name, "step_time_s": t, "tokens_per_s": run["tokens"] / t,
+            "baseline_step_time_s": tb, "step_time_ratio": t / tb, "throughput_ratio": tb / t,
+            "overhead_pct": 100 * (t / tb - 1),
+            "overhead_pct_by_round": [100 * (m / b - 1) for m, b in zip(medians(run["times"]), medians(base["times"]))],
+            "saved_bytes": run["saved_bytes"], "saved_bytes_ratio": run["saved_bytes"] / base["saved_bytes"],
+            "step_peak_memory_mib": run["peak"] if gpu else None,
+            "step_peak_memory_ratio": run["peak"] / base["peak"] if gpu and base["peak"] else None,
+            "baseline_mfu": tps_base * fpt / peak if peak else None,
+            "extra_io_units_of_d": extra, "analytic_bound_ratio": bound,
         })
-    device = torch.cuda.get_device_name() if gpu else f"CPU ({os.cpu_count()} cores)"
     if torch.distributed.get_rank() == 0:
-        print(f"\nthroughput on {device}, world {world}: {args.num_layers} layers, hidden {args.hidden_size}, "
-              f"seq {args.seq_length}, mbs {args.micro_batch_size}; median of {args.rounds} x {args.steps} steps")
-        print(f"{'mechanism':<17}{'step s':>9}{'tokens/s':>11}{'vs baseline':>13}{'overhead':>10}"
-              f"{'rounds min..max':>18}" + (f"{'step MiB':>10}{'vs base':>9}" if gpu else ""))
+        print(f"\nthroughput on {device}, world {world}: {L} layers, hidden {d}, heads {heads}/{groups}, seq "
+              f"{args.seq_length}, mbs {args.micro_batch_size}; median of {args.rounds} x {args.steps} steps, "
+              f"resident {args.resident}; FLOPs/token {fpt:.3g}")
+        print(f"{'mechanism':<20}{'step s':>8}{'tokens/s':>10}{'vs base':>9}{'bound':>8}{'rounds':>16}"
+              f"{'saved MiB':>11}{'x base':>8}" + (f"{'step MiB':>10}{'x base':>8}" if gpu else ""))
         for r in results:
-            spread = f"{min(r['overhead_pct_by_round']):.1f}..{max(r['overhead_pct_by_round']):.1f}%"
-            print(f"{r['mechanism']:<17}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
-                  f"{r['throughput_ratio']:>12.3f}x{r['overhead_pct']:>9.1f}%{spread:>18}"
-                  + (f"{r['step_peak_memory_mib']:>10.0f}{r['step_peak_memory_ratio']:>8.2f}x" if gpu else ""))
+            spread = f"{min(r['overhead_pct_by_round']):+.1f}..{max(r['overhead_pct_by_round']):+.1f}%"
+            print(f"{r['mechanism']:<20}{r['step_time_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
+                  f"{r['step_time_ratio']:>8.3f}x{r['analytic_bound_ratio']:>7.3f}x{spread:>16}"
+                  f"{r['saved_bytes'] / 2**20:>11.1f}{r['saved_bytes_ratio']:>7.2f}x"
+                  + (f"{r['step_peak_memory_mib']:>10.0f}{r['step_peak_memory_ratio']:>7.2f}x" if gpu else ""))
+        mfu = results[0]["baseline_mfu"]
+        print(f"baseline MFU: {'n/a (no GPU peak)' if mfu is None else f'{100 * mfu:.1f} %'}; bound: "
+              f"{args.bound_device if not key else key} bandwidth at {args.bound_mfu:.0%} MFU")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"device": device, "world_size": world, "args": vars(args), "layout": layout,
-                           "results": results}, f, indent=1)
+                           "flops_per_token": fpt, "results": results}, f, indent=1)
     torch.distributed.destroy_process_group()
     return 0
 

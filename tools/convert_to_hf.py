@@ -1,9 +1,10 @@
-"""Export a mega_depth checkpoint (any TP/PP layout) to a Hugging Face folder, fully offline.
+"""Export a mega_depth checkpoint (any trainer, any TP/PP/DP layout) to a Hugging Face folder, fully offline.
 
     python tools/convert_to_hf.py --load runs/tiny-attnres/checkpoints --out runs/tiny-attnres/hf [--dtype bf16]
 
-Standard-residual models become native Qwen3/Llama folders; AttnRes, DCA and Depth-Attention models load with
-AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).
+Standard-residual models become native Qwen3/Llama folders; depth-mixing models load with
+AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True). The checkpoint is verified against its
+manifest first (a save folder falls back to its newest intact checkpoint).
 """
 
 import argparse
@@ -24,10 +25,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from mega_depth.config import ConfigError
-    from mega_depth.hf.export import export
+    from mega_depth.hf.io import export_checkpoint
+    from mega_depth.quiet import quiet_known_warnings
 
+    quiet_known_warnings()
     try:
-        out = export(args.load, args.out, args.dtype, args.force, args.tokenizer_model, args.max_shard_size)
+        out = export_checkpoint(args.load, args.out, args.dtype, args.force, args.tokenizer_model, args.max_shard_size,
+                                say=lambda msg: print(msg, file=sys.stderr))
     except ConfigError as e:
         print(f"convert_to_hf: {e}", file=sys.stderr)
         return 2

@@ -61,6 +61,12 @@ def main(argv=None) -> int:
         n_docs += 1
         n_tokens += len(row["ids"])
     builder.finalize(tmp + ".idx")
+    if n_docs == 0:
+        for ext in (".bin", ".idx"):
+            os.remove(tmp + ext)
+        print(f"preprocess_data: {', '.join(args.input)} tokenized to no tokens at all (every document is empty); "
+              "nothing written", file=sys.stderr)
+        return 2
     os.replace(tmp + ".bin", args.output_prefix + ".bin")
     os.replace(tmp + ".idx", args.output_prefix + ".idx")
     print(f"wrote {args.output_prefix}.bin/.idx: {n_docs} documents, {n_tokens} tokens ({np.dtype(dtype).name})")

@@ -28,34 +28,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from megatron.core import parallel_state
 
+    from harness import megatron_run, start, train_step
     from mega_depth.catalogue import MECHANISMS, mechanism_flags
-    from mega_depth.config import parse_args
-    from mega_depth.data.datasets import GlobalBatchSampler, MockTokenizer, build_datasets
-    from mega_depth.training.loop import train_step
-    from mega_depth.training.setup import init_distributed, setup
 
-    init_distributed()
+    start()
     gpu = torch.cuda.is_available()
     results = []
     for name in MECHANISMS:
         flags = mechanism_flags(name, args.num_layers)
-        cfg = parse_args(["--mock-data", "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-                          "--num-attention-heads", "4", "--seq-length", str(args.seq_length), "--vocab-size", "512",
-                          "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.steps),
-                          "--lr", "3e-3", "--lr-decay-style", "constant"] + (["--bf16"] if gpu else []) + flags)
-        cfg.validate(1)
-        state = setup(cfg)
-        sampler = GlobalBatchSampler(
-            build_datasets(cfg, MockTokenizer(512), (args.steps * args.micro_batch_size, None, None))[0],
-            args.micro_batch_size, 1, 1, 0)
+        backend, sampler = megatron_run(
+            ["--mock-data", "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", "4", "--seq-length", str(args.seq_length), "--vocab-size", "512",
+             "--micro-batch-size", str(args.micro_batch_size), "--train-iters", str(args.steps), "--lr", "3e-3",
+             "--lr-decay-style", "constant"] + (["--bf16"] if gpu else []) + flags,
+            args.steps * args.micro_batch_size)
         if gpu:
             torch.cuda.reset_peak_memory_stats()
         losses, times = [], []
         for step in range(args.steps):
             t0 = time.perf_counter()
-            losses.append(train_step(state, sampler.microbatches(step), step + 1)["loss"])
+            losses.append(train_step(backend, sampler.microbatches(step)))
             if gpu:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -70,7 +63,7 @@ def main(argv=None) -> int:
         results.append({"mechanism": name, "first_loss": losses[0], "last_loss": losses[-1],
                         "tokens_per_s": args.micro_batch_size * args.seq_length / (sum(steady) / len(steady)),
                         "peak_memory_mib": peak, "ok": ok})
-        parallel_state.destroy_model_parallel()
+        backend.close()
     device = torch.cuda.get_device_name() if gpu else "CPU"
     print(f"\nsmoke test on {device}: {args.steps} steps, {args.num_layers} layers, hidden {args.hidden_size}")
     print(f"{'mechanism':<17}{'first loss':>11}{'last loss':>11}{'tokens/s':>11}{'peak MiB':>10}  check")

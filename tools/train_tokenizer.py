@@ -8,6 +8,7 @@ whitespace squashing) so that Hugging Face's tokenizers reproduce the ids exactl
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,10 +33,39 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"train_tokenizer: {e}", file=sys.stderr)
         return 2
+    if args.vocab_size < 8:
+        print(f"train_tokenizer: --vocab-size {args.vocab_size} is too small; give at least 8 (the special tokens "
+              "and some pieces)", file=sys.stderr)
+        return 2
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    tmp = args.output_prefix + ".tmp"  # written under a temporary name, renamed when complete
+    try:
+        _train(spm, dataset, tmp, args)
+    except RuntimeError as e:
+        for ext in (".model", ".vocab"):
+            if os.path.exists(tmp + ext):
+                os.remove(tmp + ext)
+        limit = re.search(r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)", str(e))
+        if limit:
+            print(f"train_tokenizer: --vocab-size {limit.group(1)} is too large for this text: sentencepiece can make "
+                  f"at most {limit.group(2)} pieces from it; lower --vocab-size or give more text", file=sys.stderr)
+        elif re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(e)):
+            small = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(e))
+            print(f"train_tokenizer: --vocab-size {small.group(1)} is too small for this text, which needs "
+                  f"{small.group(2)} pieces for its characters alone; raise --vocab-size", file=sys.stderr)
+        else:
+            print(f"train_tokenizer: sentencepiece failed: {str(e).splitlines()[-1][:300]}", file=sys.stderr)
+        return 2
+    for ext in (".model", ".vocab"):
+        os.replace(tmp + ext, args.output_prefix + ext)
+    print(f"wrote {args.output_prefix}.model ({args.vocab_size} pieces)")
+    return 0
+
+
+def _train(spm, dataset, prefix: str, args) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=(row["text"] for row in dataset),
-        model_prefix=args.output_prefix,
+        model_prefix=prefix,
         vocab_size=args.vocab_size,
         model_type=args.model_type,
         byte_fallback=True,
@@ -52,8 +82,6 @@ def main(argv=None) -> int:
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
-    print(f"wrote {args.output_prefix}.model ({args.vocab_size} pieces)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -139,7 +139,10 @@ class GlobalBatchSampler:
         return out
 
 
-def build_train_dataset(cfg: Config, num_samples: int):
-    """Training split only (kept for the layout tests)."""
-    return build_datasets(cfg, MockTokenizer(cfg.model.vocab_size) if cfg.data.mock_data else None,
-                          (num_samples, 0, 0))[0]
+def tokenizer_for(cfg: Config):
+    """The run's tokenizer: the sentencepiece model of --tokenizer-model, or the mock one with --mock-data."""
+    if cfg.data.mock_data:
+        return MockTokenizer(cfg.model.vocab_size)
+    from mega_depth.data.tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(cfg.data.tokenizer_model)

@@ -17,6 +17,26 @@ def _builder(path: str) -> str:
     raise ValueError(f"cannot tell the format of {path}: use .txt (one document per line), .jsonl[.gz] or .parquet")
 
 
+def _check_json_lines(path: str) -> None:
+    """Name the first line that is not a JSON object (datasets' own error does not say where)."""
+    import gzip
+    import json
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                ok = isinstance(json.loads(line), dict)
+            except ValueError as e:
+                raise ValueError(f"{path}:{number} is not valid JSON ({e.msg} at column {e.colno}); fix or remove "
+                                 "that line (one JSON object per line)") from None
+            if not ok:
+                raise ValueError(f"{path}:{number} is not a JSON object; each line must be an object like "
+                                 '{"text": "..."}')
+
+
 def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
     """One `datasets.Dataset` with a single "text" column (several json keys are joined with a blank line)."""
     import datasets
@@ -24,12 +44,18 @@ def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
     for p in paths:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"input file {p} does not exist")
+        if os.path.getsize(p) == 0:
+            raise ValueError(f"input file {p} is empty; give a file with at least one document")
+        if _builder(p) == "json":
+            _check_json_lines(p)
     kinds = {_builder(p) for p in paths}
     if len(kinds) != 1:
         raise ValueError(f"mixing input formats {sorted(kinds)} in one call; preprocess each format separately")
     kind = kinds.pop()
     datasets.disable_progress_bars() if os.environ.get("MEGA_DEPTH_QUIET") else None
     ds = datasets.load_dataset(kind, data_files=list(paths), split="train")
+    if len(ds) == 0:
+        raise ValueError(f"{', '.join(paths)} holds no documents; give a file with at least one document")
     if kind == "text":
         return ds
     missing = [k for k in json_keys if k not in ds.column_names]

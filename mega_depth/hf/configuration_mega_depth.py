@@ -1,4 +1,9 @@
-"""Hugging Face configuration of an exported mega_depth depth-mixing model (loaded with trust_remote_code)."""
+"""Hugging Face configuration of an exported mega_depth depth-mixing model (loaded with trust_remote_code).
+
+`residual` holds the mechanism's name and its own options (mega_depth/model/config.py: DecoderConfig), so a new
+mechanism needs nothing here; `depth_mixing_inference` says how decoding computes the mixing (e.g. Block AttnRes's
+exact two-phase form).
+"""
 
 from transformers import PretrainedConfig
 
@@ -8,8 +13,7 @@ class MegaDepthConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=None, intermediate_size=1408, rms_norm_eps=1e-6, rope_theta=10000.0,
-                 qk_layernorm=True, residual="attnres", attnres_num_blocks=None, dca_last_k=None, dca_grn="v3",
-                 depth_attn_stride=None, depth_attn_window=1, depth_attn_gqa="query", tie_word_embeddings=True,
+                 qk_layernorm=True, residual=None, depth_mixing_inference=None, tie_word_embeddings=True,
                  max_position_embeddings=4096, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -20,12 +24,7 @@ class MegaDepthConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.qk_layernorm = qk_layernorm
-        self.residual = residual
-        self.attnres_num_blocks = attnres_num_blocks
-        self.dca_last_k = dca_last_k
-        self.dca_grn = dca_grn
-        self.depth_attn_stride = depth_attn_stride
-        self.depth_attn_window = depth_attn_window
-        self.depth_attn_gqa = depth_attn_gqa
+        self.residual = dict(residual or {"residual": "standard"})
+        self.depth_mixing_inference = depth_mixing_inference
         self.max_position_embeddings = max_position_embeddings
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -1,26 +1,32 @@
-"""Hugging Face model of an exported mega_depth depth-mixing model: a thin wrapper of mega_depth's plain
-decoder (model.py) and depth-mixing math (mixing.py), which the exporter copies next to this file."""
+"""Hugging Face model of an exported mega_depth depth-mixing model: a thin wrapper of mega_depth's plain decoder.
 
-import torch
+In an exported folder the decoder, the mechanisms and the math sit beside this file (tools/convert_to_hf.py copies
+mega_depth/model/*.py there; transformers' remote-code loader follows the `from .x import` lines). Inside the
+package the same names come from mega_depth.model.
+"""
+
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_mega_depth import MegaDepthConfig
-from .model import Decoder, DecoderConfig
+try:  # an exported folder: the files beside this one
+    from .configuration_mega_depth import MegaDepthConfig
+    from .config import DecoderConfig
+    from .decoder import Decoder
+except ImportError:  # inside the package
+    from mega_depth.hf.configuration_mega_depth import MegaDepthConfig
+    from mega_depth.model.config import DecoderConfig
+    from mega_depth.model.decoder import Decoder
 
 
 def decoder_config(config: MegaDepthConfig) -> DecoderConfig:
-    return DecoderConfig(
+    return DecoderConfig.from_dict(dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
         ffn_hidden_size=config.intermediate_size, norm_epsilon=config.rms_norm_eps, rotary_base=config.rope_theta,
-        qk_layernorm=config.qk_layernorm, tie_word_embeddings=config.tie_word_embeddings, residual=config.residual,
-        attnres_num_blocks=config.attnres_num_blocks, dca_last_k=config.dca_last_k, dca_grn=config.dca_grn,
-        depth_attn_stride=config.depth_attn_stride, depth_attn_window=config.depth_attn_window,
-        depth_attn_gqa=config.depth_attn_gqa,
-    )
+        qk_layernorm=config.qk_layernorm, tie_word_embeddings=config.tie_word_embeddings,
+        residual=config.residual))
 
 
 class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):

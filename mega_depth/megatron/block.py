@@ -1,16 +1,16 @@
-"""The transformer block that drives a residual provider, and the GPTModel that uses it.
+"""The transformer block that drives a mechanism, and the GPTModel that uses it.
 
-`TransformerBlock.forward` threads one hidden state through its layers; a depth-mixing layer needs the whole
-cross-layer state, so this block (a) builds the state from the embedding or unpacks it from the received pipeline
-tensor, (b) runs the layers on it, with activation recomputation that checkpoints the state's tensors, and
-(c) packs it for the next stage, or applies the final depth mix and the final norm on the last stage.
-`GPTModel` builds `TransformerBlock` by name, so `DepthMixingGPTModel` swaps the class in for its constructor.
+`TransformerBlock.forward` threads one hidden state through its layers; a depth-mixing mechanism needs its whole
+cross-layer state, so this block (a) builds the state from the embedding or unpacks it from the received
+pipeline tensor, (b) lets the mechanism run its layers on it, with activation recomputation that checkpoints
+the state's tensors, and (c) packs it for the next stage, or applies the final depth mix and the final norm on
+the last stage. `GPTModel` builds `TransformerBlock` by name, so `DepthMixingGPTModel` swaps the class in for
+its constructor.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -19,90 +19,48 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
-from mega_depth import mixing
-from mega_depth.config import Config
-from mega_depth.megatron import providers as prov
-from mega_depth.megatron.layers import mark_replicated
+from mega_depth.megatron.layer import mark_replicated
+from mega_depth.megatron.pipeline import DepthPipeline
 
 
 class DepthMixingBlock(TransformerBlock):
-    def setup_provider(self, cfg: Config, provider: prov.Provider, geometry: prov.StageGeometry) -> None:
-        self.cfg = cfg
-        self.provider = provider
-        self.geometry = geometry
+    def setup_mechanism(self, mechanism, pipeline: DepthPipeline) -> None:
+        self.mechanism, self.pipeline = mechanism, pipeline
         self.first_layer = self.layers[0].layer_number - 1  # 0-based global index
-        self.stage = geometry.stage_of_first_layer(self.first_layer)
-        d, dtype = self.config.hidden_size, self.config.params_dtype
+        self.stage = pipeline.geometry.stage_of_first_layer(self.first_layer)
         if self.final_layernorm is not None:  # the stage that ends the decoder also does the final depth mix
-            kind = cfg.residual.residual
-            if kind == "attnres":
-                self.final_mixer = mixing.AttnResMixer(d, self.config.layernorm_epsilon, dtype)
-            elif kind == "dca":
-                sources = mixing.dca_num_sources(cfg.model.num_layers + 1, cfg.residual.dca_last_k)
-                self.final_grn = mixing.GRN(d, sources, cfg.residual.dca_grn, count=1, dtype=dtype)
-            mark_replicated(self, self.config)
+            for name, module in mechanism.final_modules(self.config.params_dtype).items():
+                self.add_module(name, module)
+            mark_replicated(self, mechanism, self.config)
 
-    # --- state in / out ---------------------------------------------------------------------------------------
     def _microbatch(self) -> int:
         return getattr(self.layers[0], "current_microbatch", 0) or 0
 
-    def _state_in(self, hidden_states):
-        p, geo = self.provider, self.geometry
-        if self.pre_process:
-            return p.initial_state(hidden_states)
-        sent, cached = prov.hop_layout(p, geo, self.stage, self.cfg.residual.vp_cache)
-        entries = p.unpack(self.input_tensor, sent)
-        if cached:
-            entries.update(prov.take_stash(self.stage, self._microbatch(), [e.name for e in cached]))
-        return p.state_from(entries, self.first_layer)
-
-    def _state_out(self, state):
-        p, geo = self.provider, self.geometry
-        next_stage = self.stage + 1
-        entries = p.entries(state)
-        sent, _ = prov.hop_layout(p, geo, next_stage, self.cfg.residual.vp_cache)
-        carrier_name = sent[0].name
-        if self.cfg.residual.vp_cache and geo.vpp > 1 and self.stage + geo.pp < geo.num_stages:
-            # This rank runs stage `self.stage + pp` of the same micro-batch next: keep what it will not receive.
-            _, keep = prov.hop_layout(p, geo, self.stage + geo.pp, True)
-            if keep:
-                entries[carrier_name] = prov.stash_for_next_chunk(
-                    entries, [e.name for e in keep], self.stage + geo.pp, self._microbatch(), entries[carrier_name]
-                )
-        packed = p.pack(entries, sent)
-        prov.HOP_COUNTER.record(next_stage, packed)
-        return packed
-
-    # --- layers ---------------------------------------------------------------------------------------------
     def _run_layers(self, state, layer_kwargs):
-        recompute = self.config.recompute_granularity == "full" and self.training
-        if not recompute:
-            for layer in self.layers:
-                state = layer(state, **layer_kwargs)
-            return state
-        p = self.provider
+        mech = self.mechanism
+        hosts = [layer.bind(layer_kwargs) for layer in self.layers]
+        if not (self.config.recompute_granularity == "full" and self.training):
+            return mech.run_layers(hosts, state)
         n = self.config.recompute_num_layers
         uniform = self.config.recompute_method == "uniform"
         start = 0
-        while start < len(self.layers):
-            end = min(start + n, len(self.layers)) if uniform else start + 1
+        while start < len(hosts):
+            end = min(start + n, len(hosts)) if uniform else start + 1
             checkpoint = uniform or start < n  # "block": checkpoint the first n layers only
-            in_layout = [e.name for e in p.layout(self.first_layer + start)]
-            out_layout = [e.name for e in p.layout(self.first_layer + end)]
+            in_layout = [e.name for e in mech.layout(self.first_layer + start)]
+            out_layout = [e.name for e in mech.layout(self.first_layer + end)]
 
             def run(*tensors, _s=start, _e=end, _in=in_layout, _out=out_layout):
-                st = p.state_from(dict(zip(_in, tensors)), self.first_layer + _s)
-                for layer in self.layers[_s:_e]:
-                    st = layer(st, **layer_kwargs)
-                ent = p.entries(st)
+                st = mech.run_layers(hosts[_s:_e], mech.state_from(dict(zip(_in, tensors)), self.first_layer + _s))
+                ent = mech.entries(st)
                 return tuple(ent[name] for name in _out)
 
-            ent = p.entries(state)
+            ent = mech.entries(state)
             args = [ent[name] for name in in_layout]
             outs = tensor_parallel.checkpoint(run, False, *args) if checkpoint else run(*args)
             if isinstance(outs, torch.Tensor):
                 outs = (outs,)
-            state = p.state_from(dict(zip(out_layout, outs)), self.first_layer + end)
+            state = mech.state_from(dict(zip(out_layout, outs)), self.first_layer + end)
             start = end
         return state
 
@@ -119,18 +77,20 @@ class DepthMixingBlock(TransformerBlock):
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else \
             contextlib.nullcontext()
+        mech, pipe = self.mechanism, self.pipeline
         with rng:
-            state = self._run_layers(self._state_in(hidden_states), layer_kwargs)
+            state = mech.initial_state(hidden_states) if self.pre_process else \
+                pipe.receive(self.stage, self._microbatch(), self.input_tensor)
+            state = self._run_layers(state, layer_kwargs)
             if self.final_layernorm is None:
-                out = self._state_out(state)
+                out = pipe.send(self.stage, self._microbatch(), state)
             else:
-                out = self.final_layernorm(self.provider.final_hidden(state, self))
+                out = self.final_layernorm(mech.final_hidden(state, self))
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
 
-
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        # DCA's GRNs grow with depth (one column per source), so layers differ in shape: checkpoint them per layer.
-        if self.cfg.residual.residual == "dca":
+        # Layers whose parameters differ in shape (DCA's GRNs grow with depth) are checkpointed per layer.
+        if not self.mechanism.homogeneous_layers:
             metadata = dict(metadata or {}, non_homogeneous_layers=True)
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
@@ -147,10 +107,9 @@ def _decoder_class(block_class):
 
 
 class DepthMixingGPTModel(GPTModel):
-    """Megatron's GPTModel with a DepthMixingBlock decoder driven by the mechanism's provider."""
+    """Megatron's GPTModel with a DepthMixingBlock decoder driven by the mechanism."""
 
-    def __init__(self, *args, mega_depth_config: Config, provider: prov.Provider, geometry: prov.StageGeometry,
-                 **kwargs):
+    def __init__(self, *args, mechanism, pipeline: DepthPipeline, **kwargs):
         with _decoder_class(DepthMixingBlock):
             super().__init__(*args, **kwargs)
-        self.decoder.setup_provider(mega_depth_config, provider, geometry)
+        self.decoder.setup_mechanism(mechanism, pipeline)

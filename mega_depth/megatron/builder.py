@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,17 +17,19 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mega_depth.config import Config
-from mega_depth.init import is_random_init, keyed_normal, padded_vocab_size  # noqa: F401 (re-exported)
+from mega_depth import kernels
+from mega_depth.init import initial_value, padded_vocab_size
 from mega_depth.megatron.block import DepthMixingGPTModel
-from mega_depth.megatron.layers import DepthMixingLayer, DepthMixingSelfAttention
+from mega_depth.megatron.layer import DepthMixingLayer, DepthMixingSelfAttention
 from mega_depth.megatron.norm import RMSNorm
-from mega_depth.megatron.providers import StageGeometry, make_provider
+from mega_depth.megatron.pipeline import DepthPipeline, StageGeometry
+from mega_depth.model.registry import build as build_mechanism
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     dtype = torch.bfloat16 if t.bf16 else torch.float32
-    needs_variable_shapes = cfg.residual.residual != "standard" and p.pipeline_model_parallel_size > 1
+    needs_variable_shapes = mechanism_of(cfg).mixes_depth and p.pipeline_model_parallel_size > 1
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -70,7 +72,15 @@ def transformer_config(cfg: Config) -> TransformerConfig:
     )
 
 
-def layer_spec(cfg: Config) -> ModuleSpec:
+def mechanism_of(cfg: Config, tp: int = 1):
+    """The mechanism instance for this rank (TP and SP only set its pipeline-payload widths), with the fast path
+    of --mixing-impl."""
+    mechanism = build_mechanism(cfg.residual, cfg.decoder_config().shape, tp, cfg.parallel.sequence_parallel)
+    mechanism.kernels = kernels.select(cfg.model.mixing_impl)
+    return mechanism
+
+
+def layer_spec(cfg: Config, mechanism) -> ModuleSpec:
     """Megatron's local GPT layer (Llama/Qwen3 choices) with SP-capable RMSNorms; for a depth-mixing mechanism
     the same submodules under DepthMixingLayer / DepthMixingSelfAttention."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm"))
@@ -84,26 +94,25 @@ def layer_spec(cfg: Config) -> ModuleSpec:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         attn.core_attention = TEDotProductAttention
-    if cfg.residual.residual != "standard":
+    if mechanism.mixes_depth:
         spec.module = DepthMixingLayer
-        spec.params = {"residual": cfg.residual}
+        spec.params = {"mechanism": mechanism}
         subs.self_attention.module = DepthMixingSelfAttention
-        subs.self_attention.params = dict(
-            subs.self_attention.params,
-            depth_attn_query_heads=cfg.residual.residual == "depth-attention" and cfg.residual.depth_attn_gqa == "query",
-        )
+        subs.self_attention.params = dict(subs.self_attention.params,
+                                          values_per_query_head=mechanism.value_heads_per_query_head)
     return spec
 
 
 def build_model_chunks(cfg: Config) -> List[GPTModel]:
     """One GPTModel per virtual pipeline stage held by this rank (parallel_state must be initialised)."""
     tconfig = transformer_config(cfg)
-    spec = layer_spec(cfg)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = cfg.virtual_pipeline_size or 1
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    mechanism = mechanism_of(cfg, parallel_state.get_tensor_model_parallel_world_size())
+    spec = layer_spec(cfg, mechanism)
     geometry = StageGeometry(cfg.model.num_layers, pp, vpp)
+    pipeline = DepthPipeline(mechanism, geometry, cfg.parallel.vp_cache)  # one per rank, shared by its chunks
     chunks = []
     for vp_stage in range(vpp):
         vp_arg = vp_stage if vpp > 1 else None
@@ -125,13 +134,12 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
             rotary_base=cfg.model.rotary_base,
             vp_stage=vp_arg,
         )
-        if cfg.residual.residual == "standard":
-            model = GPTModel(**kwargs)
+        if mechanism.mixes_depth:
+            model = DepthMixingGPTModel(**kwargs, mechanism=mechanism, pipeline=pipeline)
         else:
-            model = DepthMixingGPTModel(**kwargs, mega_depth_config=cfg, provider=make_provider(cfg, tp),
-                                        geometry=geometry)
+            model = GPTModel(**kwargs)
         model.model_type = ModelType.encoder_or_decoder
-        init_layout_independent(model, cfg, geometry, vp_stage, pp_rank)
+        init_layout_independent(model, cfg, mechanism, geometry, vp_stage, pp_rank)
         chunks.append(model)
     return chunks
 
@@ -149,17 +157,43 @@ def global_param_name(local_name: str, first_layer: int) -> str:
     return ".".join(parts)
 
 
-def init_layout_independent(model: GPTModel, cfg: Config, geometry: StageGeometry, vp_stage: int, pp_rank: int):
+def init_layout_independent(model: GPTModel, cfg: Config, mechanism, geometry: StageGeometry, vp_stage: int,
+                            pp_rank: int):
     """Re-initialise every random matrix from a generator keyed by (seed, global parameter name), drawing the
     FULL tensor and keeping this rank's TP shard. Any TP x PP x VPP layout then starts from the same weights as
     the single-process model, which is what makes losses comparable across layouts (and reproducible)."""
+    m = cfg.model
+    _assign_full_tensors(model, cfg, geometry, vp_stage, pp_rank, lambda name, shape: initial_value(
+        cfg.training.seed, name, shape, m.init_method_std, m.num_layers, mechanism))
+
+
+def load_full_state(chunks: List[GPTModel], full: Dict[str, torch.Tensor], cfg: Config) -> None:
+    """Weights-only load: every parameter of this rank's chunks takes its shard of the full (TP=1, PP=1) Megatron
+    state dict `full` (mega_depth/checkpoint/weights.py reads one from any checkpoint format)."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    geometry = StageGeometry(cfg.model.num_layers, parallel_state.get_pipeline_model_parallel_world_size(),
+                             cfg.virtual_pipeline_size or 1)
+
+    def value_of(name, shape):
+        if name not in full:
+            raise KeyError(f"the loaded weights have no {name}")
+        if tuple(full[name].shape) != tuple(shape):
+            raise ValueError(f"{name}: the loaded weights have shape {tuple(full[name].shape)}, the model "
+                             f"{tuple(shape)}")
+        return full[name]
+
+    for vp_stage, chunk in enumerate(chunks):
+        _assign_full_tensors(chunk, cfg, geometry, vp_stage, pp_rank, value_of)
+
+
+def _assign_full_tensors(model: GPTModel, cfg: Config, geometry: StageGeometry, vp_stage: int, pp_rank: int,
+                         value_of: Callable[[str, List[int]], Optional[torch.Tensor]]) -> None:
+    """param <- this rank's TP shard of value_of(global name, full shape), for every parameter it gives."""
     first_layer = geometry.start(vp_stage * geometry.pp + pp_rank)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     with torch.no_grad():
         for local_name, param in model.named_parameters():
-            if not is_random_init(local_name, param):
-                continue
             name = global_param_name(local_name, first_layer)
             if name == "output_layer.weight" and not cfg.model.untie_embeddings_and_output_weights:
                 name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
@@ -167,7 +201,9 @@ def init_layout_independent(model: GPTModel, cfg: Config, geometry: StageGeometr
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             if dim >= 0:
                 full_shape[dim] *= tp
-            full = keyed_normal(cfg.training.seed, name, full_shape, cfg.model.init_method_std, cfg.model.num_layers)
+            full = value_of(name, full_shape)
+            if full is None:
+                continue
             if dim >= 0:
                 stride = getattr(param, "partition_stride", 1)
                 pieces = full.chunk(tp * stride, dim=dim)[tp_rank::tp]

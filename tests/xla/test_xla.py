@@ -10,9 +10,8 @@ import torch
 from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run
 from mega_depth.catalogue import MECHANISMS
 
-# 2-device layouts: each mechanism once, half of them data parallel, half FSDP-sharded.
-SPMD = {"attnres-block": "2,1", "dca-2": "2,1", "depth-attention": "2,1",
-        "standard": "1,2", "attnres-full": "1,2", "dca": "1,2"}
+# 2-device layouts: each setting once, alternately data parallel and FSDP-sharded.
+SPMD = {name: ("2,1", "1,2")[i % 2] for i, name in enumerate(MECHANISMS)}
 PRECISE = ["--mat-mul-precision", "highest"]
 SMALL = ["--num-layers", "2"]  # run_layout.py's model, two layers deep: XLA's CPU compiler is slow
 
@@ -62,9 +61,10 @@ def test_xla_checkpoint_exports_to_hugging_face_with_equal_logits(tmp_path):
     run(["-c", f"""
 import torch, torch_xla, torch_xla.backends
 torch_xla.backends.set_mat_mul_precision("highest")
-from mega_depth.hf.export import load_canonical_weights
-from mega_depth.model import CausalLM
-weights, _, dc = load_canonical_weights({str(ckpt)!r})
+from mega_depth.checkpoint.rules import find_checkpoint
+from mega_depth.checkpoint.weights import canonical_weights
+from mega_depth.model.decoder import CausalLM
+weights, dc = canonical_weights(*find_checkpoint({str(ckpt)!r}))
 model = CausalLM(dc)
 model.load_state_dict(weights, strict=False)
 model = model.to(torch_xla.device()).eval()

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAIN_PY = os.path.join(ROOT, ".venv", "bin", "python")
-RUN_PLAIN = os.path.join(ROOT, "tests", "distributed", "run_plain.py")
+RUN_PLAIN = os.path.join(ROOT, "tests", "scripts", "run_plain.py")
 
 
 def run(args, env=None, python=sys.executable, timeout=1800):

@@ -1,0 +1,283 @@
+"""The checkpoint rules, written once for every trainer.
+
+- A save fills iter_N.tmp/, then records mega_depth.json and the manifest, renames it to iter_N and replaces the
+  pointer atomically: a kill at any moment leaves the previous checkpoint and pointer intact.
+- Every checkpoint belongs to a run (a random id made when a run starts from scratch, inherited on resume).
+  Pruning (--keep-last) removes only the saving run's own older checkpoints, the least recent first; another
+  run's checkpoints in the same folder are never touched.
+- A run started from scratch (no --load) into a --save folder that already holds checkpoints is refused, unless
+  --overwrite-save says to write beside them.
+- --load of a folder that does not exist yet, or is empty, starts from scratch and says so (Megatron-LM's rule,
+  so that `--save X --load X` works on a job's first submission).
+- --load of a save folder verifies the newest checkpoint against its manifest and falls back to the newest intact
+  checkpoint of the same run, naming the damaged file. --load of one iter_N directory never falls back.
+
+Collective calls take `comm`: an object with `rank`, `barrier()` and `broadcast(obj)` (from rank 0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from typing import Callable, List, Optional, Tuple
+
+from mega_depth.checkpoint.manifest import CorruptCheckpoint, has_manifest, verify, write_manifest
+from mega_depth.config import Config, ConfigError, to_dict
+
+POINTER = "latest_checkpointed_iteration.txt"
+META = "mega_depth.json"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint problem the user must act on (the message names the problem and the fix)."""
+
+
+def iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def list_checkpoints(root: str) -> List[Tuple[int, str]]:
+    """Complete checkpoint directories (iter_N, not iter_N.tmp) of a save folder, by step."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        if name.startswith("iter_") and name[5:].isdigit() and os.path.isdir(os.path.join(root, name)):
+            out.append((int(name[5:]), os.path.join(root, name)))
+    return sorted(out)
+
+
+def read_pointer(root: str) -> Optional[int]:
+    try:
+        text = open(os.path.join(root, POINTER)).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def write_pointer(root: str, step: int) -> None:
+    tmp = os.path.join(root, POINTER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, POINTER))
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    """mega_depth.json of a checkpoint; CorruptCheckpoint if it is missing or unreadable."""
+    try:
+        with open(os.path.join(ckpt_dir, META)) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{META} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{META} is unreadable ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(meta, dict) or "config" not in meta or "step" not in meta:
+        raise CorruptCheckpoint(f"{META} lacks the step or the config")
+    return meta
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def config_hash(cfg: Config) -> str:
+    """Identifies the model a checkpoint holds (shape and mechanism; not the layout or the schedule)."""
+    values = cfg.decoder_config().to_dict()
+    values.pop("hidden_dropout", None)
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_fresh_save(root: str, overwrite: bool) -> None:
+    """A run starting from scratch must not write into a folder holding another run's checkpoints."""
+    existing = list_checkpoints(root)
+    if existing and not overwrite:
+        names = ", ".join(os.path.basename(p) for _, p in existing[-3:])
+        raise CheckpointError(
+            f"--save {root} already holds checkpoints of another run ({names}); continue that run with --load "
+            f"{root}, or save this one to a new --save folder, or pass --overwrite-save to write beside them")
+
+
+def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_last: int, comm) -> str:
+    """Write one checkpoint atomically (collective). `fill(tmp_dir)` writes the format's own files on every
+    rank; `meta` (format, run_id, config, ...) goes to mega_depth.json. Returns the final directory."""
+    final = iter_dir(root, step)
+    tmp = final + ".tmp"
+    if comm.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous kill mid-save
+        os.makedirs(tmp)
+    comm.barrier()
+    fill(tmp)
+    comm.barrier()
+    if os.environ.get("MEGA_DEPTH_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash tests
+        _kill_self()
+    if comm.rank == 0:
+        record = dict(meta, step=step, saved_at=time.time())
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(record, f, indent=1)
+        write_manifest(tmp, record["run_id"], record.get("config_hash", ""))
+        if os.path.isdir(final):  # the same step saved again (a rerun of the same run): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        write_pointer(root, step)
+        prune(root, keep_last, record["run_id"], keep=final)
+    comm.barrier()
+    return final
+
+
+def _kill_self() -> None:
+    """SIGKILL this process and its helpers (the checkpoint writer's worker processes), as an OOM kill would."""
+    import signal
+
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def prune(root: str, keep_last: int, run_id: str, keep: Optional[str] = None) -> List[str]:
+    """Delete this run's checkpoints beyond the `keep_last` most recently saved ones; returns what was deleted.
+    Checkpoints of other runs, unreadable ones and `keep` are never deleted."""
+    own = []
+    for _, path in list_checkpoints(root):
+        try:
+            meta = read_meta(path)
+        except CorruptCheckpoint:
+            continue
+        if meta.get("run_id") == run_id:
+            own.append((meta.get("saved_at", 0.0), path))
+    own.sort(reverse=True)
+    deleted = []
+    for _, path in own[keep_last:]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _checked(ckpt_dir: str) -> dict:
+    """The checkpoint's metadata once its files match its manifest (CorruptCheckpoint otherwise)."""
+    if not os.path.isdir(ckpt_dir):
+        raise CorruptCheckpoint("the directory is missing")
+    meta = read_meta(ckpt_dir)
+    if has_manifest(ckpt_dir):
+        verify(ckpt_dir)
+    else:
+        meta["unverified"] = True  # written before manifests existed: loaded as it is
+    return meta
+
+
+def _run_of(ckpt_dir: str) -> Optional[str]:
+    for reader in (lambda: read_meta(ckpt_dir).get("run_id"),
+                   lambda: json.load(open(os.path.join(ckpt_dir, "manifest.json"))).get("run_id")):
+        try:
+            return reader()
+        except (CorruptCheckpoint, OSError, ValueError):
+            continue
+    return None
+
+
+def find_checkpoint(load: str, say: Callable[[str], None] = print) -> Optional[Tuple[str, dict]]:
+    """(directory, metadata) of the checkpoint `--load` names, verified; None to start from scratch.
+    Not collective: call on one rank and broadcast (see resolve_load)."""
+    if not os.path.exists(load) or (os.path.isdir(load) and not os.listdir(load)):
+        say(f"--load {load} {'does not exist' if not os.path.exists(load) else 'is empty'} yet: starting from "
+            "scratch")
+        return None
+    if os.path.isfile(os.path.join(load, META)) or os.path.basename(os.path.normpath(load)).startswith("iter_"):
+        try:  # one named checkpoint: never fall back
+            return load, _checked(load)
+        except CorruptCheckpoint as e:
+            raise CheckpointError(f"checkpoint {load} is damaged: {e}; load another iter_N directory, or its save "
+                                  "folder to fall back to the newest intact checkpoint") from None
+    complete = list_checkpoints(load)
+    pointer = read_pointer(load)
+    if not complete:
+        raise CheckpointError(f"--load {load} holds no checkpoint (no iter_N directories or {POINTER}); point it at "
+                              "a --save folder or at one iter_N directory")
+    by_step = dict(complete)
+    newest = pointer if pointer in by_step else complete[-1][0]
+    run_id = _run_of(by_step[newest])
+    candidates = [newest] + [s for s, p in reversed(complete) if s != newest and
+                             (run_id is None or _run_of(p) == run_id)]
+    problems = []
+    for step in candidates:
+        path = by_step[step]
+        try:
+            meta = _checked(path)
+        except CorruptCheckpoint as e:
+            say(f"checkpoint {path} is damaged: {e}; trying the previous one")
+            problems.append(f"{os.path.basename(path)}: {e}")
+            continue
+        if problems:
+            say(f"falling back to {path}, the newest intact checkpoint of this run")
+        return path, meta
+    raise CheckpointError(f"no intact checkpoint in {load} ({'; '.join(problems)}); start without --load, or "
+                          "restore the files")
+
+
+def resolve_load(load: str, comm) -> Optional[Tuple[str, dict]]:
+    """find_checkpoint on rank 0, the same answer on every rank (collective)."""
+    answer = None
+    if comm.rank == 0:
+        try:
+            answer = ("ok", find_checkpoint(load))
+        except CheckpointError as e:
+            answer = ("error", str(e))
+    kind, value = comm.broadcast(answer)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def check_compatible(meta: dict, cfg: Config, where: str) -> None:
+    """The checkpoint's model and mechanism must be this run's (the parallel layout and schedule may differ)."""
+    from mega_depth.checkpoint.weights import saved_config
+
+    saved = saved_config(meta).decoder_config().to_dict()
+    now = cfg.decoder_config().to_dict()
+    diffs = []
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "vocab_size", "qk_layernorm", "tie_word_embeddings"):
+        if saved[key] != now[key]:
+            flag = "--untie-embeddings-and-output-weights" if key == "tie_word_embeddings" else \
+                "--" + key.replace("_", "-")
+            diffs.append(f"{flag}: checkpoint {saved[key]!r}, this run {now[key]!r}")
+    saved_r, now_r = saved["residual"], now["residual"]
+    for key in sorted(set(saved_r) | set(now_r), key=lambda k: (k != "residual", k)):
+        if saved_r.get(key) != now_r.get(key):
+            diffs.append(f"--{key.replace('_', '-')}: checkpoint {saved_r.get(key)!r}, this run {now_r.get(key)!r}")
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} was trained with a different model or mechanism: "
+                              + "; ".join(diffs) + ". Pass the checkpoint's flags (or its --config), or start "
+                              "without --load.")
+
+
+def describe(meta: dict) -> str:
+    return json.dumps({k: meta.get(k) for k in ("format", "step", "run_id")})
+
+
+def load_config_dict(meta: dict) -> dict:
+    return meta["config"]
+
+
+__all__ = ["CheckpointError", "CorruptCheckpoint", "META", "POINTER", "check_compatible", "check_fresh_save",
+           "config_hash", "find_checkpoint", "iter_dir", "list_checkpoints", "new_run_id", "prune", "read_meta",
+           "read_pointer", "resolve_load", "save", "to_dict", "write_pointer"]

@@ -1,0 +1,123 @@
+"""The weights of any mega_depth checkpoint in canonical (Hugging Face) names, in one process, pure torch.
+
+Formats (mega_depth.json "format"):
+- megatron: megatron-core's torch_dist dist-checkpoint. Its shards are read by key with
+  torch.distributed.checkpoint (no Megatron model, no process group): layers stack along a leading dim
+  ("decoder.layers.x", homogeneous layers) or are keyed per layer ("decoder.layers.<i>.x").
+- deepspeed, plain: the checkpoint carries model.safetensors in canonical names.
+The state-dict adapter (mega_depth/model/state_dict_adapter.py) maps Megatron names to canonical ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Tuple
+
+import torch
+
+from mega_depth.checkpoint.manifest import CorruptCheckpoint
+from mega_depth.config import Config, ModelConfig
+from mega_depth.init import padded_vocab_size
+from mega_depth.model.config import DecoderConfig, residual_config
+
+WEIGHTS = "model.safetensors"
+# The local layer spec's sharded_state_dict_keys_map (megatron/core/models/gpt/gpt_layer_specs.py, 0.16.1): layer
+# norms are checkpointed under the fused Transformer Engine names, so that the two specs share checkpoints.
+_SHARDED_KEY_RENAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def _sharded_key(name: str) -> str:
+    for old, new in _SHARDED_KEY_RENAMES.items():
+        if f".{old}" in name:
+            return name.replace(f".{old}", f".{new}")
+    return name
+
+
+def saved_config(meta: dict) -> Config:
+    """The model and mechanism a checkpoint recorded, as a Config (older checkpoints: missing options default)."""
+    saved = meta["config"]
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in saved["model"].items() if k in model_fields})
+    residual = {k: v for k, v in saved["residual"].items() if k in {f.name for f in
+                                                                    dataclasses.fields(type(Config().residual))}}
+    cfg = Config(model=model, residual=residual_config(residual))
+    cfg.data.mock_data = True  # only the model matters here
+    return cfg
+
+
+def decoder_config(meta: dict) -> DecoderConfig:
+    """The plain decoder's config of a checkpoint (vocabulary padded as the embedding is)."""
+    cfg = saved_config(meta)
+    return cfg.decoder_config(padded_vocab_size(cfg.model.vocab_size))
+
+
+def megatron_full_state(ckpt_dir: str, dc: DecoderConfig) -> Dict[str, torch.Tensor]:
+    """The full (TP=1, PP=1) Megatron state dict of a torch_dist checkpoint saved in any layout."""
+    import torch.distributed.checkpoint as dcp
+
+    from mega_depth.model.decoder import CausalLM
+    from mega_depth.model.state_dict_adapter import from_canonical
+
+    reader = dcp.FileSystemReader(ckpt_dir)
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any failure to read the index means the files are damaged
+        raise CorruptCheckpoint(f"its dist-checkpoint index (.metadata) is unreadable ({type(e).__name__})") from None
+    with torch.device("meta"):
+        template = CausalLM(dc).state_dict()
+    if dc.tie_word_embeddings:
+        template.pop("lm_head.weight", None)
+    expected = from_canonical(template, dc)  # Megatron name -> meta tensor of the full shape
+    request, where = {}, {}
+    for name, t in expected.items():
+        parts = _sharded_key(name).split(".")
+        stacked = ".".join(parts[:2] + parts[3:]) if name.startswith("decoder.layers.") else None
+        if ".".join(parts) in stored:
+            key, index = ".".join(parts), None
+        elif stacked is not None and stacked in stored:
+            key, index = stacked, int(parts[2])
+        else:
+            raise CorruptCheckpoint(f"its shards hold no tensor for {name}")
+        if key not in request:
+            meta = stored[key]
+            request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        where[name] = (key, index)
+    try:
+        dcp.load(request, storage_reader=reader, no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpoint(f"its shards cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
+    out = {}
+    for name, (key, index) in where.items():
+        value = request[key] if index is None else request[key][index]
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise CorruptCheckpoint(f"{name} has shape {tuple(value.shape)}, its recorded config needs "
+                                    f"{tuple(expected[name].shape)}")
+        out[name] = value.clone()
+    return out
+
+
+def canonical_weights(ckpt_dir: str, meta: dict) -> Tuple[Dict[str, torch.Tensor], DecoderConfig]:
+    """(canonical weights, decoder config) of one checkpoint directory."""
+    from mega_depth.model.state_dict_adapter import to_canonical
+
+    dc = decoder_config(meta)
+    if meta.get("format", "megatron") == "megatron":
+        return to_canonical(megatron_full_state(ckpt_dir, dc), dc), dc
+    from safetensors.torch import load_file
+
+    path = os.path.join(ckpt_dir, WEIGHTS)
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(f"{WEIGHTS} is missing")
+    return load_file(path), dc
+
+
+def full_megatron_weights(ckpt_dir: str, meta: dict) -> Dict[str, torch.Tensor]:
+    """The full Megatron state dict of any checkpoint (weights-only loads into any layout start from this)."""
+    from mega_depth.model.state_dict_adapter import from_canonical
+
+    if meta.get("format", "megatron") == "megatron":
+        return megatron_full_state(ckpt_dir, decoder_config(meta))
+    canonical, dc = canonical_weights(ckpt_dir, meta)
+    return from_canonical(canonical, dc)

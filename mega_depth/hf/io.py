@@ -1,0 +1,239 @@
+"""Hugging Face folders in and out: file IO only (the weights are canonical already; see checkpoint/weights.py).
+
+Writing: the standard residual becomes a native Qwen3 (q/k-norm) or Llama folder, with no remote code; every
+depth-mixing mechanism the `mega_depth_lm` architecture (trust_remote_code=True), whose folder carries
+configuration_mega_depth.py, modeling_mega_depth.py and mega_depth/model/*.py (the decoder, the mechanisms, the
+math) flat beside them. Always: config.json, generation_config.json, safetensors (sharded with an index past
+max_shard_size), tokenizer.model + tokenizer_config.json and mega_depth.json (the exact training config). Written to
+a temporary folder and renamed at the end.
+
+Reading: a mega_depth export (its mega_depth.json has the exact config) or a native Qwen3 / Llama folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import tempfile
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from mega_depth.config import Config, ConfigError
+from mega_depth.model.config import DecoderConfig
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_MODEL_DIR = os.path.join(os.path.dirname(_HERE), "model")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def code_files() -> Dict[str, str]:
+    """Exported file name -> source: the two Hugging Face files and the flat mega_depth/model folder."""
+    files = {name: os.path.join(_HERE, name) for name in ("configuration_mega_depth.py", "modeling_mega_depth.py")}
+    for path in sorted(glob.glob(os.path.join(_MODEL_DIR, "*.py"))):
+        if os.path.basename(path) != "__init__.py":
+            files[os.path.basename(path)] = path
+    return files
+
+
+def _native_model(dc: DecoderConfig, max_positions: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=dc.vocab_size, hidden_size=dc.hidden_size, intermediate_size=dc.ffn_hidden_size,
+                  num_hidden_layers=dc.num_layers, num_attention_heads=dc.num_attention_heads,
+                  num_key_value_heads=dc.num_query_groups, head_dim=dc.head_dim, hidden_act="silu",
+                  max_position_embeddings=max_positions, rms_norm_eps=dc.norm_epsilon,
+                  tie_word_embeddings=dc.tie_word_embeddings, attention_bias=False, bos_token_id=1, eos_token_id=2,
+                  rope_parameters={"rope_type": "default", "rope_theta": dc.rotary_base})
+    if dc.qk_layernorm:
+        return Qwen3ForCausalLM(Qwen3Config(**common, use_sliding_window=False))
+    return LlamaForCausalLM(LlamaConfig(**common, mlp_bias=False))
+
+
+def _mega_depth_model(dc: DecoderConfig, max_positions: int):
+    from mega_depth.hf.configuration_mega_depth import MegaDepthConfig
+    from mega_depth.hf.modeling_mega_depth import MegaDepthForCausalLM
+
+    config = MegaDepthConfig(
+        vocab_size=dc.vocab_size, hidden_size=dc.hidden_size, num_hidden_layers=dc.num_layers,
+        num_attention_heads=dc.num_attention_heads, num_key_value_heads=dc.num_query_groups,
+        intermediate_size=dc.ffn_hidden_size, rms_norm_eps=dc.norm_epsilon, rope_theta=dc.rotary_base,
+        qk_layernorm=dc.qk_layernorm, residual=dc.residual_values(),
+        depth_mixing_inference=dc.mechanism().inference_form(), tie_word_embeddings=dc.tie_word_embeddings,
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
+    config.auto_map = {"AutoConfig": "configuration_mega_depth.MegaDepthConfig",
+                       "AutoModelForCausalLM": "modeling_mega_depth.MegaDepthForCausalLM"}
+    config.architectures = ["MegaDepthForCausalLM"]
+    return MegaDepthForCausalLM(config)
+
+
+def write_tokenizer(spm_model: str, out: str) -> None:
+    """tokenizer.model + a tokenizer_config.json naming the special tokens (AutoTokenizer reproduces the
+    sentencepiece ids; mega_depth trains without BOS, so none is added)."""
+    shutil.copy(spm_model, os.path.join(out, "tokenizer.model"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                   "add_bos_token": False, "add_eos_token": False, "model_max_length": 1 << 20,
+                   "clean_up_tokenization_spaces": False, "legacy": False}, f, indent=1)
+
+
+def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str, tokenizer_model: str,
+                 max_positions: int, provenance: dict, dtype: str = "fp32", force: bool = False,
+                 max_shard_size: str = "2GB") -> str:
+    """Write a Hugging Face folder for canonical weights; nothing is left half-written on failure."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not force:
+        raise ConfigError(f"--out {out} exists and is not empty; pass --force to replace it")
+    if not tokenizer_model or not os.path.isfile(tokenizer_model):
+        raise ConfigError(f"no tokenizer for this checkpoint ({tokenizer_model or 'none recorded'}); pass "
+                          "--tokenizer-model (the sentencepiece model the data was made with)")
+    native = not dc.mechanism().mixes_depth
+    model = (_native_model if native else _mega_depth_model)(dc, max_positions)
+    missing, unexpected = model.load_state_dict(canonical, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and dc.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ConfigError(f"the weights do not map onto the exported architecture: missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]}")
+    model = model.to(DTYPES[dtype])
+    from transformers import GenerationConfig
+
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False, max_new_tokens=64).save_pretrained(tmp)
+        if not native:
+            for name, src in code_files().items():
+                shutil.copy(src, os.path.join(tmp, name))
+        write_tokenizer(tokenizer_model, tmp)
+        with open(os.path.join(tmp, "mega_depth.json"), "w") as f:
+            json.dump(provenance, f, indent=1)
+        if os.path.exists(out):
+            shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_weights(folder: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"{folder} has no model.safetensors (or index); export with safetensors")
+    out = {}
+    for name in files:
+        out.update(load_file(os.path.join(folder, name)))
+    return out
+
+
+def _native_config(hf: dict, folder: str) -> Config:
+    """The training config of a native Qwen3 / Llama folder (standard residual)."""
+    rope = hf.get("rope_parameters") or {}
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size = hf["num_hidden_layers"], hf["hidden_size"]
+    m.num_attention_heads, m.num_query_groups = hf["num_attention_heads"], hf.get("num_key_value_heads")
+    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
+    m.norm_epsilon, m.qk_layernorm = hf.get("rms_norm_eps", 1e-6), hf["model_type"] == "qwen3"
+    m.rotary_base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
+    m.seq_length = min(hf.get("max_position_embeddings", 4096), 4096)
+    if hf.get("head_dim", m.hidden_size // m.num_attention_heads) != m.hidden_size // m.num_attention_heads:
+        raise ConfigError(f"{folder}: head_dim != hidden_size / num_attention_heads is not supported")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError(f"{folder}: attention or MLP biases are not supported (Llama/Qwen3 without bias)")
+    return cfg
+
+
+def read_folder(folder: str) -> Tuple[Dict[str, torch.Tensor], Config, Optional[str]]:
+    """(canonical weights, training config, tokenizer model path or None) of a Hugging Face folder."""
+    from mega_depth.checkpoint.weights import saved_config
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ConfigError(f"{folder} is not a Hugging Face model folder (no config.json) nor a mega_depth "
+                          "checkpoint; pass an exported folder, a Qwen3/Llama folder or a --save directory")
+    try:
+        hf = json.load(open(config_path))
+    except ValueError as e:
+        raise ConfigError(f"{config_path} is not valid JSON ({e})") from None
+    meta_path = os.path.join(folder, "mega_depth.json")
+    if os.path.isfile(meta_path):  # our own export: the exact training config travels with it
+        cfg = saved_config(json.load(open(meta_path)))
+    elif hf.get("model_type") in ("qwen3", "llama"):
+        cfg = _native_config(hf, folder)
+    else:
+        raise ConfigError(f"{folder} holds a {hf.get('model_type')!r} model; import supports mega_depth exports "
+                          "and native qwen3/llama folders")
+    tokenizer = os.path.join(folder, "tokenizer.model")
+    return read_weights(folder), cfg, tokenizer if os.path.isfile(tokenizer) else None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The two conversions (tools/convert_to_hf.py, tools/convert_from_hf.py)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def export_checkpoint(load: str, out: str, dtype: str = "fp32", force: bool = False,
+                      tokenizer_model: Optional[str] = None, max_shard_size: str = "2GB", say=print) -> str:
+    """Any mega_depth checkpoint (verified; a save folder falls back to its newest intact checkpoint) -> a Hugging
+    Face folder."""
+    from mega_depth.checkpoint.manifest import CorruptCheckpoint
+    from mega_depth.checkpoint.rules import find_checkpoint
+    from mega_depth.checkpoint.weights import canonical_weights
+
+    if dtype not in DTYPES:  # before any work
+        raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if not os.path.exists(load):
+        raise ConfigError(f"--load {load} does not exist")
+    found = find_checkpoint(load, say=say)
+    if found is None:
+        raise ConfigError(f"--load {load} holds no checkpoint")
+    ckpt, meta = found
+    try:
+        canonical, dc = canonical_weights(ckpt, meta)
+    except CorruptCheckpoint as e:
+        raise ConfigError(f"checkpoint {ckpt}: {e}: its weights do not match its recorded config; the checkpoint is "
+                          "damaged or mega_depth.json was edited") from None
+    config = meta["config"]
+    return write_folder(canonical, dc, out, tokenizer_model or config.get("data", {}).get("tokenizer_model"),
+                        config["model"]["seq_length"], {"exported_from": os.path.abspath(ckpt),
+                                                        "step": meta["step"], "config": config},
+                        dtype, force, max_shard_size)
+
+
+def import_folder(source: str, save: str, force: bool = False, say=print) -> str:
+    """A Hugging Face folder, or any mega_depth checkpoint (another trainer's, say), -> a weights-only checkpoint
+    that every trainer's --load fine-tunes from in any layout."""
+    from mega_depth.checkpoint import rules
+    from mega_depth.checkpoint.manifest import CorruptCheckpoint
+    from mega_depth.checkpoint.plain import write_model_only
+    from mega_depth.checkpoint.weights import canonical_weights, saved_config
+
+    if not os.path.isdir(source):
+        raise ConfigError(f"--hf {source} does not exist")
+    tokenizer = None
+    hf_folder = os.path.isfile(os.path.join(source, "config.json"))  # an export also carries a mega_depth.json
+    if not hf_folder and (os.path.isfile(os.path.join(source, rules.META)) or rules.list_checkpoints(source)):
+        ckpt, meta = rules.find_checkpoint(source, say=say)
+        try:
+            canonical, _ = canonical_weights(ckpt, meta)
+        except CorruptCheckpoint as e:
+            raise ConfigError(f"checkpoint {ckpt}: {e}") from None
+        cfg = saved_config(meta)
+        cfg.data.tokenizer_model = meta["config"].get("data", {}).get("tokenizer_model")
+    else:
+        canonical, cfg, tokenizer = read_folder(source)
+    return write_model_only(canonical, cfg, save, os.path.abspath(source), tokenizer, force)

@@ -1,0 +1,31 @@
+"""Fast paths of the mixing math, selected by --mixing-impl. The eager functions of mega_depth/model/mixing.py stay
+the reference (and the CPU default); every fast twin here has the same signature and a test that ties its values
+and gradients to the reference.
+
+    eager      the reference itself (mechanism.kernels = None)
+    compiled   torch.compile'd twins (fused elementwise kernels on a GPU)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+from mega_depth.model import mixing
+
+# The functions a mechanism may ask for by name (Mechanism.kernel(name, reference)).
+FAST_FUNCTIONS = ("attnres_mix", "attnres_block_phase1", "grn_apply", "depth_attention_mix")
+
+
+def select(impl: str) -> Optional[SimpleNamespace]:
+    """The namespace of fast twins for `impl`, or None for the eager reference."""
+    if impl == "eager":
+        return None
+    if impl == "compiled":
+        import torch
+
+        # One compiled graph per distinct source count / None pattern: a deep model needs more than dynamo's
+        # default of 8 before it would fall back to eager (seen on an H200 with 24 sublayers).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        return SimpleNamespace(**{name: torch.compile(getattr(mixing, name), dynamic=True) for name in FAST_FUNCTIONS})
+    raise ValueError(f"unknown --mixing-impl {impl!r}")

@@ -1,0 +1,165 @@
+"""The Megatron-core host layer a mechanism runs on (mega_depth/model/base.py), and its attention.
+
+`DepthMixingLayer` is Megatron's TransformerLayer with the mechanism's modules as children. It does not thread a
+hidden state itself: the mechanism calls its two sublayers (`attention_sublayer`, `mlp_sublayer`: pre-norm,
+Megatron's attention / MLP, hidden dropout) on inputs it forms from its cross-layer state.
+`DepthMixingSelfAttention` is Megatron's SelfAttention with two hooks, both off unless one call sets them:
+separate query/key/value inputs (DCA) and a value mixer (Depth-Attention).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from mega_depth.model.mixing import expand_heads
+
+
+@dataclass
+class AttentionHooks:
+    qkv_inputs: Optional[tuple] = None  # normalised (q_in, k_in, v_in), each [s(/tp), b, h]
+    value_mixer: Optional[Callable] = None  # (query, key, raw_key, value, key_norm) -> value
+
+
+class DepthMixingSelfAttention(SelfAttention):
+    def __init__(self, config, submodules, layer_number, attn_mask_type=None, cp_comm_type=None,
+                 pg_collection=None, values_per_query_head: bool = False):
+        kwargs = {} if attn_mask_type is None else {"attn_mask_type": attn_mask_type}
+        super().__init__(config, submodules, layer_number, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+                         **kwargs)
+        self.hooks: Optional[AttentionHooks] = None
+        self.values_per_query_head = (
+            values_per_query_head and self.num_query_groups_per_partition < self.num_attention_heads_per_partition
+        )
+        if self.values_per_query_head:
+            # Values with one head per query head give every query head its own key too: the core attention runs
+            # as multi-head attention (the same trick Megatron uses when TP > query groups).
+            mha_config = copy.deepcopy(self.config)
+            mha_config.num_query_groups = mha_config.num_attention_heads
+            self.core_attention = submodules.core_attention(
+                config=mha_config, layer_number=self.layer_number, attn_mask_type=self.attn_mask_type,
+                attention_type=self.attention_type, cp_comm_type=cp_comm_type,
+                softmax_scale=self.config.softmax_scale, pg_collection=self.pg_collection,
+            )
+
+    def _split_heads(self, mixed: torch.Tensor):
+        """[s, b, ng*(r+2)*hn] -> query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, hn]."""
+        hn, ng = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        r = self.num_attention_heads_per_partition // ng
+        mixed = mixed.view(*mixed.shape[:-1], ng, (r + 2) * hn)
+        query, key, value = torch.split(mixed, [r * hn, hn, hn], dim=-1)
+        return query.reshape(*query.shape[:2], -1, hn), key, value
+
+    def _project_separate(self, q_in, k_in, v_in):
+        """QKV projection with a different input for each of Q, K and V, at the FLOPs of one projection.
+
+        The fused weight's rows are [ng, q heads of the group | k | v, hn]; each input meets only its rows. The
+        inputs take the column-parallel input path of linear_qkv (all-gather under SP, identity under TP).
+        """
+        hn, ng = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        r = self.num_attention_heads_per_partition // ng
+        lin = self.linear_qkv
+        x = torch.cat([q_in, k_in, v_in], dim=1)  # [s(/tp), 3b, h]
+        if self.config.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, group=self.tp_group)
+        elif self.world_size > 1:
+            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        xq, xk, xv = x.chunk(3, dim=1)
+        w = lin.weight.view(ng, r + 2, hn, -1)
+        b = lin.bias.view(ng, r + 2, hn) if getattr(lin, "bias", None) is not None else None
+        out = []
+        for xi, rows in ((xq, slice(0, r)), (xk, slice(r, r + 1)), (xv, slice(r + 1, r + 2))):
+            wi = w[:, rows].reshape(-1, w.shape[-1])
+            bi = b[:, rows].reshape(-1) if b is not None else None
+            out.append(F.linear(xi, wi, bi).view(*xi.shape[:2], -1, hn))
+        return out[0], out[1], out[2]
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        hooks = self.hooks
+        if hooks is None:
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+        if hooks.qkv_inputs is not None:
+            query, raw_key, value = self._project_separate(*hooks.qkv_inputs)
+        else:
+            mixed, _ = self.linear_qkv(hidden_states)
+            query, raw_key, value = self._split_heads(mixed)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        key = self.k_layernorm(raw_key) if self.k_layernorm is not None else raw_key
+        if hooks.value_mixer is not None:
+            key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
+            value = hooks.value_mixer(query, key, raw_key, value, key_norm)
+            if value.shape[-2] != key.shape[-2]:  # per-query-head values: the keys follow
+                key = expand_heads(key, value.shape[-2])
+        return query, key, value
+
+
+class DepthMixingLayer(TransformerLayer):
+    """A TransformerLayer whose two sublayers a mechanism calls (see module doc); holds the mechanism's modules."""
+
+    def __init__(self, config, submodules, layer_number=1, hidden_dropout=None, pg_collection=None, vp_stage=None,
+                 mechanism=None):
+        super().__init__(config, submodules, layer_number=layer_number, hidden_dropout=hidden_dropout,
+                         pg_collection=pg_collection, vp_stage=vp_stage)
+        self.layer_index = self.layer_number - 1  # 0-based global
+        for name, module in mechanism.layer_modules(self.layer_index, config.params_dtype).items():
+            self.add_module(name, module)
+        mark_replicated(self, mechanism, config)
+
+    def bind(self, layer_kwargs: dict) -> "_BoundLayer":
+        """The host for one forward call (attention mask, RoPE, ... of this micro-batch)."""
+        return _BoundLayer(self, layer_kwargs)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("DepthMixingLayer is driven by its mechanism through DepthMixingBlock, not called")
+
+
+class _BoundLayer:
+    def __init__(self, layer: DepthMixingLayer, layer_kwargs: dict):
+        self._layer, self._kwargs = layer, layer_kwargs
+        self.layer_index = layer.layer_index
+
+    def __getattr__(self, name):  # the mechanism's own modules
+        return getattr(self._layer, name)
+
+    def _dropout(self, out, bias):
+        out = out if bias is None else out + bias
+        return F.dropout(out, self._layer.hidden_dropout, self._layer.training)
+
+    def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None):
+        layer, kw = self._layer, self._kwargs
+        norm = layer.input_layernorm
+        q = norm(x)
+        qkv = None if k_in is None else (q, norm(k_in), norm(v_in))
+        attention = layer.self_attention
+        attention.hooks = None if qkv is None and value_mixer is None else AttentionHooks(qkv, value_mixer)
+        try:
+            out, bias = attention(q, attention_mask=kw.get("attention_mask"), rotary_pos_emb=kw.get("rotary_pos_emb"),
+                                  attention_bias=kw.get("attention_bias"),
+                                  packed_seq_params=kw.get("packed_seq_params"))
+        finally:
+            attention.hooks = None
+        return self._dropout(out, bias)
+
+    def mlp_sublayer(self, x):
+        out, bias = self._layer.mlp(self._layer.pre_mlp_layernorm(x))
+        return self._dropout(out, bias)
+
+
+def mark_replicated(module: torch.nn.Module, mechanism, config) -> None:
+    """A mechanism's parameters are replicated across TP ranks: under SP each rank sees a different slice of the
+    sequence, so their grads are all-reduced over TP exactly like Megatron's norm weights (`sequence_parallel`)."""
+    for name, param in module.named_parameters():
+        if mechanism.owns(name):
+            param.sequence_parallel = config.sequence_parallel

@@ -1,0 +1,284 @@
+"""Attention Residuals (arXiv 2603.15031, SPEC §1) with the paper's ablation switches (SPEC-more §9).
+
+Each sublayer reads a softmax mix of earlier outputs (Full: every sublayer output; Block: block sums plus the
+running partial sum of the current block); one more mix feeds the final norm. Switches: an input-dependent query
+(§9.1), sigmoid weights (§9.2), multi-head depth weights (§9.3), no key norm (§9.4), input-independent scalar
+mixing (§9.5). With the static query (the default) Block AttnRes runs the exact two-phase computation, in training
+as at inference: all queries of a block meet the completed blocks in one pass (phase 1), then each sublayer merges
+the partial sum by an online-softmax update (phase 2). The input-dependent query depends on the running state, so
+it (and scalar mixing, which has no query) mixes sublayer by sublayer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import Entry, Mechanism, Option, sublayer_label
+from .mixing import (attnres_block_phase1, attnres_block_phase2, attnres_logits, attnres_mix, depth_weights,
+                     rms_inverse, scalar_mix)
+
+
+@dataclass(frozen=True)
+class AttnResLayout:
+    """Which AttnRes block each sublayer belongs to. num_blocks == num_sublayers is Full AttnRes.
+
+    Blocks are numbered 1..N (block 0 is the embedding). Blocks 1..N-1 hold S = L // N sublayers; the remainder
+    goes to the last block (SPEC §1).
+    """
+
+    num_sublayers: int
+    num_blocks: int
+
+    def __post_init__(self):
+        if not 1 <= self.num_blocks <= self.num_sublayers:
+            raise ValueError(f"AttnRes needs 1 <= num_blocks <= num_sublayers ({self.num_sublayers}), got "
+                             f"{self.num_blocks}; use --attnres-num-blocks between 1 and 2 * --num-layers, or omit "
+                             "it for Full AttnRes")
+
+    @property
+    def block_size(self) -> int:
+        return self.num_sublayers // self.num_blocks
+
+    def block_of(self, sublayer: int) -> int:
+        """Block (1..N) of sublayer (1..L)."""
+        return min((sublayer - 1) // self.block_size, self.num_blocks - 1) + 1
+
+    def block_start(self, block: int) -> int:
+        return (block - 1) * self.block_size + 1
+
+    def block_end(self, block: int) -> int:
+        return self.num_sublayers if block == self.num_blocks else block * self.block_size
+
+    def completed_blocks_before(self, sublayer: int) -> int:
+        """Number of completed blocks (b_1..) before sublayer runs; sublayer L+1 means 'after the last'."""
+        if sublayer > self.num_sublayers:
+            return self.num_blocks
+        return self.block_of(sublayer) - 1
+
+    def has_partial_before(self, sublayer: int) -> bool:
+        """Whether a partial sum of the current block exists when sublayer runs."""
+        if sublayer > self.num_sublayers:
+            return False
+        return sublayer != self.block_start(self.block_of(sublayer))
+
+    def num_sources_before(self, sublayer: int) -> int:
+        """Sources of sublayer: b_0 .. b_{n-1} (+ partial). With sublayer = L+1: the final aggregation's."""
+        return 1 + self.completed_blocks_before(sublayer) + int(self.has_partial_before(sublayer))
+
+
+class AttnResState:
+    """Completed block sums (`blocks[0]` is the embedding b_0) and the running partial sum of the current block.
+
+    `next_sublayer` is the 1-based sublayer that runs next. `phase1` caches the two-phase block's phase-1 results
+    for the sublayers still to come on this stage; it never leaves the stage (a later stage recomputes it)."""
+
+    def __init__(self, layout: AttnResLayout, blocks: List[Tensor], partial: Optional[Tensor], next_sublayer: int):
+        self.layout = layout
+        self.blocks = list(blocks)
+        self.partial = partial
+        self.next_sublayer = next_sublayer
+        self.phase1: Dict[int, tuple] = {}  # sublayer -> (m, z, o)
+
+    def sources(self) -> Tensor:
+        """[K, *, d]: the sources of the next sublayer (or of the final aggregation once all ran)."""
+        return torch.stack(self.blocks + ([self.partial] if self.partial is not None else []))
+
+    def newest(self) -> Tensor:
+        """The newest source: the partial sum, or the last completed block (input-dependent query, §9.1)."""
+        return self.partial if self.partial is not None else self.blocks[-1]
+
+    def record(self, output: Tensor) -> None:
+        """Add the output f of sublayer `next_sublayer` and close its block when it is the block's last."""
+        self.partial = output if self.partial is None else self.partial + output
+        block = self.layout.block_of(self.next_sublayer)
+        if self.next_sublayer == self.layout.block_end(block):
+            self.blocks.append(self.partial)
+            self.partial = None
+        self.phase1.pop(self.next_sublayer, None)
+        self.next_sublayer += 1
+
+
+class AttnResMixer(nn.Module):
+    """One AttnRes aggregation. Static query: pseudo-query w (init ZERO, so training starts from the uniform
+    average) and the key RMSNorm gain (init one). Input-dependent query: a d x d projection (init ZERO) in place
+    of w. Scalar mixing: one learned logit per source (init zero) and nothing else."""
+
+    def __init__(self, hidden_size: int, num_sources: int, query: str, mixing: str, key_norm: bool,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if mixing == "scalar":
+            self.logits = nn.Parameter(torch.zeros(num_sources, dtype=dtype))
+            return
+        shape = (hidden_size,) if query == "static" else (hidden_size, hidden_size)
+        self.query = nn.Parameter(torch.zeros(shape, dtype=dtype))
+        self.key_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype)) if key_norm else None
+
+
+class AttnRes(Mechanism):
+    name = "attnres"
+    options = (
+        Option("attnres_num_blocks", int, None, "AttnRes blocks N (omit for Full AttnRes: one block per sublayer)"),
+        Option("attnres_query", str, "static", "static: a learned pseudo-query per sublayer (two-phase block "
+               "computation in training and inference); input: projected from the newest source (§9.1; "
+               "mixes sublayer by sublayer)", ("static", "input")),
+        Option("attnres_weight", str, "softmax", "depth weights: softmax over sources, or an independent "
+               "sigmoid per source (§9.2)", ("softmax", "sigmoid")),
+        Option("attnres_heads", int, 1, "multi-head depth weights: one weight per source and per group of "
+               "hidden/H channels (§9.3)"),
+        Option("attnres_key_norm", bool, True, "RMSNorm on the keys (§9.4: false drops it)"),
+        Option("attnres_mixing", str, "query", "query: attention over sources; scalar: input-independent "
+               "learned logits per source (§9.5)", ("query", "scalar")),
+    )
+    module_names = ("attn_mixer", "mlp_mixer", "final_mixer")
+
+    def __init__(self, residual, shape, tp=1, sp=False):
+        super().__init__(residual, shape, tp, sp)
+        r = residual
+        self.attnres_layout = AttnResLayout(shape.num_sublayers, r.attnres_num_blocks or shape.num_sublayers)
+        self.query_kind, self.weight, self.heads = r.attnres_query, r.attnres_weight, r.attnres_heads
+        self.key_norm, self.mixing = r.attnres_key_norm, r.attnres_mixing
+        self.eps = shape.norm_epsilon
+        # The two-phase form needs queries that do not depend on the state, and blocks of several sublayers.
+        self.two_phase = (self.mixing == "query" and self.query_kind == "static"
+                          and self.attnres_layout.block_size > 1)
+
+    def inference_form(self):
+        if self.two_phase:
+            return ("exact two-phase block computation: each block's queries meet the completed blocks at once, "
+                    "then an online-softmax merge of the partial sum per sublayer")
+        reason = "input-dependent query" if self.query_kind == "input" else \
+            "scalar mixing" if self.mixing == "scalar" else "one sublayer per block (Full AttnRes)"
+        return f"sublayer by sublayer ({reason}); the KV cache has the standard layout"
+
+    @classmethod
+    def catalogue(cls, num_layers):
+        return {
+            "attnres-full": {"residual": "attnres"},
+            # Block AttnRes with the paper's 8 blocks (at most one per layer)
+            "attnres-block": {"residual": "attnres", "attnres_num_blocks": min(8, num_layers)},
+            # the best ablation of §5.3 (Full AttnRes with an input-dependent query)
+            "attnres-input-query": {"residual": "attnres", "attnres_query": "input"},
+        }
+
+    @classmethod
+    def validate(cls, cfg, fail):
+        r, L = cfg.residual, 2 * cfg.model.num_layers
+        if r.attnres_num_blocks is not None:
+            fail(1 <= r.attnres_num_blocks <= L, f"--attnres-num-blocks {r.attnres_num_blocks} must lie in 1..{L} "
+                 f"(2 sublayers per layer x {cfg.model.num_layers} layers); omit it for Full AttnRes")
+        fail(r.attnres_heads >= 1 and cfg.model.hidden_size % r.attnres_heads == 0,
+             f"--attnres-heads {r.attnres_heads} must divide --hidden-size {cfg.model.hidden_size}")
+        fail(not (r.attnres_mixing == "scalar" and r.attnres_heads > 1),
+             "--attnres-mixing scalar has no query to split into heads; drop --attnres-heads")
+        fail(not (r.attnres_mixing == "scalar" and r.attnres_query == "input"),
+             "--attnres-mixing scalar has no query; drop --attnres-query input")
+        fail(not (r.attnres_mixing == "scalar" and r.attnres_weight == "sigmoid"),
+             "--attnres-mixing scalar is a softmax over learned logits; drop --attnres-weight sigmoid")
+
+    # --- parameters ---------------------------------------------------------------------------------------------
+    def _mixer(self, sublayer: int, dtype) -> AttnResMixer:
+        return AttnResMixer(self.shape.hidden_size, self.attnres_layout.num_sources_before(sublayer),
+                            self.query_kind, self.mixing, self.key_norm, dtype)
+
+    def layer_modules(self, layer, dtype=None):
+        return {"attn_mixer": self._mixer(2 * layer + 1, dtype), "mlp_mixer": self._mixer(2 * layer + 2, dtype)}
+
+    def final_modules(self, dtype=None):
+        return {"final_mixer": self._mixer(self.shape.num_sublayers + 1, dtype)}
+
+    @property
+    def homogeneous_layers(self):
+        return self.mixing != "scalar"  # scalar logits grow with depth
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def initial_state(self, embedding):
+        return AttnResState(self.attnres_layout, [embedding], None, 1)
+
+    def _gain(self, mixer: AttnResMixer) -> Optional[Tensor]:
+        return mixer.key_norm_weight if self.key_norm else None
+
+    def _query(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
+        """The static pseudo-query [d], or the input-dependent one [*, d] from the newest source (§9.1)."""
+        if self.query_kind == "static":
+            return mixer.query
+        s = state.newest()
+        if self.key_norm:  # W^Q RMSNorm_l(s): the mixer's own key norm, gain included
+            s = (s.float() * rms_inverse(s, self.eps).unsqueeze(-1)).to(s.dtype) * mixer.key_norm_weight
+        return F.linear(s, mixer.query)
+
+    def mix(self, mixer: AttnResMixer, state: AttnResState, sublayer: int) -> Tensor:
+        """The input h of `sublayer` (or of the final norm, sublayer L+1) from the state's sources."""
+        if self.recorder is not None:
+            self.recorder.add("attnres", *sublayer_label(sublayer), self.weights(mixer, state))
+        if sublayer in state.phase1:
+            m, z, o = state.phase1[sublayer]
+            return attnres_block_phase2(m, z, o, state.partial, mixer.query, self._gain(mixer), self.eps,
+                                        self.weight, self.heads)
+        sources = state.sources()
+        if self.mixing == "scalar":
+            return scalar_mix(sources, mixer.logits)
+        return self.kernel("attnres_mix", attnres_mix)(sources, self._query(mixer, state), self._gain(mixer),
+                                                       self.eps, self.weight, self.heads)
+
+    def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
+        """The depth weights alpha [K, *] of one mix (heatmaps)."""
+        sources = state.sources()
+        if self.mixing == "scalar":
+            return torch.softmax(mixer.logits.float(), 0)
+        logits = attnres_logits(sources, self._query(mixer, state), self._gain(mixer), self.eps, self.heads)
+        return depth_weights(logits, self.weight)
+
+    def _phase1(self, state: AttnResState, layers) -> None:
+        """Phase 1 for the sublayers of the current block that run in `layers` (this stage or recompute chunk)."""
+        first = state.next_sublayer
+        block_end = self.attnres_layout.block_end(self.attnres_layout.block_of(first))
+        mixers = {}
+        for layer in layers:
+            for sub, name in ((2 * layer.layer_index + 1, "attn_mixer"), (2 * layer.layer_index + 2, "mlp_mixer")):
+                if first <= sub <= block_end:
+                    mixers[sub] = getattr(layer, name)
+        subs = sorted(mixers)
+        queries = torch.stack([mixers[s].query for s in subs])
+        gains = torch.stack([mixers[s].key_norm_weight for s in subs]) if self.key_norm else None
+        phase1 = self.kernel("attnres_block_phase1", attnres_block_phase1)
+        m, z, o = phase1(torch.stack(state.blocks), queries, gains, self.eps, self.weight, self.heads)
+        state.phase1 = {s: (m[i], z[i], o[i]) for i, s in enumerate(subs)}
+
+    def run_layers(self, layers, state):
+        for i, layer in enumerate(layers):
+            for name, run in (("attn_mixer", layer.attention_sublayer), ("mlp_mixer", layer.mlp_sublayer)):
+                sub = state.next_sublayer
+                if self.two_phase and sub not in state.phase1:
+                    self._phase1(state, layers[i:])
+                state.record(run(self.mix(getattr(layer, name), state, sub)))
+        return state
+
+    def layer_forward(self, layer, state):
+        return self.run_layers([layer], state)
+
+    def final_hidden(self, state, decoder):
+        return self.mix(decoder.final_mixer, state, self.shape.num_sublayers + 1)
+
+    # --- pipeline payload ---------------------------------------------------------------------------------------
+    def layout(self, boundary):
+        sublayer, lay, d = 2 * boundary + 1, self.attnres_layout, self.shape.hidden_size
+        out = [Entry(f"block{n}", d, True) for n in range(1 + lay.completed_blocks_before(sublayer))]
+        if lay.has_partial_before(sublayer):
+            out.append(Entry("partial", d, False))
+        return out
+
+    def entries(self, state):
+        out = {f"block{n}": b for n, b in enumerate(state.blocks)}
+        if state.partial is not None:
+            out["partial"] = state.partial
+        return out
+
+    def state_from(self, entries, boundary):
+        n_blocks = 1 + self.attnres_layout.completed_blocks_before(2 * boundary + 1)
+        blocks = [entries[f"block{n}"] for n in range(n_blocks)]
+        return AttnResState(self.attnres_layout, blocks, entries.get("partial"), 2 * boundary + 1)

@@ -1,0 +1,232 @@
+"""The Mechanism interface: everything one depth-mixing method owns, in one place.
+
+A mechanism (one file beside this one, registered in registry.py) holds
+- its config fields (`options`) and their validation (`validate`);
+- its parameters (`layer_modules`, `final_modules`), their names (`module_names`: init, weight decay, state-dict
+  mapping and checkpoints ask `owns`/`decays`), and its named settings for tools and configs (`catalogue`);
+- how a sublayer's input is formed and its output recorded (`layer_forward` / `run_layers`, on a host layer);
+- its cross-layer state and the pipeline payload (`initial_state`, `layout`, `entries`, `state_from`);
+- the depth weights it draws in heatmaps (`self.recorder`), and the fields an exported config carries.
+
+Hosts. The Megatron-core layer (megatron/layer.py) and the plain decoder's layer (decoder.py) both offer:
+    layer_index                                   0-based global layer number
+    attention_sublayer(x, k_in=None, v_in=None, value_mixer=None) -> [*, d]
+        pre-norm (applied to each input) + attention (+ hidden dropout); DCA passes separate key/value inputs;
+        value_mixer(query, key, raw_key, value, key_norm) -> value mixes the values (Depth-Attention)
+    mlp_sublayer(x) -> [*, d]                     pre-norm + MLP (+ hidden dropout)
+    <module name>                                 the mechanism's own modules, as attributes
+and the decoder / last pipeline stage offers the final modules as attributes. Mechanisms never see Megatron,
+process groups or devices: the same code runs in the training model, the Hugging Face export and the XLA path.
+
+This file is copied into exported Hugging Face folders: it imports nothing of mega_depth outside this folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Option:
+    """A config field of a mechanism: `--name-with-dashes` on the command line, `residual.<name>` in YAML."""
+
+    name: str
+    type: type  # int | float | str | bool; a None default makes it Optional
+    default: Any
+    help: str
+    choices: Optional[Tuple[Any, ...]] = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One named piece of a mechanism's cross-layer state in the pipeline payload."""
+
+    name: str
+    width: int  # elements per (token, sample) in the packed [s, b, width] tensor
+    immutable: bool  # never changes once made: virtual stages may cache it on the rank instead of resending it
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a mechanism needs to know about the decoder around it."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    norm_epsilon: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_sublayers(self) -> int:
+        return 2 * self.num_layers
+
+
+class Recorder:
+    """Mean depth weights of one forward pass, for heatmaps: {figure: {(order, label): [K] weights}}.
+
+    A mechanism records only while `mechanism.recorder` is set (a probe forward); the weights are averaged over
+    every dim but the first (tokens, samples, heads, channels)."""
+
+    def __init__(self):
+        self.figures: Dict[str, Dict[Tuple[float, str], List[float]]] = {}
+
+    def add(self, figure: str, order: float, label: str, weights: Tensor) -> None:
+        mean = weights.detach().float().flatten(1).mean(1) if weights.dim() > 1 else weights.detach().float()
+        self.figures.setdefault(figure, {})[(order, label)] = mean.cpu().tolist()
+
+
+def sublayer_label(sublayer: int) -> Tuple[float, str]:
+    """Heatmap row of sublayer 1..L (and L+1 = the output aggregation)."""
+    layer, kind = (sublayer - 1) // 2, ("attn", "mlp")[(sublayer - 1) % 2]
+    return float(sublayer), f"sublayer {sublayer} ({kind} {layer})"
+
+
+class Mechanism:
+    """Base class. Subclasses set `name`, `options`, `module_names` and implement the forward and payload."""
+
+    name: ClassVar[str]
+    options: ClassVar[Tuple[Option, ...]] = ()
+    # Options of other mechanisms this one also reads (e.g. mHC reads HC's --hc-expansion).
+    shared_options: ClassVar[Tuple[str, ...]] = ()
+    # Child modules it adds to layers and to the decoder end: their parameters are the mechanism's.
+    module_names: ClassVar[Tuple[str, ...]] = ()
+    # Whether it uses the generic depth-mixing layer at all (standard: Megatron's own layer, unmodified).
+    mixes_depth: ClassVar[bool] = True
+
+    def __init__(self, residual, shape: ModelShape, tp: int = 1, sp: bool = False):
+        self.residual = residual  # the ResidualConfig (mechanism fields are read from it by name)
+        self.shape = shape
+        self.tp, self.sp = tp, sp
+        self.recorder: Optional[Recorder] = None
+        self.kernels = None  # a fast-path namespace (mega_depth.kernels) or None: the eager math
+
+    # --- config -------------------------------------------------------------------------------------------------
+    @classmethod
+    def catalogue(cls, num_layers: int) -> Dict[str, Dict[str, Any]]:
+        """Named settings {catalogue name: ResidualConfig fields} for a model of `num_layers` layers."""
+        return {}
+
+    @classmethod
+    def validate(cls, cfg, fail) -> None:
+        """Refuse settings that cannot work: fail(condition, message naming the fix). `cfg` is the training
+        config (cfg.model, cfg.residual, cfg.parallel)."""
+
+    def inference_form(self) -> str:
+        """How decoding computes the mixing (an exported config records it)."""
+        return "layer by layer, per token; the KV cache has the standard layout"
+
+    def option_values(self) -> Dict[str, Any]:
+        """This mechanism's settings (what a checkpoint must match and an exported config carries)."""
+        names = [o.name for o in self.options] + list(self.shared_options)
+        return {n: getattr(self.residual, n) for n in names}
+
+    # --- parameters ---------------------------------------------------------------------------------------------
+    def layer_modules(self, layer: int, dtype: Optional[torch.dtype] = None) -> Dict[str, nn.Module]:
+        return {}
+
+    def final_modules(self, dtype: Optional[torch.dtype] = None) -> Dict[str, nn.Module]:
+        return {}
+
+    @classmethod
+    def owns(cls, param_name: str) -> bool:
+        """Whether a parameter (any naming: Megatron, canonical, Hugging Face) is one of this mechanism's."""
+        parts = param_name.split(".")
+        return any(m in parts for m in cls.module_names)
+
+    def decays(self, param_name: str, param: Tensor) -> bool:
+        """Weight decay for one of this mechanism's parameters (default: Megatron's rule, matrices only)."""
+        return param.dim() >= 2 and not param_name.endswith(".bias")
+
+    def weight_decay_applies(self, param_name: str, param: Tensor) -> bool:
+        """The one weight-decay rule of every trainer: Megatron's (matrices, not biases or 1-D parameters), with
+        the mechanism deciding for its own parameters."""
+        if self.owns(param_name):
+            return self.decays(param_name, param)
+        return param.dim() >= 2 and not param_name.endswith(".bias")
+
+    def random_init(self, param_name: str, shape: Sequence[int], generator: torch.Generator) -> Optional[Tensor]:
+        """The initial value of a parameter drawn at random (from a generator keyed by seed and name), or None
+        when its module's constructor already holds the init (the usual case: the init is part of the math)."""
+        return None
+
+    def output_init_scale(self) -> float:
+        """Factor on the std of the residual-branch output projections (attention out, FFN down)."""
+        return 1.0
+
+    @property
+    def homogeneous_layers(self) -> bool:
+        """False when layers hold differently shaped parameters (checkpoints then key them per layer)."""
+        return True
+
+    @property
+    def value_heads_per_query_head(self) -> bool:
+        """True when attention values get one head per query head (Depth-Attention's per-query-head mixing)."""
+        return False
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def initial_state(self, embedding: Tensor):
+        raise NotImplementedError
+
+    def layer_forward(self, layer, state):
+        """One transformer layer on the state; returns the new state."""
+        raise NotImplementedError
+
+    def run_layers(self, layers: Sequence, state):
+        """Consecutive layers of one stage (or one recompute chunk). Override to work across layers at once."""
+        for layer in layers:
+            state = self.layer_forward(layer, state)
+        return state
+
+    def final_hidden(self, state, decoder) -> Tensor:
+        """The hidden state that feeds the final norm, after the last layer."""
+        raise NotImplementedError
+
+    # --- pipeline payload ---------------------------------------------------------------------------------------
+    def layout(self, boundary: int) -> List[Entry]:
+        """The entries of the state before global layer `boundary` (0-based; num_layers = after the last)."""
+        raise NotImplementedError
+
+    def entries(self, state) -> Dict[str, Tensor]:
+        raise NotImplementedError
+
+    def state_from(self, entries: Dict[str, Tensor], boundary: int):
+        raise NotImplementedError
+
+    def flat(self, name: str, t: Tensor) -> Tensor:
+        """An entry as [s_local, b, width] for the packed payload."""
+        return t
+
+    def unflat(self, name: str, t: Tensor) -> Tensor:
+        return t
+
+    # --- fast paths ---------------------------------------------------------------------------------------------
+    def kernel(self, name: str, reference):
+        """The fast twin of a mixing function when a fast path is selected (and nothing is being recorded)."""
+        if self.kernels is None or self.recorder is not None:
+            return reference
+        return getattr(self.kernels, name, reference)
+
+
+def option_fields(mechanisms: Sequence[type]) -> List[Tuple[str, Any, dataclasses.Field]]:
+    """Dataclass fields for every option of `mechanisms`; an option declared twice must agree."""
+    seen: Dict[str, Option] = {}
+    for mech in mechanisms:
+        for opt in mech.options:
+            if opt.name in seen and seen[opt.name] != opt:
+                raise TypeError(f"option {opt.name} is declared differently by two mechanisms")
+            seen[opt.name] = opt
+    fields = []
+    for opt in seen.values():
+        kind = Optional[opt.type] if opt.default is None else opt.type
+        fields.append((opt.name, kind, dataclasses.field(default=opt.default, metadata={"help": opt.help,
+                                                                                        "choices": opt.choices})))
+    return fields

@@ -1,0 +1,77 @@
+"""The decoder's configuration: its shape, and the residual mechanism with that mechanism's options.
+
+`ResidualConfig` is assembled from the registry: `residual` (the mechanism's name) plus every mechanism's
+options, so a new mechanism's flags, YAML keys, checkpoint checks and exported config fields come from its own
+file. `DecoderConfig` is the one description of a model that the Megatron builder, the plain decoder, the
+Hugging Face export and the state-dict adapter share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+from .base import ModelShape, option_fields
+from .registry import MECHANISMS, build
+
+ResidualConfig = dataclasses.make_dataclass(
+    "ResidualConfig",
+    [("residual", str, field(default="standard", metadata={"help": "the depth-mixing mechanism",
+                                                          "choices": tuple(MECHANISMS)}))]
+    + option_fields(list(MECHANISMS.values())),
+    namespace={"__doc__": "The residual mechanism and every mechanism's options (flat: --attnres-num-blocks, ...)."},
+)
+ResidualConfig.__module__ = __name__
+
+
+def residual_config(values: Dict[str, Any]) -> "ResidualConfig":
+    """A ResidualConfig from saved values (a checkpoint's or an exported config's); unknown keys are errors."""
+    known = {f.name for f in dataclasses.fields(ResidualConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown residual option(s) {unknown}: saved by a newer mega_depth?")
+    return ResidualConfig(**values)
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    norm_epsilon: float = 1e-6
+    rotary_base: float = 10000.0
+    qk_layernorm: bool = True
+    tie_word_embeddings: bool = True
+    hidden_dropout: float = 0.0
+    residual: Any = field(default_factory=ResidualConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads, self.num_query_groups,
+                          self.norm_epsilon)
+
+    def mechanism(self, tp: int = 1, sp: bool = False):
+        return build(self.residual, self.shape, tp, sp)
+
+    def residual_values(self) -> Dict[str, Any]:
+        """`residual` plus the chosen mechanism's own options: what a checkpoint or an exported config records."""
+        return {"residual": self.residual.residual, **self.mechanism().option_values()}
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "residual"}
+        out["residual"] = self.residual_values()
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any]) -> "DecoderConfig":
+        values = dict(values)
+        residual = values.pop("residual", {"residual": "standard"})
+        return cls(**values, residual=residual_config(residual))

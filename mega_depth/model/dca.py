@@ -1,0 +1,148 @@
+"""DeepCrossAttention (arXiv 2502.06785, SPEC §2): generalised residuals (GRNs) over the stack of the embedding
+and earlier block outputs feed attention's query, key and value; f_t = a + MLP(norm(a + q_in)). k-DCA keeps the
+embedding, the sum of older outputs and the last k outputs. A final GRN over the whole stack feeds the final norm.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .base import Entry, Mechanism, Option
+from .mixing import GRN_VERSIONS, dca_num_sources, grn_apply, grn_mean_weights
+
+
+class GRN(nn.Module):
+    """`count` independent GRN instances over a K-entry stack (DCA uses 3 for q/k/v, 1 for the final mix).
+
+    At initialisation (bias ones, proj zero) every instance returns sum_i G[i]: the ordinary residual stream.
+    """
+
+    def __init__(self, hidden_size: int, num_sources: int, version: str = "v3", count: int = 1, dtype=None):
+        super().__init__()
+        if version not in GRN_VERSIONS:
+            raise ValueError(f"unknown GRN version {version!r}; choose one of {', '.join(GRN_VERSIONS)}")
+        self.version = version
+        self.num_sources = num_sources
+        shape = (count, num_sources) if version == "v1" else (count, hidden_size, num_sources)
+        self.bias = nn.Parameter(torch.ones(shape, dtype=dtype))
+        self.proj = nn.Parameter(torch.zeros(count, hidden_size, dtype=dtype)) if version == "v3" else None
+
+
+class DCAState:
+    """The DCA stack: the embedding, (k-DCA) the sum of older block outputs, and the recent block outputs.
+    `next_block` is the 1-based transformer block that reads the stack next."""
+
+    def __init__(self, last_k: Optional[int], embedding: Tensor, summed: Optional[Tensor], recent: List[Tensor],
+                 next_block: int):
+        self.last_k = last_k
+        self.embedding = embedding
+        self.summed = summed
+        self.recent = list(recent)
+        self.next_block = next_block
+
+    def stack(self) -> Tensor:
+        return torch.stack([self.embedding] + ([self.summed] if self.summed is not None else []) + self.recent)
+
+    def record(self, block_output: Tensor) -> None:
+        self.recent.append(block_output)
+        if self.last_k is not None and len(self.recent) > self.last_k:
+            oldest = self.recent.pop(0)
+            self.summed = oldest if self.summed is None else self.summed + oldest
+        self.next_block += 1
+
+    @staticmethod
+    def has_sum(next_block: int, last_k: Optional[int]) -> bool:
+        return last_k is not None and next_block - 1 > last_k
+
+    @staticmethod
+    def num_recent(next_block: int, last_k: Optional[int]) -> int:
+        produced = next_block - 1
+        return produced if last_k is None else min(produced, last_k)
+
+
+class DCA(Mechanism):
+    name = "dca"
+    options = (
+        Option("dca_last_k", int, None, "k-DCA: keep the last k block outputs plus the sum of the older ones "
+               "(omit for all)"),
+        Option("dca_grn", str, "v3", "GRN form: v1 one scalar per source, v2 a d-vector per source, v3 plus an "
+               "input-dependent ReLU term", GRN_VERSIONS),
+    )
+    module_names = ("grn_qkv", "final_grn")
+
+    def __init__(self, residual, shape, tp=1, sp=False):
+        super().__init__(residual, shape, tp, sp)
+        self.last_k, self.version = residual.dca_last_k, residual.dca_grn
+
+    @classmethod
+    def catalogue(cls, num_layers):
+        return {"dca": {"residual": "dca"}, "dca-2": {"residual": "dca", "dca_last_k": 2}}
+
+    @classmethod
+    def validate(cls, cfg, fail):
+        r, m = cfg.residual, cfg.model
+        fail(r.dca_grn in GRN_VERSIONS, f"unknown --dca-grn {r.dca_grn!r}; choose one of {', '.join(GRN_VERSIONS)}")
+        if r.dca_last_k is not None:
+            fail(1 <= r.dca_last_k <= m.num_layers, f"--dca-last-k {r.dca_last_k} must lie in 1..--num-layers "
+                 f"({m.num_layers}); omit it to keep all layers")
+        fail(not m.fused_single_qkv_rope, "--residual dca needs the separate query/key/value tensors that "
+             "--fused-single-qkv-rope never materialises; drop --fused-single-qkv-rope")
+
+    # --- parameters ---------------------------------------------------------------------------------------------
+    def layer_modules(self, layer, dtype=None):
+        sources = dca_num_sources(layer + 1, self.last_k)
+        return {"grn_qkv": GRN(self.shape.hidden_size, sources, self.version, count=3, dtype=dtype)}
+
+    def final_modules(self, dtype=None):
+        sources = dca_num_sources(self.shape.num_layers + 1, self.last_k)
+        return {"final_grn": GRN(self.shape.hidden_size, sources, self.version, count=1, dtype=dtype)}
+
+    @property
+    def homogeneous_layers(self):
+        return False  # the GRNs grow with depth (one column per source)
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def _grn(self, grn: GRN, stack: Tensor, order: float, label: str) -> Tensor:
+        if stack.shape[0] != grn.num_sources:
+            raise ValueError(f"GRN built for {grn.num_sources} sources got a stack of {stack.shape[0]}")
+        if self.recorder is not None:  # mean over the q/k/v instances
+            self.recorder.add("dca", order, label, grn_mean_weights(stack, grn.bias, grn.proj, grn.version).mean(0))
+        return self.kernel("grn_apply", grn_apply)(stack, grn.bias, grn.proj, grn.version)
+
+    def initial_state(self, embedding):
+        return DCAState(self.last_k, embedding, None, [], 1)
+
+    def layer_forward(self, layer, state):
+        t = layer.layer_index + 1
+        q_in, k_in, v_in = self._grn(layer.grn_qkv, state.stack(), t, f"block {t} q/k/v").unbind(0)
+        a = layer.attention_sublayer(q_in, k_in, v_in)
+        state.record(a + layer.mlp_sublayer(a + q_in))  # f_t = a + m; the block input is not added
+        return state
+
+    def final_hidden(self, state, decoder):
+        return self._grn(decoder.final_grn, state.stack(), 1e9, "final")[0]
+
+    # --- pipeline payload ---------------------------------------------------------------------------------------
+    def layout(self, boundary):
+        t, d = boundary + 1, self.shape.hidden_size  # t: the next 1-based block
+        out = [Entry("x", d, True)]
+        if DCAState.has_sum(t, self.last_k):
+            out.append(Entry("sum", d, False))
+        produced, recent = t - 1, DCAState.num_recent(t, self.last_k)
+        return out + [Entry(f"f{j}", d, True) for j in range(produced - recent + 1, produced + 1)]
+
+    def entries(self, state):
+        out = {"x": state.embedding}
+        if state.summed is not None:
+            out["sum"] = state.summed
+        produced = state.next_block - 1
+        for i, f in enumerate(state.recent):
+            out[f"f{produced - len(state.recent) + 1 + i}"] = f
+        return out
+
+    def state_from(self, entries, boundary):
+        recent = [entries[e.name] for e in self.layout(boundary) if e.name.startswith("f")]
+        return DCAState(self.last_k, entries["x"], entries.get("sum"), recent, boundary + 1)

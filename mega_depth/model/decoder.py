@@ -1,0 +1,184 @@
+"""The plain-PyTorch mega_depth decoder: the same model as the Megatron-core one, in one process, with a KV cache.
+
+Serves the Hugging Face export (this folder is copied into the exported folder) and the torch-xla trainer. Its
+state dict is the canonical one (Hugging Face Llama/Qwen3 names plus the mechanism's parameters under their own
+module names); state_dict_adapter.py maps it to and from Megatron's. All depth mixing is the mechanism's
+(registry.py); this file only supplies the host layer it runs on (base.py: attention_sublayer, mlp_sublayer).
+
+Layout: activations [b, s, d]; attention heads [b, s, h, hn]. A cache object needs `update(key, value,
+layer_idx) -> (keys, values)` over the sequence dim 2 of [b, h, s, hn] and `get_seq_length()` (Hugging Face's
+DynamicCache fits). Depth state never enters the cache: it is per token and rebuilt within each forward
+(Depth-Attention's mixed values are the cache's values).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Relative imports: the same lines work in the package and in an exported Hugging Face folder, where
+# transformers' remote-code loader follows `from .x import` lines to copy the files along.
+from .config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    """Llama/Qwen3 RMSNorm (normalise in fp32, cast back, scale): the same formula as the Megatron spec's."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, base: float, dtype) -> tuple:
+    """Megatron's non-interleaved RoPE (= Hugging Face rotate_half): positions [b, s] -> cos, sin [b, s, 1, hn]."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        hq, hkv, hn, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(d, hq * hn, bias=False)
+        self.k_proj = nn.Linear(d, hkv * hn, bias=False)
+        self.v_proj = nn.Linear(d, hkv * hn, bias=False)
+        self.o_proj = nn.Linear(hq * hn, d, bias=False)
+        if cfg.qk_layernorm:
+            self.q_norm = RMSNorm(hn, cfg.norm_epsilon)
+            self.k_norm = RMSNorm(hn, cfg.norm_epsilon)
+
+    def forward(self, x_q: Tensor, x_k: Tensor, x_v: Tensor, rope, cache=None, value_mixer=None) -> Tensor:
+        """x_*: [b, s, d], already normalised (DCA feeds three different inputs; the others one, three times)."""
+        cfg = self.cfg
+        b, s, _ = x_q.shape
+        hn = cfg.head_dim
+        q = self.q_proj(x_q).view(b, s, -1, hn)
+        raw_k = self.k_proj(x_k).view(b, s, -1, hn)
+        v = self.v_proj(x_v).view(b, s, -1, hn)
+        q, k = (self.q_norm(q), self.k_norm(raw_k)) if cfg.qk_layernorm else (q, raw_k)
+        if value_mixer is not None:  # Depth-Attention: this token's values mixed over earlier layers
+            v = value_mixer(q, k, raw_k, v, self.k_norm if cfg.qk_layernorm else (lambda t: t))
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, s, hn]
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer)
+        hq = q.shape[1]
+        k = k.repeat_interleave(hq // k.shape[1], dim=1) if k.shape[1] != hq else k
+        v = v.repeat_interleave(hq // v.shape[1], dim=1) if v.shape[1] != hq else v
+        # Causal over the cached prefix: query i (absolute position past + i) sees keys 0..past + i.
+        past = k.shape[2] - s
+        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hn))
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """A Llama/Qwen3 layer, plus the mechanism's modules for this layer (as named children)."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int, mechanism):
+        super().__init__()
+        self.cfg, self.layer_index = cfg, layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg)
+        for name, module in mechanism.layer_modules(layer).items():
+            self.add_module(name, module)
+
+
+class _LayerCall:
+    """The host a mechanism runs one layer on (base.py), bound to one forward call's RoPE tables and cache."""
+
+    def __init__(self, layer: Layer, rope, cache):
+        self._layer, self._rope, self._cache = layer, rope, cache
+        self.layer_index = layer.layer_index
+
+    def __getattr__(self, name):  # the mechanism's own modules
+        return getattr(self._layer, name)
+
+    def _dropout(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self._layer.cfg.hidden_dropout, self._layer.training)
+
+    def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None):
+        norm = self._layer.input_layernorm
+        q = norm(x)
+        k = q if k_in is None else norm(k_in)
+        v = q if v_in is None else norm(v_in)
+        return self._dropout(self._layer.self_attn(q, k, v, self._rope, self._cache, value_mixer))
+
+    def mlp_sublayer(self, x):
+        return self._dropout(self._layer.mlp(self._layer.post_attention_layernorm(x)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.mechanism = cfg.mechanism()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i, self.mechanism) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        for name, module in self.mechanism.final_modules().items():
+            self.add_module(name, module)
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None) -> Tensor:
+        """Final hidden states [b, s, d] (after the final norm)."""
+        cfg = self.cfg
+        x = self.embed_tokens(input_ids)
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        rope = rope_cos_sin(position_ids, cfg.head_dim, cfg.rotary_base, x.dtype)
+        mech = self.mechanism
+        state = mech.run_layers([_LayerCall(layer, rope, cache) for layer in self.layers], mech.initial_state(x))
+        return self.norm(mech.final_hidden(state, self))
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head (tied to the embedding unless the config unties them)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head. Call again after moving to a device whose tensors cannot be
+        converted in place (XLA): Module.to() then makes a new Parameter per module and unties them."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None) -> Tensor:
+        return self.lm_head(self.model(input_ids, position_ids, cache))

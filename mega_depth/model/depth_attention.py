@@ -1,0 +1,159 @@
+"""Depth-Attention (arXiv 2606.05014, SPEC §3): inside attention, each layer's values are a softmax mix over the
+stored values of earlier candidate layers (scored with this layer's query against their keys, normalised by this
+layer's key norm) and its own. The residual stream stays standard; no new parameters. The mixed values replace
+the layer's values in attention and in the KV cache.
+
+Candidates of layer l: earlier layers j with j % stride == 0, plus the `window` most recent. The default is the
+released 3B model's shape (48 layers, stride 24, window 0), scaled: stride = num_layers // 2, window 0. An earlier
+version of the catalogue added window 1; it was dropped so that the named setting is the one the authors trained.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+from .base import Entry, Mechanism, Option
+from .mixing import (DEPTH_ATTN_GQA_MODES, depth_attention_candidates, depth_attention_mix,
+                     depth_attention_needed_after, depth_attention_weights)
+
+
+class DepthAttentionState:
+    """The residual stream, plus the stored raw keys and mixed values of earlier layers (0-based index)."""
+
+    def __init__(self, hidden: Tensor):
+        self.hidden = hidden
+        self.raw_keys: Dict[int, Tensor] = {}
+        self.values: Dict[int, Tensor] = {}
+
+    def candidates(self, layer: int, stride: int, window: int):
+        ids = depth_attention_candidates(layer, stride, window)
+        if not ids:
+            return None, None
+        missing = [j for j in ids if j not in self.raw_keys]
+        if missing:
+            raise RuntimeError(f"depth-attention layer {layer} needs layers {missing}, which were not carried here")
+        return torch.stack([self.raw_keys[j] for j in ids]), torch.stack([self.values[j] for j in ids])
+
+    def store(self, layer: int, raw_key: Tensor, value: Tensor, num_layers: int, stride: int, window: int) -> None:
+        """Keep this layer's raw key and mixed value, and drop what no later layer needs."""
+        self.raw_keys[layer], self.values[layer] = raw_key, value
+        keep = set(depth_attention_needed_after(layer, num_layers, stride, window))
+        for j in list(self.raw_keys):
+            if j not in keep:
+                del self.raw_keys[j], self.values[j]
+
+
+class DepthAttention(Mechanism):
+    name = "depth-attention"
+    options = (
+        Option("depth_attn_stride", int, None, "candidate layers j with j % stride == 0 (omit: num_layers // 2, "
+               "the released 3B model's 48 / 24; 0: none, only the window)"),
+        Option("depth_attn_window", int, 0, "plus the `window` most recent layers (released model: 0)"),
+        Option("depth_attn_gqa", str, "query", "query: per-query-head depth weights and values (the authors' "
+               "code; the KV cache holds one value per query head); group: one weight per key-value head from "
+               "the mean of its queries (keeps the GQA cache size)", DEPTH_ATTN_GQA_MODES),
+    )
+
+    def __init__(self, residual, shape, tp=1, sp=False):
+        super().__init__(residual, shape, tp, sp)
+        self.stride = self.resolved_stride(residual, shape.num_layers)
+        self.window, self.gqa = residual.depth_attn_window, residual.depth_attn_gqa
+        hkv = shape.num_query_groups // tp
+        hv = (shape.num_attention_heads if self.gqa == "query" else shape.num_query_groups) // tp
+        self.kv_width, self.v_width = hkv * shape.head_dim, hv * shape.head_dim
+        # Under SP the keys/values are sequence-complete on every TP rank; they travel folded to [s/tp, b, tp*w].
+        self.fold = tp if sp else 1
+
+    @staticmethod
+    def resolved_stride(residual, num_layers: int) -> int:
+        stride = residual.depth_attn_stride
+        return max(1, num_layers // 2) if stride is None else stride
+
+    @classmethod
+    def catalogue(cls, num_layers):
+        return {"depth-attention": {"residual": "depth-attention", "depth_attn_stride": max(1, num_layers // 2),
+                                    "depth_attn_window": 0}}
+
+    @classmethod
+    def validate(cls, cfg, fail):
+        r, m = cfg.residual, cfg.model
+        fail(r.depth_attn_gqa in DEPTH_ATTN_GQA_MODES,
+             f"unknown --depth-attn-gqa {r.depth_attn_gqa!r}; choose one of {', '.join(DEPTH_ATTN_GQA_MODES)}")
+        fail(r.depth_attn_stride is None or r.depth_attn_stride >= 0, "--depth-attn-stride must be >= 0 (0: no "
+             "strided candidates)")
+        fail(r.depth_attn_window >= 0, "--depth-attn-window must be >= 0")
+        fail(not m.fused_single_qkv_rope, "--residual depth-attention needs the separate query/key/value tensors "
+             "that --fused-single-qkv-rope never materialises; drop --fused-single-qkv-rope")
+
+    @property
+    def value_heads_per_query_head(self):
+        return self.gqa == "query" and self.shape.num_query_groups < self.shape.num_attention_heads
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def initial_state(self, embedding):
+        return DepthAttentionState(embedding)
+
+    def layer_forward(self, layer, state):
+        index = layer.layer_index
+
+        def value_mixer(query, key, raw_key, value, key_norm):
+            cand_raw, cand_values = state.candidates(index, self.stride, self.window)
+            cand_keys = key_norm(cand_raw) if cand_raw is not None else None
+            if self.recorder is not None and cand_keys is not None:
+                weights = depth_attention_weights(query, torch.cat([cand_keys, key.unsqueeze(0)]), self.gqa)
+                self.recorder.add("depth-attention", index, f"layer {index}", weights)
+            mixed = self.kernel("depth_attention_mix", depth_attention_mix)(query, key, value, cand_keys,
+                                                                            cand_values, self.gqa)
+            state.store(index, raw_key, mixed, self.shape.num_layers, self.stride, self.window)
+            return mixed
+
+        x = state.hidden
+        x = x + layer.attention_sublayer(x, value_mixer=value_mixer)
+        state.hidden = x + layer.mlp_sublayer(x)
+        return state
+
+    def final_hidden(self, state, decoder):
+        return state.hidden
+
+    # --- pipeline payload ---------------------------------------------------------------------------------------
+    def layout(self, boundary):
+        out = [Entry("hidden", self.shape.hidden_size, False)]
+        for j in depth_attention_needed_after(boundary - 1, self.shape.num_layers, self.stride, self.window):
+            out.append(Entry(f"k{j}", self.fold * self.kv_width, True))
+            out.append(Entry(f"v{j}", self.fold * self.v_width, True))
+        return out
+
+    def entries(self, state):
+        out = {"hidden": state.hidden}
+        for j in state.raw_keys:
+            out[f"k{j}"], out[f"v{j}"] = state.raw_keys[j], state.values[j]
+        return out
+
+    def state_from(self, entries, boundary):
+        state = DepthAttentionState(entries["hidden"])
+        for name, t in entries.items():
+            if name[0] == "k":
+                state.raw_keys[int(name[1:])] = t
+            elif name[0] == "v":
+                state.values[int(name[1:])] = t
+        return state
+
+    def flat(self, name, t):
+        if name == "hidden":
+            return t
+        s, b = t.shape[:2]
+        t = t.reshape(s, b, -1)  # [s, b, heads * hn]
+        if self.fold > 1:  # [s, b, w] -> [s/tp, b, tp * w], position-major chunks
+            t = t.view(self.fold, s // self.fold, b, -1).permute(1, 2, 0, 3).reshape(s // self.fold, b, -1)
+        return t
+
+    def unflat(self, name, t):
+        if name == "hidden":
+            return t
+        s_local, b = t.shape[:2]
+        if self.fold > 1:
+            t = t.view(s_local, b, self.fold, -1).permute(2, 0, 1, 3).reshape(self.fold * s_local, b, -1)
+        return t.view(t.shape[0], b, -1, self.shape.head_dim)

@@ -1,0 +1,106 @@
+"""Megatron-core (full, TP=1 layout) <-> canonical parameter names and layouts (the plain decoder / Hugging Face).
+
+Megatron fuses q/k/v into linear_qkv with rows [query group g: its r query heads | k | v] x head_dim, and gate/up
+into linear_fc1 ([gate; up]); the canonical form splits them like Hugging Face's Llama/Qwen3. A mechanism's
+parameters keep their names (`layers.<i>.<module>.*`, `final_*` at the decoder end) on both sides. Pure
+re-layout, no Megatron import: to_canonical(from_canonical(x)) == x bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict
+
+import torch
+from torch import Tensor
+
+from .config import DecoderConfig
+from .registry import owner_of
+
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_TOP_RENAMES = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_FUSED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
+          "mlp.up_proj.weight")
+
+
+def to_canonical(megatron: Dict[str, Tensor], cfg: DecoderConfig) -> Dict[str, Tensor]:
+    out = {}
+    r, hn, ng = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim, cfg.num_query_groups
+    for name, t in megatron.items():
+        mixing = bool(owner_of(name))
+        if name.endswith("._extra_state") or (name.endswith(".bias") and not mixing):
+            continue
+        if name in _TOP_RENAMES:
+            if not (name == "output_layer.weight" and cfg.tie_word_embeddings):
+                out[_TOP_RENAMES[name]] = t
+            continue
+        if name.startswith("decoder.") and mixing and not name.startswith("decoder.layers."):
+            out["model." + name[len("decoder."):]] = t  # the decoder end's mixing (final_mixer.*, ...)
+            continue
+        m = re.match(r"decoder\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise KeyError(f"unexpected Megatron parameter {name}")
+        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        if rest == "self_attention.linear_qkv.weight":
+            w = t.view(ng, r + 2, hn, -1)
+            out[prefix + "self_attn.q_proj.weight"] = w[:, :r].reshape(-1, w.shape[-1]).clone()
+            out[prefix + "self_attn.k_proj.weight"] = w[:, r].reshape(-1, w.shape[-1]).clone()
+            out[prefix + "self_attn.v_proj.weight"] = w[:, r + 1].reshape(-1, w.shape[-1]).clone()
+        elif rest == "mlp.linear_fc1.weight":
+            gate, up = t.chunk(2, dim=0)
+            out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate.clone(), up.clone()
+        elif rest in _LAYER_RENAMES:
+            out[prefix + _LAYER_RENAMES[rest]] = t
+        elif mixing:
+            out[prefix + rest] = t
+        else:
+            raise KeyError(f"unexpected Megatron parameter {name}")
+    return out
+
+
+def from_canonical(canonical: Dict[str, Tensor], cfg: DecoderConfig) -> Dict[str, Tensor]:
+    out = {}
+    r, hn, ng, d = (cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim, cfg.num_query_groups,
+                    cfg.hidden_size)
+    top = {v: k for k, v in _TOP_RENAMES.items()}
+    layer_names = {v: k for k, v in _LAYER_RENAMES.items()}
+    for name, t in canonical.items():
+        mixing = bool(owner_of(name))
+        if name in top:
+            out[top[name]] = t
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            if not (mixing and name.startswith("model.")):
+                raise KeyError(f"unexpected parameter {name}")
+            out["decoder." + name[len("model."):]] = t
+            continue
+        prefix, rest = f"decoder.layers.{m.group(1)}.", m.group(2)
+        if rest in layer_names:
+            out[prefix + layer_names[rest]] = t
+        elif mixing:
+            out[prefix + rest] = t
+        elif rest not in _FUSED:  # the fused ones are assembled below
+            raise KeyError(f"unexpected parameter {name}")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        q = canonical[p + "self_attn.q_proj.weight"].view(ng, r, hn, d)
+        k = canonical[p + "self_attn.k_proj.weight"].view(ng, 1, hn, d)
+        v = canonical[p + "self_attn.v_proj.weight"].view(ng, 1, hn, d)
+        out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, d)
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat(
+            [canonical[p + "mlp.gate_proj.weight"], canonical[p + "mlp.up_proj.weight"]])
+    if cfg.tie_word_embeddings:
+        out.pop("output_layer.weight", None)
+    return out

@@ -1,0 +1,250 @@
+"""The DeepSpeed backend: the Megatron-core model under the DeepSpeed engine (ZeRO 0-3, data parallelism).
+
+Launch with the `deepspeed` launcher (launch/deepspeed.sh) or torchrun. DeepSpeed owns the optimizer, ZeRO
+partitioning, gradient accumulation and clipping; Megatron's pipeline schedules and tensor parallelism stay on the
+Megatron backend (config.validate refuses --deepspeed with PP > 1 or TP > 1, with the reason). mega_depth sets
+the batch keys of the DeepSpeed config from its own flags so the two can never disagree.
+
+Skipping an update (--on-nan skip): the loss of a bad step is NaN and so are its gradients (trainer.token_mean_loss),
+which DeepSpeed's own overflow check skips for ZeRO 1-3 and bf16; ZeRO-0 in fp32 has no such check, so the
+boundary step is taken with the inner optimizer's step disabled (counters advance, weights and state do not move).
+Checkpoints: DeepSpeed's own files under iter_N/deepspeed/, plus model.safetensors (canonical names, for export).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional
+
+import torch
+
+from mega_depth.config import Config, ConfigError
+from mega_depth.init import padded_vocab_size, seed_everything
+from mega_depth.megatron import cpu_compat
+from mega_depth.training import rng
+from mega_depth.training.distributed import Collectives, device, init_process_group
+from mega_depth.training.schedule import build_scheduler
+from mega_depth.training.trainer import token_mean_loss
+
+TAG = "deepspeed"
+
+
+class _MegatronMPU:
+    """The `mpu` interface DeepSpeed asks for, answered by megatron-core's parallel_state."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+
+    def get_model_parallel_rank(self):
+        return self.ps.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self):
+        return self.ps.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return self.ps.get_tensor_model_parallel_group()
+
+    def get_data_parallel_rank(self):
+        return self.ps.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self):
+        return self.ps.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return self.ps.get_data_parallel_group()
+
+
+def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
+    path = cfg.training.deepspeed_config
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed-config {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed-config {path} is not valid JSON: {e}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"--deepspeed-config {path} must hold a JSON object")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    t = cfg.training
+    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    ds["gradient_accumulation_steps"] = num_microbatches
+    ds["train_batch_size"] = t.micro_batch_size * num_microbatches * dp
+    ds["gradient_clipping"] = t.clip_grad
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    ds["optimizer"].setdefault("params", {}).update(
+        {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay})
+    if not torch.cuda.is_available():
+        ds["optimizer"]["params"].setdefault("torch_adam", True)  # CPU: no 100 s JIT build of fused Adam
+    if t.bf16:
+        ds["bf16"] = {"enabled": True}
+    ds.setdefault("steps_per_print", 1 << 30)  # the trainer logs; DeepSpeed's own progress lines are noise
+    return ds
+
+
+class DeepSpeedBackend(Collectives):
+    format = "deepspeed"
+
+    def __init__(self, cfg: Config):
+        from megatron.core import parallel_state, tensor_parallel
+
+        cpu_compat.apply()  # the model is Megatron-core's: its CUDA assumptions redirected on a CPU-only machine
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        import deepspeed
+
+        self.cfg = cfg
+        init_process_group()  # torchrun, the deepspeed launcher, or one plain process (no MPI discovery)
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1)
+        seed_everything(cfg.training.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+        self.num_microbatches = cfg.num_microbatches(self.world_size)
+        self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+
+    @property
+    def sampler_shape(self):
+        return self.cfg.training.micro_batch_size, self.num_microbatches, self.dp, self.dp_rank
+
+    def layout(self) -> Dict[str, int]:
+        return {"pp": 1, "tp": 1, "dp": self.dp, "zero_stage": self.engine.zero_optimization_stage()}
+
+    def build(self, initial_weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        import deepspeed
+
+        from mega_depth.megatron.builder import build_model_chunks, load_full_state
+
+        (model,) = build_model_chunks(self.cfg)
+        if initial_weights is not None:  # before initialize: ZeRO-3 partitions the weights there
+            load_full_state([model], initial_weights, self.cfg)
+        self.mechanism = getattr(model.decoder, "mechanism", None)
+        rule = self.cfg.decoder_config().mechanism()
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if rule.weight_decay_applies(n, p)], "wd_mult": 1.0},
+                  {"params": [p for n, p in named if not rule.weight_decay_applies(n, p)], "wd_mult": 0.0}]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups, config=ds_config(self.cfg, self.dp, self.num_microbatches),
+            mpu=_MegatronMPU())
+        self.scheduler = build_scheduler(self.cfg, self.optimizer)
+
+    # --- step -------------------------------------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _losses(self, microbatches, poison: bool, train: bool) -> float:
+        losses = []
+        for i, batch in enumerate(microbatches):
+            batch = {k: v.to(device()) for k, v in batch.items()}
+            per_token = self.engine(batch["tokens"], batch["position_ids"], attention_mask=None,
+                                    labels=batch["labels"])
+            loss = token_mean_loss(per_token, batch["loss_mask"], poison)
+            if train:
+                self.engine.backward(loss)
+                if i < len(microbatches) - 1:
+                    self.engine.step()  # inside the accumulation window: no update
+            losses.append(loss.detach())
+        mean = torch.stack(losses).mean().reshape(1).to(device())
+        torch.distributed.all_reduce(mean)
+        return float(mean.item()) / self.dp
+
+    def forward_backward(self, microbatches, poison: bool = False) -> float:
+        return self._losses(microbatches, poison, train=True)  # the boundary step is update()'s or discard()'s
+
+    def update(self):
+        self.engine.step()
+        applied = self.engine.was_step_applied()
+        if applied:
+            self.scheduler.step(increment=1)
+        norm = self.engine.get_global_grad_norm()
+        return (float(norm) if norm is not None else float("nan")), bool(applied)
+
+    def discard(self) -> None:
+        """Take the boundary step without an update (the gradients are NaN: see the module doc)."""
+        e = self.engine
+        builtin = e.zero_optimization() or e.bfloat16_enabled() or e.fp16_enabled()
+        if builtin:
+            e.step()
+        else:
+            inner = e.optimizer
+            saved = inner.__dict__.get("step")  # an LR scheduler may have patched an instance attribute
+            inner.step, inner.overflow = (lambda *a, **k: None), True  # no update; DeepSpeed counts a skip
+            try:
+                e.step()
+            finally:
+                if saved is None:
+                    del inner.step
+                else:
+                    inner.step = saved
+                inner.overflow = False
+        if e.was_step_applied():
+            raise RuntimeError("DeepSpeed applied an update that should have been skipped")
+
+    def evaluate(self, microbatches) -> float:
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                return self._losses(microbatches, False, train=False)
+        finally:
+            self.engine.train()
+
+    def depth_weights(self, microbatches):
+        from mega_depth.model.base import Recorder
+
+        if self.mechanism is None:
+            return None
+        self.mechanism.recorder = recorder = Recorder()
+        try:
+            self.evaluate(microbatches[-1:])
+        finally:
+            self.mechanism.recorder = None
+        return self.gather_figures(recorder.figures)
+
+    # --- checkpoints ------------------------------------------------------------------------------------------------
+    def _full_module_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The module's full weights on rank 0 (ZeRO-3 gathers its partitions: collective)."""
+        if self.engine.zero_optimization_stage() == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.engine.module.state_dict()
+        if self.rank != 0:
+            return None
+        return {k: v.detach().float().cpu() for k, v in state.items() if not k.endswith("_extra_state")}
+
+    def save_files(self, tmp_dir: str, step: int) -> None:
+        from safetensors.torch import save_file
+
+        from mega_depth.model.state_dict_adapter import to_canonical
+
+        client = {"step": step, "scheduler": self.scheduler.state_dict(), "rng": rng.capture()}
+        self.engine.save_checkpoint(tmp_dir, tag=TAG, client_state=client, save_latest=False)
+        full = self._full_module_state()
+        if full is not None:
+            dc = self.cfg.decoder_config(padded_vocab_size(self.cfg.model.vocab_size))
+            canonical = {k: v.contiguous() for k, v in to_canonical(full, dc).items()}
+            save_file(canonical, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+
+    def load(self, ckpt_dir: str, meta: dict) -> int:
+        path, client = self.engine.load_checkpoint(ckpt_dir, tag=TAG)
+        if path is None or client is None:
+            raise ConfigError(f"{ckpt_dir} holds no DeepSpeed checkpoint ({TAG}/ is missing)")
+        try:
+            self.scheduler.load_state_dict(client["scheduler"])
+        except AssertionError as e:
+            raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt_dir}'s ({e}); "
+                              "pass the checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
+                              "--lr-decay-style") from None
+        if meta.get("layout", {}).get("dp") == self.dp and "rng" in client:
+            rng.restore(client["rng"])
+        return int(client["step"])
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,233 @@
+"""The Megatron-core backend: model chunks (one per virtual stage), Megatron DDP, its optimizer (AdamW, optionally
+distributed), the pipeline schedules, and torch_dist checkpoints that reshard between TP/PP/DP layouts."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+
+from mega_depth.config import Config, ConfigError
+from mega_depth.init import seed_everything
+from mega_depth.megatron import cpu_compat
+from mega_depth.training import rng
+from mega_depth.training.distributed import Collectives, device, init_process_group
+from mega_depth.training.schedule import build_scheduler
+from mega_depth.training.trainer import token_mean_loss
+
+
+class MegatronBackend(Collectives):
+    format = "megatron"
+
+    def __init__(self, cfg: Config):
+        from megatron.core import parallel_state, tensor_parallel
+
+        cpu_compat.apply()  # Megatron starts here: its CUDA assumptions redirected on a CPU-only machine
+        self.cfg = cfg
+        init_process_group()
+        p = cfg.parallel
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size,
+        )
+        seed_everything(cfg.training.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+        self.num_microbatches = cfg.num_microbatches(self.world_size)
+        self.model: List[torch.nn.Module] = []
+
+    # --- shape ------------------------------------------------------------------------------------------------------
+    @property
+    def sampler_shape(self):
+        from megatron.core import parallel_state
+
+        return (self.cfg.training.micro_batch_size, self.num_microbatches,
+                parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
+
+    def layout(self) -> Dict[str, int]:
+        from megatron.core import parallel_state as ps
+
+        return {"pp": ps.get_pipeline_model_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+                "dp": ps.get_data_parallel_world_size()}
+
+    # --- build ------------------------------------------------------------------------------------------------------
+    def build(self, initial_weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamWithNamePredicate, get_megatron_optimizer
+
+        from mega_depth.megatron.builder import build_model_chunks, load_full_state
+
+        cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.training
+        chunks = build_model_chunks(cfg)
+        if initial_weights is not None:
+            load_full_state(chunks, initial_weights, cfg)
+        if torch.cuda.is_available():
+            for c in chunks:
+                c.cuda(torch.cuda.current_device())
+        tconfig = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=p.use_distributed_optimizer)
+        self.model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
+                                              disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+        self.mechanism = getattr(chunks[0].decoder, "mechanism", None)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
+            params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        rule = cfg.decoder_config().mechanism()  # the weight-decay rule: Megatron's, plus each mechanism's own choices
+        no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
+            name="mega_depth_no_weight_decay", fn=lambda param, name: not rule.weight_decay_applies(name, param)))
+        self.optimizer = get_megatron_optimizer(opt_config, self.model, config_overrides={no_decay: {"wd_mult": 0.0}})
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.grad_scale_func = self.optimizer.scale_loss
+        tconfig.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        if len(self.model) > 1:
+            tconfig.grad_sync_func = [m.start_grad_sync for m in self.model]
+
+    @property
+    def modules(self):
+        return [getattr(m, "module", m) for m in self.model]
+
+    # --- step -------------------------------------------------------------------------------------------------------
+    def _schedule(self, microbatches: List[dict], forward_only: bool, poison: bool = False) -> float:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from mega_depth.megatron.pipeline import pipelines_of
+
+        for pipe in pipelines_of(self.model):
+            pipe.start_step()
+        batches = [{k: v.to(device(), non_blocking=True) for k, v in b.items()} for b in microbatches]
+
+        def loss_func(loss_mask, output_tensor):
+            loss = token_mean_loss(output_tensor, loss_mask, poison)
+            # clone: the schedule divides the returned loss in place by the number of micro-batches
+            return loss, {"lm loss": loss.detach().clone()}
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+            return output, partial(loss_func, batch["loss_mask"])
+
+        iterators = [iter(batches) for _ in self.model]
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(batches),
+            seq_length=self.cfg.model.seq_length, micro_batch_size=self.cfg.training.micro_batch_size,
+            forward_only=forward_only)
+        # The step's mean loss on every rank: averaged over micro-batches on the last stage, then over DP.
+        reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
+            parallel_state.get_tensor_model_parallel_rank() == 0
+        value = torch.zeros(1, dtype=torch.float64)
+        if reporter and losses:
+            value[0] = torch.stack([l["lm loss"].double().cpu() for l in losses]).mean()
+        value = value.to(device())
+        torch.distributed.all_reduce(value)
+        return float(value.item()) / parallel_state.get_data_parallel_world_size()
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def forward_backward(self, microbatches, poison: bool = False) -> float:
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self._schedule(microbatches, forward_only=False, poison=poison)
+
+    def update(self):
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if update_ok:
+            self.scheduler.step(increment=1)
+        return (float(grad_norm) if grad_norm is not None else float("nan")), bool(update_ok)
+
+    def discard(self) -> None:
+        for m in self.model:  # the next step starts from zero grads anyway; drop the poisoned ones now
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def evaluate(self, microbatches) -> float:
+        for m in self.model:
+            m.eval()
+        try:
+            with torch.no_grad():
+                return self._schedule(microbatches, forward_only=True)
+        finally:
+            for m in self.model:
+                m.train()
+
+    def depth_weights(self, microbatches):
+        """Collective: a forward-only probe of a whole step (interleaved schedules need every micro-batch); the
+        last micro-batch's weights of every rank's layers, merged on rank 0."""
+        from mega_depth.model.base import Recorder
+
+        if self.mechanism is None:
+            return None
+        self.mechanism.recorder = recorder = Recorder()
+        try:
+            self.evaluate(microbatches)
+        finally:
+            self.mechanism.recorder = None
+        return self.gather_figures(recorder.figures)
+
+    # --- checkpoints ------------------------------------------------------------------------------------------------
+    def _sharded_state(self, is_loading: bool = False) -> dict:
+        model_sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.modules)}
+        flat = {}
+        for sd in model_sd.values():
+            flat.update(sd)
+        out = dict(model_sd)
+        out["optimizer"] = self.optimizer.sharded_state_dict(
+            flat, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return out
+
+    def _rng_path(self, ckpt_dir: str) -> str:
+        from megatron.core import parallel_state as ps
+
+        return os.path.join(ckpt_dir, "rng", f"pp{ps.get_pipeline_model_parallel_rank()}_"
+                                             f"tp{ps.get_tensor_model_parallel_rank()}.pt")
+
+    def save_files(self, tmp_dir: str, step: int) -> None:
+        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+
+        sd = self._sharded_state()
+        sd["common"] = {"step": step, "scheduler": self.scheduler.state_dict()}
+        dist_checkpointing.save(sd, tmp_dir)
+        # RNG per (pp, tp) rank, outside the dist-checkpoint (whose objects unpickle arbitrary code on load).
+        if parallel_state.get_data_parallel_rank() == 0:
+            path = self._rng_path(tmp_dir)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(rng.capture(tensor_parallel.get_cuda_rng_tracker()), path)
+
+    def load(self, ckpt_dir: str, meta: dict) -> int:
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        same_layout = all(meta.get("layout", {}).get(k) == v for k, v in self.layout().items())
+        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), ckpt_dir)
+        for i, module in enumerate(self.modules):
+            module.load_state_dict(loaded[f"model{i}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        common = loaded["common"]
+        try:
+            self.scheduler.load_state_dict(common["scheduler"])
+        except AssertionError as e:  # megatron's scheduler asserts that the schedule did not change
+            raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt_dir}'s ({e}); "
+                              "pass the checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
+                              "--lr-decay-style") from None
+        rng_file = self._rng_path(ckpt_dir)
+        if same_layout and os.path.isfile(rng_file):  # a resharded run reseeds instead
+            rng.restore(torch.load(rng_file, map_location="cpu", weights_only=True),
+                        tensor_parallel.get_cuda_rng_tracker())
+        return int(common["step"])
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

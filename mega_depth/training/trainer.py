@@ -1,0 +1,278 @@
+"""The one training loop, for every backend (Megatron-core, DeepSpeed, plain/XLA: training/backends/).
+
+Written once here: data order, resuming, the NaN policy, evaluation, logging (metrics.jsonl, TensorBoard, depth
+heatmaps), SIGTERM save-and-exit, and the checkpoint rules (mega_depth/checkpoint/rules.py). A backend supplies:
+
+    rank, world_size, format                        format: its checkpoint format ("megatron", "deepspeed", "plain")
+    barrier(), broadcast(obj), any(flag)            collectives (one process: trivial)
+    sampler_shape -> (mbs, nmb, dp, dp_rank)        how it reads the global batch (GlobalBatchSampler)
+    build(initial_weights)                          model, optimizer, schedule (weights: a full Megatron state dict
+                                                    of a weights-only checkpoint, or None)
+    forward_backward(microbatches, fault) -> loss   the step's mean loss, the same on every rank; grads accumulated
+    update() -> (grad_norm, applied)                apply the accumulated update (and advance the LR schedule)
+    discard()                                       skip it: weights, optimizer state and schedule stay as they are
+    lr, evaluate(microbatches) -> loss, depth_weights(microbatches) -> figures on rank 0 (or None)
+    save_files(tmp_dir, step), load(ckpt_dir, meta) -> step, layout(), memory_gb(), close()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from typing import List
+
+from mega_depth.checkpoint import rules
+from mega_depth.config import Config, ConfigError, to_dict
+
+FAULT_NAN_AT_STEP = "MEGA_DEPTH_FAULT_NAN_AT_STEP"  # fault injection: a NaN loss (and grads) at this step
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class Preemption:
+    """SIGTERM (a scheduler's pre-emption notice) sets a flag; the loop saves and exits at the next step end."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def token_mean_loss(per_token, loss_mask, poison: bool = False):
+    """Mean token loss of one micro-batch, fp32. A non-finite loss (or an injected fault) is made NaN so that its
+    gradients are NaN too: every backend then sees the same thing (an inf loss can have finite gradients)."""
+    import torch
+
+    mask = loss_mask.float()
+    loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    ok = torch.isfinite(loss.detach()) & (not poison)
+    return loss * torch.where(ok, 1.0, float("nan"))  # a constant factor: 1, or NaN for the loss and its grads
+
+
+class Trainer:
+    def __init__(self, cfg: Config, backend):
+        self.cfg, self.backend = cfg, backend
+        self.say = (lambda msg: print(msg, flush=True)) if backend.rank == 0 else (lambda msg: None)
+
+    # --- start ----------------------------------------------------------------------------------------------------
+    def _resume_point(self):
+        """(checkpoint dir, meta) to resume from, or None; refuses a stale --save folder for a fresh run."""
+        ck, b = self.cfg.checkpoint, self.backend
+        found = rules.resolve_load(ck.load, b) if ck.load else None
+        if found is not None:
+            ckpt, meta = found
+            rules.check_compatible(meta, self.cfg, ckpt)
+            if meta.get("format", "megatron") != b.format and not meta.get("model_only"):
+                raise rules.CheckpointError(
+                    f"--load {ckpt} was written by the {meta.get('format', 'megatron')} trainer, this run uses the "
+                    f"{b.format} one; resume it with that trainer, or start from its weights: python "
+                    f"tools/convert_from_hf.py --hf {ckpt} --save DIR, then --load DIR")
+        if ck.save and (found is None or found[1].get("model_only")):
+            error = None
+            if b.rank == 0:
+                try:
+                    rules.check_fresh_save(ck.save, ck.overwrite_save)
+                except rules.CheckpointError as e:
+                    error = str(e)
+            error = b.broadcast(error)
+            if error:
+                raise rules.CheckpointError(error)
+        return found
+
+    def _samplers(self):
+        from mega_depth.data.datasets import GlobalBatchSampler, build_datasets, tokenizer_for
+
+        cfg, (mbs, nmb, dp, dp_rank) = self.cfg, self.backend.sampler_shape
+        gbs = mbs * nmb * dp
+        eval_batches = (cfg.training.train_iters // cfg.data.eval_interval + 1) * cfg.data.eval_iters \
+            if cfg.data.eval_interval else 0
+        train_ds, valid_ds, _ = build_datasets(cfg, tokenizer_for(cfg), (cfg.training.train_iters * gbs,
+                                                                          eval_batches * gbs or None, None))
+        train = GlobalBatchSampler(train_ds, mbs, nmb, dp, dp_rank)
+        valid = None
+        if cfg.data.eval_interval:
+            if valid_ds is None:
+                raise ConfigError("--eval-interval needs a validation split: give --split with a non-zero second part")
+            # Evaluation always samples the same batches, so validation losses compare across steps and runs.
+            valid = GlobalBatchSampler(valid_ds, mbs, nmb, dp, dp_rank)
+        return train, valid
+
+    # --- one step -------------------------------------------------------------------------------------------------
+    def step(self, microbatches, step: int) -> dict:
+        """One optimizer step over a global batch. A non-finite loss stops the run or skips the update (--on-nan):
+        the decision is taken on the loss every rank agrees on, before anything is applied."""
+        b = self.backend
+        lr = b.lr
+        loss = b.forward_backward(microbatches, os.environ.get(FAULT_NAN_AT_STEP) == str(step))
+        if not math.isfinite(loss):
+            b.discard()
+            if self.cfg.training.on_nan == "stop":
+                raise NonFiniteLoss(f"loss is {loss} at step {step}; stopping (--on-nan stop). Resume from the last "
+                                    "checkpoint with a lower --lr or --clip-grad, or use --on-nan skip")
+            return {"loss": loss, "grad_norm": float("nan"), "lr": lr, "skipped": True}
+        grad_norm, applied = b.update()
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not applied}
+
+    def evaluate(self, sampler) -> float:
+        losses = [self.backend.evaluate(sampler.microbatches(i)) for i in range(self.cfg.data.eval_iters)]
+        return sum(losses) / len(losses)
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> List[dict]:
+        cfg, b, ck = self.cfg, self.backend, self.cfg.checkpoint
+        found = self._resume_point()
+        start, run_id = 0, rules.new_run_id()
+        weights = None
+        if found is not None and found[1].get("model_only"):
+            from mega_depth.checkpoint.weights import full_megatron_weights
+
+            weights = full_megatron_weights(*found)
+        b.build(weights)
+        if found is not None:
+            ckpt, meta = found
+            if meta.get("model_only"):
+                self.say(f"starting from the weights of {ckpt} at step 0 (weights-only checkpoint; new optimizer)")
+            else:
+                start, run_id = b.load(ckpt, meta), meta.get("run_id", run_id)
+                self.say(f"resumed from {ckpt} at step {start}")
+        run_id = b.broadcast(run_id)
+        train, valid = self._samplers()
+        logger = Logger(cfg, start) if b.rank == 0 else None
+        meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
+        tokens_per_step = train.global_batch_size * cfg.model.seq_length
+        preemption = Preemption()
+        history, train_time = [], 0.0
+        try:
+            for step in range(start, cfg.training.train_iters):
+                done = step + 1
+                t0 = time.perf_counter()
+                result = self.step(train.microbatches(step), done)
+                elapsed = time.perf_counter() - t0
+                train_time += elapsed
+                record = {"step": done, "loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+                          "tokens_per_s": tokens_per_step / elapsed, "tokens": done * tokens_per_step,
+                          "train_time_s": train_time}
+                if result["skipped"]:
+                    record["skipped"] = True
+                if valid is not None and done % cfg.data.eval_interval == 0:
+                    record["val_loss"] = self.evaluate(valid)
+                    record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
+                history.append(record)
+                if logger is not None:
+                    logger.step(record, b.memory_gb())
+                last = done == cfg.training.train_iters
+                every = cfg.logging.heatmap_interval
+                if (every and done % every == 0) or (last and not every):
+                    figures = b.depth_weights(train.microbatches(step))
+                    if figures and logger is not None:
+                        self.say(f"depth-weight heatmaps: {', '.join(logger.heatmaps(figures, done))}")
+                preempted = b.any(preemption.requested)
+                exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
+                if ck.save and ((ck.save_interval and done % ck.save_interval == 0) or exiting or last):
+                    path = rules.save(ck.save, done, lambda tmp, s=done: b.save_files(tmp, s),
+                                      dict(meta, layout=b.layout()), ck.keep_last, b)
+                    self.say(f"saved checkpoint {path}")
+                if exiting:
+                    self.say(f"exiting after step {done} ({'SIGTERM' if preempted else '--exit-interval'})")
+                    break
+        finally:
+            preemption.restore()
+            if logger is not None:
+                logger.close()
+        return history
+
+
+class Logger:
+    """Rank 0: metrics.jsonl, the console line, TensorBoard scalars and depth-weight heatmaps. On resume, records
+    past the resumed step (left by the interrupted run) are dropped from metrics.jsonl and TensorBoard."""
+
+    def __init__(self, cfg: Config, start_step: int):
+        self.cfg = cfg
+        out = cfg.logging.output_dir
+        os.makedirs(out, exist_ok=True)
+        self.metrics_path = os.path.join(out, "metrics.jsonl")
+        _truncate_metrics(self.metrics_path, start_step)
+        self.writer = None
+        if cfg.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # the XLA test environment has no tensorboard; metrics.jsonl has everything
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1)
+
+    def step(self, record: dict, memory_gb: float) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        done = record["step"]
+        if done % self.cfg.logging.log_interval == 0 or "val_loss" in record or record.get("skipped"):
+            line = (f"step {done:>6} | loss {record['loss']:.6f} | lr {record['lr']:.3e} | "
+                    f"grad norm {record['grad_norm']:.4f} | {record['tokens_per_s']:.0f} tokens/s")
+            if "val_loss" in record:
+                line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
+            print(line + (" | skipped (non-finite loss)" if record.get("skipped") else ""), flush=True)
+        if self.writer is None:
+            return
+        w = self.writer
+        w.add_scalar("train/loss", record["loss"], done)
+        w.add_scalar("train/perplexity", math.exp(min(record["loss"], 50.0)), done)
+        w.add_scalar("train/lr", record["lr"], done)
+        w.add_scalar("train/grad_norm", record["grad_norm"], done)
+        w.add_scalar("perf/tokens_per_s", record["tokens_per_s"], done)
+        w.add_scalar("perf/memory_gb", memory_gb, done)
+        if "val_loss" in record:
+            w.add_scalar("val/loss", record["val_loss"], done)
+            w.add_scalar("val/perplexity", record["val_ppl"], done)
+
+    def heatmaps(self, figures: dict, step: int) -> List[str]:
+        """One PNG (and TensorBoard figure) per recorded figure; returns the paths."""
+        import matplotlib.pyplot as plt
+
+        from mega_depth.training.depth_weights import heatmap_figure
+
+        paths = []
+        for name, rows in sorted(figures.items()):
+            fig = heatmap_figure(rows, f"{name} depth weights, step {step}")
+            path = os.path.join(self.cfg.logging.output_dir, "heatmaps", f"{name}_step{step:07d}.png")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fig.savefig(path, dpi=110)
+            if self.writer is not None:
+                self.writer.add_figure(f"depth_weights/{name}", fig, step)
+            plt.close(fig)
+            paths.append(path)
+        return paths
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def _truncate_metrics(path: str, start_step: int) -> None:
+    """Keep only the records up to `start_step` (a resumed run rewrites the steps after it)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= start_step:
+                kept.append(line)
+        except (ValueError, KeyError):
+            continue  # a line cut by a kill
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)

@@ -1,0 +1,222 @@
+"""The plain backend: the plain decoder (mega_depth/model/decoder.py, the one the Hugging Face export ships) on
+torch-xla SPMD (a DATA x FSDP mesh, sharding.py), or eagerly on the CPU (`--device cpu`, the reference the XLA
+runs are checked against). Same keyed initial weights, data, LR schedule and loss as the Megatron trainer:
+--micro-batch-size is per batch shard, and the step's loss is the mean over (micro-batch, shard) of each one's
+token-mean, as Megatron computes it over data-parallel ranks.
+
+Checkpoints ("plain" format): model.safetensors in canonical names (full tensors gathered from the mesh) and
+trainer_state.pt (optimizer, schedule, RNG: tensors and plain values only, loaded with weights_only=True). The
+layout-free format makes resuming on another mesh exact.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+
+from mega_depth.config import Config, ConfigError
+from mega_depth.training import rng
+from mega_depth.training.trainer import token_mean_loss
+
+WEIGHTS = "model.safetensors"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def group_mean_loss(logits, labels, loss_mask, groups: int, poison: bool = False):
+    """Mean over `groups` equal slices of the batch of each slice's masked token-mean (fp32 cross entropy):
+    what Megatron computes over `groups` data-parallel ranks. logits [b, s, V]; labels, loss_mask [b, s]."""
+    import torch.nn.functional as F
+
+    b, s = labels.shape
+    losses = F.cross_entropy(logits.float().reshape(b * s, -1), labels.reshape(-1), reduction="none").view(b, s)
+    per_group = [token_mean_loss(l, m, poison) for l, m in zip(losses.view(groups, b // groups, s),
+                                                               loss_mask.view(groups, b // groups, s))]
+    return torch.stack(per_group).mean()
+
+
+def canonical_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Full fp32 CPU copies under canonical names (a tied LM head is stored once, as the embedding)."""
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class PlainBackend:
+    format = "plain"
+    rank, world_size = 0, 1
+
+    def __init__(self, cfg: Config, device: str = "xla", mesh: Optional[str] = None):
+        from mega_depth.init import seed_everything
+        from mega_depth.xla.sharding import Layout, xla_layout
+
+        self.cfg, self.xla = cfg, device == "xla"
+        self.mesh_layout = xla_layout(mesh) if self.xla else Layout()
+        cfg.validate(self.mesh_layout.batch_shards)
+        self.num_microbatches = cfg.num_microbatches(self.mesh_layout.batch_shards)
+        seed_everything(cfg.training.seed)
+        if self.xla:
+            import torch_xla
+
+            self.device = torch_xla.device()
+        else:
+            self.device = torch.device("cpu")
+
+    # --- collectives (one SPMD program) ----------------------------------------------------------------------------
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj):
+        return obj
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def memory_gb(self) -> float:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**30
+
+    @property
+    def sampler_shape(self):
+        # One SPMD program sees the whole global micro-batch: the shards' micro-batches side by side, in the
+        # order Megatron's data-parallel ranks read them.
+        return self.cfg.training.micro_batch_size * self.mesh_layout.batch_shards, self.num_microbatches, 1, 0
+
+    def layout(self) -> dict:
+        lay = self.mesh_layout
+        return {"devices": lay.batch_shards, "mesh": [lay.data, lay.fsdp], "device": "xla" if self.xla else "cpu"}
+
+    # --- build ------------------------------------------------------------------------------------------------------
+    def build(self, initial_weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        from mega_depth.init import init_plain_model, padded_vocab_size
+        from mega_depth.model.decoder import CausalLM
+        from mega_depth.model.state_dict_adapter import to_canonical
+        from mega_depth.training.schedule import build_scheduler
+
+        cfg, t = self.cfg, self.cfg.training
+        dc = cfg.decoder_config(padded_vocab_size(cfg.model.vocab_size))
+        model = CausalLM(dc)
+        init_plain_model(model, t.seed, cfg.model.init_method_std)
+        if initial_weights is not None:
+            self._load_canonical(model, to_canonical(initial_weights, dc), "the loaded weights")
+        self.model = model.to(self.device)
+        self.model.tie_weights()
+        self.mesh_layout.shard_params(self.model)
+        rule = model.model.mechanism
+        named = list(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for n, p in named if rule.weight_decay_applies(n, p)], "wd_mult": 1.0},
+             {"params": [p for n, p in named if not rule.weight_decay_applies(n, p)], "wd_mult": 0.0}],
+            lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self.params = [p for _, p in named]
+
+    def _load_canonical(self, model, weights: Dict[str, torch.Tensor], where: str) -> None:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            missing, unexpected = model.load_state_dict({k: v.to(device) for k, v in weights.items()}, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ConfigError(f"{where} do not match the model (missing {missing[:4]}, unexpected {unexpected[:4]})")
+
+    # --- step -------------------------------------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _forward_loss(self, batch, poison: bool = False):
+        tokens, labels, mask, positions = (self.mesh_layout.shard_batch(batch[k].to(self.device))
+                                           for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        with torch.autocast("xla" if self.xla else "cpu", dtype=torch.bfloat16, enabled=self.cfg.training.bf16):
+            logits = self.model(tokens, positions)
+        return group_mean_loss(logits, labels, mask, self.mesh_layout.batch_shards, poison)
+
+    def forward_backward(self, microbatches, poison: bool = False) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        total = None
+        for batch in microbatches:
+            loss = self._forward_loss(batch, poison) / len(microbatches)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return float(total.item())  # one host sync per step: the NaN policy must see the loss before the update
+
+    def update(self):
+        clip = self.cfg.training.clip_grad or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self._sync()
+        return float(grad_norm.item()), True
+
+    def discard(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+
+    def evaluate(self, microbatches) -> float:
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                losses = [float(self._forward_loss(b).item()) for b in microbatches]
+                self._sync()
+        finally:
+            self.model.train()
+        return sum(losses) / len(losses)
+
+    def depth_weights(self, microbatches):
+        from mega_depth.model.base import Recorder
+
+        mechanism = self.model.model.mechanism
+        if not mechanism.mixes_depth:
+            return None
+        mechanism.recorder = recorder = Recorder()
+        try:
+            self.evaluate(microbatches[-1:])
+        finally:
+            mechanism.recorder = None
+        return recorder.figures
+
+    def _sync(self) -> None:
+        if self.xla:
+            import torch_xla
+
+            torch_xla.sync()
+
+    # --- checkpoints ------------------------------------------------------------------------------------------------
+    def save_files(self, tmp_dir: str, step: int) -> None:
+        from safetensors.torch import save_file
+
+        save_file(canonical_state(self.model), os.path.join(tmp_dir, WEIGHTS), metadata={"format": "pt"})
+        torch.save({"optimizer": _to_cpu(self.optimizer.state_dict()), "scheduler": self.scheduler.state_dict(),
+                    "step": step, "rng": rng.capture()}, os.path.join(tmp_dir, TRAINER_STATE))
+
+    def load(self, ckpt_dir: str, meta: dict) -> int:
+        from safetensors.torch import load_file
+
+        self._load_canonical(self.model, load_file(os.path.join(ckpt_dir, WEIGHTS)), f"{ckpt_dir}'s weights")
+        state = torch.load(os.path.join(ckpt_dir, TRAINER_STATE), map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.scheduler.load_state_dict(state["scheduler"])
+        except AssertionError as e:
+            raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt_dir}'s ({e}); "
+                              "pass the checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
+                              "--lr-decay-style") from None
+        if "rng" in state:
+            rng.restore(state["rng"])
+        return int(state["step"])
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,283 @@
+"""Hugging Face export/import: logit parity with the training model for every mechanism, from checkpoints saved
+at TP=1 x PP=1 and TP=2 x PP=2; KV-cache parity in generation; bit-exact round trip; offline loading; errors."""
+
+import json
+import os
+import sys
+import shutil
+
+import pytest
+import torch
+
+from fixtures import SAVE_MODEL, SCRIPTS, mechanism_flags, run, torchrun
+from mega_depth.catalogue import MECHANISMS
+
+SCRIPT = os.path.join(SCRIPTS, "train_and_save.py")
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """Every mechanism trained 4 steps (so zero-initialised mixing parameters are nonzero), in two layouts."""
+    root = tmp_path_factory.mktemp("trained")
+    args = [str(data["dir"] / "docs"), str(data["dir"] / "spm.model")]
+    torchrun(1, [SCRIPT, str(root / "tp1")] + args, str(root / "tp1.log"))
+    torchrun(4, [SCRIPT, str(root / "tp2pp2")] + args + ["--tensor-model-parallel-size", "2",
+                                                         "--pipeline-model-parallel-size", "2"],
+             str(root / "tp2pp2.log"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def exports(trained, tmp_path_factory):
+    from mega_depth.hf.io import export_checkpoint
+
+    out = tmp_path_factory.mktemp("hf")
+    for layout in ("tp1", "tp2pp2"):
+        for mech in MECHANISMS:
+            export_checkpoint(str(trained / layout / mech / "ckpt"), str(out / layout / mech))
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from megatron.core import parallel_state
+
+    from mega_depth.megatron import cpu_compat
+    from mega_depth.training.distributed import init_process_group
+
+    from megatron.core import tensor_parallel
+
+    cpu_compat.apply()  # explicit: the reference below is the Megatron-core model, on CPU
+    init_process_group()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def training_model(ckpt):
+    """The Megatron-core model (TP=1) with the checkpoint's weights, loaded by Megatron's own dist-checkpointing
+    (not by the export's reader): the reference for parity."""
+    from megatron.core import dist_checkpointing
+
+    from mega_depth.checkpoint.rules import find_checkpoint
+    from mega_depth.checkpoint.weights import saved_config
+    from mega_depth.megatron.builder import build_model_chunks
+
+    path, meta = find_checkpoint(str(ckpt))
+    (model,) = build_model_chunks(saved_config(meta))
+    loaded = dist_checkpointing.load({"model0": model.sharded_state_dict()}, path)
+    model.load_state_dict(loaded["model0"])
+    return model.eval()
+
+
+def megatron_logits(model, ids):
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+
+
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(data):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(data["dir"] / "spm.model"))
+    return torch.tensor([sp.encode("The tutorial explains how Python handles exceptions and")])
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_exported_logits_equal_the_training_model(megatron_world, trained, exports, prompt, layout, mechanism):
+    ckpt = trained / layout / mechanism / "ckpt"
+    ref = training_model(str(ckpt))
+    if mechanism != "standard":  # trained: the zero-initialised parameters have moved
+        # (layer 0's attention mixer has a single source, the embedding, so its query never moves)
+        moved = [p for n, p in ref.named_parameters() if n.endswith(("mixer.query", "grn_qkv.proj"))
+                 and "layers.0.attn_mixer" not in n]
+        assert all(p.abs().max() > 0 for p in moved)
+    model = hf_model(exports / layout / mechanism)
+    config = json.load(open(exports / layout / mechanism / "config.json"))
+    if mechanism == "standard":
+        assert config["model_type"] == "qwen3" and "auto_map" not in config  # native, no remote code
+    else:
+        assert config["model_type"] == "mega_depth_lm" and "AutoModelForCausalLM" in config["auto_map"]
+    with torch.no_grad():
+        hf_logits = model(prompt).logits
+    diff = (hf_logits - megatron_logits(ref, prompt)).abs().max().item()
+    assert diff <= 1e-4, f"{layout}/{mechanism}: max |logit diff| {diff}"
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_kv_cache_generation_matches_no_cache_and_the_training_model(megatron_world, trained, exports, prompt,
+                                                                    mechanism):
+    model = hf_model(exports / "tp1" / mechanism)
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+        uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert cached.tolist() == uncached.tolist()
+    ref = training_model(str(trained / "tp1" / mechanism / "ckpt"))
+    ids = prompt
+    for _ in range(12):  # the training model's own greedy decoding (no cache)
+        nxt = megatron_logits(ref, ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    assert cached.tolist() == ids.tolist()
+
+
+def test_depth_attention_cache_holds_mixed_values_in_the_standard_layout(exports, prompt):
+    from transformers.cache_utils import DynamicCache
+
+    model = hf_model(exports / "tp1" / "depth-attention")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+    layer = cache.layers[1]
+    b, s = prompt.shape
+    assert tuple(layer.keys.shape) == (b, 2, s, 8)  # GQA keys: 2 key-value heads of 8
+    assert tuple(layer.values.shape) == (b, 4, s, 8)  # per-query-head mixed values (the authors' default)
+
+
+@pytest.mark.parametrize("mechanism", ["attnres-block", "dca-2", "depth-attention", "standard"])
+def test_round_trip_export_import_export_is_bit_exact(exports, tmp_path, mechanism):
+    from safetensors.torch import load_file
+
+    from mega_depth.hf.io import export_checkpoint, import_folder
+
+    first = exports / "tp2pp2" / mechanism
+    import_folder(str(first), str(tmp_path / "ckpt"))
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_native_qwen3_folder_imports(exports, tmp_path):
+    """A plain Qwen3 folder (no mega_depth.json) imports from its config.json alone, bit for bit."""
+    from safetensors.torch import load_file
+
+    from mega_depth.hf.io import export_checkpoint, import_folder
+
+    native = tmp_path / "qwen3"
+    shutil.copytree(exports / "tp1" / "standard", native)
+    os.remove(native / "mega_depth.json")
+    import_folder(str(native), str(tmp_path / "ckpt"))
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    a, b = load_file(str(native / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_imported_checkpoint_fine_tunes(data, exports, tmp_path):
+    flags = SAVE_MODEL + mechanism_flags(4)["dca-2"] + data["flags"][:4]
+    run(["tools/convert_from_hf.py", "--hf", str(exports / "tp1" / "dca-2"), "--save", str(tmp_path / "ckpt")])
+    out = run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "ckpt"), "--train-iters", "2",
+                                                    "--output-dir", str(tmp_path / "run")]).stdout
+    assert "weights-only checkpoint" in out and "at step 0" in out
+    run(["-m", "mega_depth.train"] + flags + ["--train-iters", "2", "--output-dir", str(tmp_path / "fresh")])
+    tuned = [json.loads(line)["loss"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    fresh = [json.loads(line)["loss"] for line in open(tmp_path / "fresh" / "metrics.jsonl")]
+    assert len(tuned) == 2 and tuned[0] < fresh[0] - 0.05  # it starts from the trained weights
+
+
+def test_offline_tokenizer_and_pipeline(data, exports):
+    import sentencepiece as spm
+    from transformers import AutoTokenizer, pipeline
+
+    sp = spm.SentencePieceProcessor(model_file=str(data["dir"] / "spm.model"))
+    # (sentencepiece and transformers' LlamaTokenizer can split runs of LEADING spaces differently; inner
+    # whitespace, tabs, newlines and digits match, which is what mega_depth's documents contain)
+    text = "Python's  for statement iterates over 3 items:\n\tlists, tuples and strings.\n\nAll 42 of them."
+    for mechanism in ("standard", "attnres-block"):
+        folder = str(exports / "tp1" / mechanism)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        assert tok(text)["input_ids"] == sp.encode(text)
+        generator = pipeline("text-generation", model=folder, tokenizer=folder, trust_remote_code=True)
+        out = generator("The tutorial", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+        assert out.startswith("The tutorial") and len(out) > len("The tutorial")
+
+
+@pytest.mark.parametrize("case", ["not-a-checkpoint", "missing-tokenizer", "non-empty-out", "bad-dtype",
+                                  "config-mismatch", "config-mismatch-unverified"])
+def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_path, case):
+    ckpt = trained / "tp1" / "attnres-block" / "ckpt"
+    out = tmp_path / "out"
+    args = ["tools/convert_to_hf.py", "--load", str(ckpt), "--out", str(out)]
+    expected = {"not-a-checkpoint": "does not exist", "missing-tokenizer": "no tokenizer for this checkpoint",
+                "non-empty-out": "exists and is not empty; pass --force", "bad-dtype": "--dtype 'fp16' is not supported",
+                "config-mismatch": "is damaged: mega_depth.json",
+                "config-mismatch-unverified": "its weights do not match its recorded config"}[case]
+    if case == "not-a-checkpoint":
+        args[2] = str(tmp_path / "nowhere")
+    elif case == "missing-tokenizer":
+        args += ["--tokenizer-model", str(tmp_path / "missing.model")]
+    elif case == "non-empty-out":
+        out.mkdir()
+        (out / "keep.txt").write_text("user data")
+    elif case == "bad-dtype":
+        args += ["--dtype", "fp16"]
+    else:
+        broken = tmp_path / "broken"
+        shutil.copytree(ckpt / "iter_0000004", broken)
+        meta = json.load(open(broken / "mega_depth.json"))
+        meta["config"]["model"]["hidden_size"] = 64
+        json.dump(meta, open(broken / "mega_depth.json", "w"))
+        if case == "config-mismatch-unverified":  # as written before manifests existed
+            os.remove(broken / "manifest.json")
+        args[2] = str(broken)
+    proc = run(args, expect=2)
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    if case == "non-empty-out":
+        assert os.listdir(out) == ["keep.txt"]  # untouched
+    else:
+        assert not out.exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".export-")]  # no half-written folder
+
+
+def test_xla_trainer_checkpoint_exports_and_fine_tunes_on_megatron(data, prompt, tmp_path):
+    """The plain/XLA trainer's checkpoint (trained eagerly here; tests/xla trains it under torch-xla) exports to a
+    Hugging Face folder with the trained model's logits, and the Megatron trainer fine-tunes from its weights after
+    convert_from_hf (its full checkpoint is refused with that command)."""
+    from safetensors.torch import load_file
+
+    from mega_depth.checkpoint.rules import find_checkpoint
+    from mega_depth.checkpoint.weights import canonical_weights
+    from mega_depth.model.decoder import CausalLM
+
+    flags = SAVE_MODEL + mechanism_flags(4)["attnres-block"] + data["flags"][:4]
+    run(["-m", "mega_depth.xla.train", "--device", "cpu"] + flags + [
+        "--save", str(tmp_path / "plain"), "--output-dir", str(tmp_path / "run")])
+    run(["tools/convert_to_hf.py", "--load", str(tmp_path / "plain"), "--out", str(tmp_path / "hf")])
+    weights, dc = canonical_weights(*find_checkpoint(str(tmp_path / "plain")))
+    trained = CausalLM(dc)
+    trained.load_state_dict(weights, strict=False)
+    assert trained.model.layers[1].attn_mixer.query.abs().max() > 0  # trained, not the initialisation
+    with torch.no_grad():
+        diff = (hf_model(tmp_path / "hf")(prompt).logits - trained.eval()(prompt)).abs().max().item()
+    assert diff <= 1e-5
+
+    run(["tools/convert_from_hf.py", "--hf", str(tmp_path / "plain"), "--save", str(tmp_path / "weights")])
+    run(["tools/convert_to_hf.py", "--load", str(tmp_path / "weights"), "--out", str(tmp_path / "hf2")])
+    a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    out = run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "weights"), "--train-iters", "1",
+                                                    "--output-dir", str(tmp_path / "fine-tune")]).stdout
+    assert "weights-only checkpoint" in out and "at step 0" in out
+    refused = run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "plain"), "--output-dir",
+                                                        str(tmp_path / "refused")], expect=2)
+    assert "convert_from_hf.py" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_export_does_not_patch_torch_for_the_rest_of_the_session(exports, tmp_path, trained):
+    """The export reads checkpoints with pure torch: no CPU-compatibility patch is applied by it."""
+    code = f"""
+import torch
+original = torch.cuda.current_device
+from mega_depth.hf.io import export_checkpoint
+export_checkpoint({str(trained / "tp1" / "attnres-block" / "ckpt")!r}, {str(tmp_path / "out")!r})
+import sys
+assert torch.cuda.current_device is original, "torch.cuda was patched"
+assert "megatron.core" not in sys.modules, "the export imported megatron-core"
+print("ok")
+"""
+    assert run(["-c", code]).stdout.strip().endswith("ok")

@@ -1,0 +1,74 @@
+"""The benchmark tools run (tiny sizes), so that they cannot rot."""
+
+import json
+
+from fixtures import run
+from mega_depth.catalogue import MECHANISMS
+
+
+def test_bench_throughput_reports_time_memory_and_bounds_against_the_baseline(tmp_path):
+    out = tmp_path / "bench.json"
+    stdout = run(["tools/bench_throughput.py", "--hidden-size", "32", "--num-layers", "2", "--seq-length", "32",
+                  "--steps", "1", "--rounds", "2", "--out", str(out)]).stdout
+    report = json.loads(out.read_text())
+    results = {r["mechanism"]: r for r in report["results"]}
+    assert list(results) == list(MECHANISMS)
+    for r in results.values():
+        assert r["step_time_s"] > 0 and r["baseline_step_time_s"] > 0 and len(r["overhead_pct_by_round"]) == 2
+        assert r["step_time_ratio"] == r["step_time_s"] / r["baseline_step_time_s"]
+        assert r["saved_bytes_ratio"] == r["saved_bytes"] / results["standard"]["saved_bytes"]
+        assert r["baseline_mfu"] is None  # no GPU peak on a CPU
+        assert r["analytic_bound_ratio"] >= 1.0
+    # activation memory is machine-independent: reading every earlier output keeps more for backward than the
+    # plain residual; the bound is 1 exactly where nothing is added
+    assert results["attnres-full"]["saved_bytes"] > results["standard"]["saved_bytes"]
+    assert results["standard"]["analytic_bound_ratio"] == 1.0 and results["attnres-full"]["analytic_bound_ratio"] > 1
+    assert "vs base" in stdout and "baseline MFU" in stdout
+
+
+def test_analytic_io_model_follows_spec():
+    """SPEC's per-sublayer I/O: the plain residual 3d; two-phase Block AttnRes n/S + 5; Full AttnRes reads every
+    earlier output, so it overtakes Block as depth grows."""
+    import sys
+
+    sys.path.insert(0, "tools")
+    from bench_throughput import io_units
+
+    assert io_units({"residual": "standard"}, 24, 2048, 16, 16) == 3 * 48
+    full = io_units({"residual": "attnres"}, 24, 2048, 16, 16)
+    block = io_units({"residual": "attnres", "attnres_num_blocks": 8}, 24, 2048, 16, 16)
+    assert full > block > 3 * 48
+    assert block == sum(6 * (b / 6 + 5) for b in range(1, 9)) + 10
+
+
+def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
+    out = tmp_path / "comm.json"
+    run(["tools/bench_comm.py", "--grid", "2x2", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "16",
+         "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert {(r["mechanism"], r["cache"]) for r in report} == {(m, c) for m in MECHANISMS for c in (True, False)}
+    assert all(r["matches_formula"] for r in report)
+    full = {r["cache"]: r for r in report if r["mechanism"] == "attnres-full"}
+    assert full[True]["peak_hop_bytes"] < full[False]["peak_hop_bytes"]  # cross-stage caching pays
+
+
+def test_bench_quality_trains_every_seed_and_reports_the_spread(data, tmp_path):
+    out = tmp_path / "quality"
+    stdout = run(["tools/bench_quality.py", "--mechanisms", "standard,attnres-block,dca-2", "--seeds", "0,1",
+                  "--num-layers", "2", "--hidden-size", "32", "--seq-length", "32", "--train-iters", "4",
+                  "--eval-iters", "2", "--eval-interval", "2", "--data-path", str(data["dir"] / "docs"),
+                  "--tokenizer-model", str(data["dir"] / "spm.model"), "--out-dir", str(out)]).stdout
+    report = json.loads((out / "quality.json").read_text())
+    results = {r["mechanism"]: r for r in report["results"]}
+    assert list(results) == ["standard", "attnres-block", "dca-2"]
+    for r in results.values():
+        assert len(r["val_loss"]) == 2 and r["val_loss_min"] <= r["val_loss_mean"] <= r["val_loss_max"]
+        assert r["tokens"] == 4 * 16 * 32  # iterations x global batch x sequence: the same for every mechanism
+    for name in ("attnres-block", "dca-2"):
+        r = results[name]
+        assert r["delta_vs_baseline"] == r["val_loss_mean"] - results["standard"]["val_loss_mean"]
+    assert results["attnres-block"]["params"] > results["standard"]["params"]  # the mixing parameters
+    assert results["standard"]["val_loss"][0] != results["standard"]["val_loss"][1]  # the seeds differ
+    for plot in ("loss_vs_tokens.png", "loss_vs_time.png", "heatmap_attnres-block.png", "heatmap_dca-2.png"):
+        assert (out / plot).stat().st_size > 1000
+    assert "vs baseline" in stdout

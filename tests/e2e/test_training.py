@@ -1,0 +1,159 @@
+"""The training stack end to end on CPU: tokenizer -> preprocess -> train -> checkpoint with evaluation,
+TensorBoard and heatmaps; a kill during a save; resharding between layouts; the DeepSpeed launcher; the smoke test;
+the shipped configs; and a plain run's console output (no third-party warnings a user cannot act on)."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from fixtures import ENV, PY, ROOT, TRAIN_MODEL, free_port, metrics, run, torchrun
+
+
+@pytest.fixture(scope="module")
+def baseline(data, tmp_path_factory):
+    """20 uninterrupted steps with checkpoints at 10 and 20, evaluation and TensorBoard."""
+    d = tmp_path_factory.mktemp("baseline")
+    proc = run(["-m", "mega_depth.train"] + TRAIN_MODEL + data["flags"] + [
+        "--train-iters", "20", "--save", str(d / "ckpt"), "--save-interval", "10", "--eval-interval", "10",
+        "--eval-iters", "2", "--output-dir", str(d / "run")])
+    (d / "stdout.txt").write_text(proc.stdout)
+    (d / "stderr.txt").write_text(proc.stderr)
+    return d
+
+
+def test_end_to_end_tokenizer_preprocess_train_checkpoint(data, baseline):
+    assert os.path.getsize(str(data["dir"] / "docs.bin")) > 1_000_000
+    m = metrics(baseline / "run")
+    assert sorted(m) == list(range(1, 21))
+    assert m[20]["loss"] < m[1]["loss"] - 0.2
+    assert {"val_loss", "val_ppl"} <= set(m[10]) and m[20]["val_loss"] < m[10]["val_loss"]
+    assert sorted(os.listdir(baseline / "ckpt")) == ["iter_0000010", "iter_0000020",
+                                                     "latest_checkpointed_iteration.txt"]
+    assert open(baseline / "ckpt" / "latest_checkpointed_iteration.txt").read() == "20"
+    meta = json.load(open(baseline / "ckpt" / "iter_0000020" / "mega_depth.json"))
+    assert meta["step"] == 20 and meta["config"]["residual"]["residual"] == "attnres" and meta["format"] == "megatron"
+    manifest = json.load(open(baseline / "ckpt" / "iter_0000020" / "manifest.json"))
+    assert manifest["run_id"] == meta["run_id"] and "mega_depth.json" in manifest["files"]
+    assert glob.glob(str(baseline / "run" / "heatmaps" / "attnres_step*.png"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(baseline / "run" / "tensorboard"))
+    events.Reload()
+    for tag in ("train/loss", "train/perplexity", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+                "perf/memory_gb", "val/loss"):
+        assert tag in events.Tags()["scalars"], tag
+    assert len(events.Scalars("train/loss")) == 20
+
+
+def test_a_plain_run_prints_only_what_a_user_can_act_on(baseline):
+    """No third-party warnings or log noise: only the trainer's own lines on stdout and nothing on stderr."""
+    stderr = (baseline / "stderr.txt").read_text()
+    assert stderr.strip() == "", stderr[-3000:]
+    lines = (baseline / "stdout.txt").read_text().splitlines()
+    own = ("step ", "saved checkpoint", "depth-weight heatmaps")
+    assert all(line.startswith(own) for line in lines), [l for l in lines if not l.startswith(own)]
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(data, tmp_path):
+    proc = run(["-m", "mega_depth.train"] + TRAIN_MODEL + data["flags"] + [
+        "--train-iters", "10", "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
+        "--output-dir", str(tmp_path / "run")], expect=None, env={"MEGA_DEPTH_FAULT_KILL_IN_SAVE": "10"})
+    assert proc.returncode == -signal.SIGKILL
+    assert open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read() == "5"
+    assert os.path.isdir(tmp_path / "ckpt" / "iter_0000010.tmp")  # the partial save, never named by the pointer
+    out = run(["-m", "mega_depth.train"] + TRAIN_MODEL + data["flags"] + [
+        "--train-iters", "10", "--exit-interval", "6", "--load", str(tmp_path / "ckpt"),
+        "--output-dir", str(tmp_path / "again")]).stdout
+    assert "at step 5" in out and sorted(metrics(tmp_path / "again")) == [6]
+
+
+def test_checkpoints_reshard_between_tp2xpp2_and_one_process(data, tmp_path):
+    flags = TRAIN_MODEL + data["flags"] + ["--residual", "dca", "--dca-last-k", "1", "--num-layers", "4",
+                                           "--train-iters", "11"]
+    big = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    # TP2 x PP2 -> 1 process
+    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--save", str(tmp_path / "a"), "--save-interval", "10",
+                                                            "--output-dir", str(tmp_path / "a-run")],
+             str(tmp_path / "a.log"))
+    run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "a" / "iter_0000010"),
+                                              "--output-dir", str(tmp_path / "a-resumed")])
+    assert metrics(tmp_path / "a-resumed")[11]["loss"] == pytest.approx(metrics(tmp_path / "a-run")[11]["loss"],
+                                                                        rel=1e-5)
+    # 1 process -> TP2 x PP2
+    run(["-m", "mega_depth.train"] + flags + ["--save", str(tmp_path / "b"), "--save-interval", "10",
+                                              "--output-dir", str(tmp_path / "b-run")])
+    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--load", str(tmp_path / "b" / "iter_0000010"),
+                                                            "--output-dir", str(tmp_path / "b-resumed")],
+             str(tmp_path / "b.log"))
+    assert metrics(tmp_path / "b-resumed")[11]["loss"] == pytest.approx(metrics(tmp_path / "b-run")[11]["loss"],
+                                                                        rel=1e-5)
+
+
+def test_deepspeed_launcher_trains_two_processes_and_resumes(tmp_path):
+    ds = os.path.join(os.path.dirname(PY), "deepspeed")
+    common = ["--master_port", "0", "--num_gpus", "2", "--module", "mega_depth.train", "--deepspeed",
+              "--deepspeed-config", os.path.join(ROOT, "launch", "ds_configs", "zero2.json"), "--mock-data",
+              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+              "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--save-interval", "2",
+              "--no-tensorboard"]
+    env = dict(ENV, DS_ACCELERATOR="cpu")
+
+    def launch(extra):
+        cmd = [ds] + common + extra
+        cmd[2] = str(free_port())
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    launch(["--save", str(tmp_path / "full"), "--output-dir", str(tmp_path / "full-run")])
+    launch(["--save", str(tmp_path / "ckpt"), "--exit-interval", "2", "--output-dir", str(tmp_path / "first")])
+    launch(["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--output-dir",
+            str(tmp_path / "second")])
+    ref, first, second = (metrics(tmp_path / n) for n in ("full-run", "first", "second"))
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4]  # separate output folders
+    assert [second[s]["loss"] for s in (3, 4)] == pytest.approx([ref[s]["loss"] for s in (3, 4)], rel=1e-6)
+    # DeepSpeed checkpoints follow the shared convention: manifest, metadata, and canonical weights for export
+    ckpt = tmp_path / "ckpt" / "iter_0000004"
+    assert {"mega_depth.json", "manifest.json", "model.safetensors", "deepspeed"} <= set(os.listdir(ckpt))
+    assert json.load(open(ckpt / "mega_depth.json"))["format"] == "deepspeed"
+
+
+def test_every_shipped_config_validates(data):
+    from mega_depth.config import parse_args
+
+    for path in sorted(glob.glob(os.path.join(ROOT, "launch", "configs", "*.yaml"))):
+        cfg = parse_args(["--config", path, "--tokenizer-model", str(data["dir"] / "spm.model")]
+                         + ([] if "tiny" in path else ["--data-path", "x"]))
+        cfg.model.vocab_size = 32000
+        p = cfg.parallel
+        cfg.validate(p.tensor_model_parallel_size * p.pipeline_model_parallel_size * 2)
+
+
+def test_smoke_test_tool_passes_on_cpu(tmp_path):
+    from mega_depth.catalogue import MECHANISMS
+
+    out = run(["tools/smoke_test.py", "--steps", "4", "--hidden-size", "32", "--seq-length", "32",
+               "--num-layers", "2", "--out", str(tmp_path / "smoke.json")]).stdout
+    results = json.load(open(tmp_path / "smoke.json"))["results"]
+    assert [r["mechanism"] for r in results] == list(MECHANISMS)
+    assert all(r["ok"] for r in results) and "peak MiB" in out
+
+
+def test_metrics_of_an_interrupted_run_are_rewritten_not_duplicated(data, baseline, tmp_path):
+    """Resuming at step 10 after a run that logged 20 steps: metrics.jsonl and TensorBoard keep one record per
+    step (the resumed run's from 11 on)."""
+    shutil.copytree(baseline / "run", tmp_path / "run")
+    run(["-m", "mega_depth.train"] + TRAIN_MODEL + data["flags"] + [
+        "--train-iters", "12", "--lr-decay-iters", "20", "--load", str(baseline / "ckpt" / "iter_0000010"),
+        "--output-dir", str(tmp_path / "run")])
+    lines = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))

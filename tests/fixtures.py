@@ -1,0 +1,80 @@
+"""Model flag sets and helpers shared by the tests (one place: a test picks a named set and adds its own flags).
+
+Every set is a tiny Qwen3-style model (q/k-norm, SwiGLU, RoPE, tied embeddings); GQA where TP must split the groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+CORPUS = os.path.join(ROOT, "data", "corpus", "python-docs-3.11.jsonl.gz")
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+# 4 layers, 4 query heads in 2 key-value groups (TP=2 splits the groups), mock data, 4 micro-batches of 1.
+LAYOUT_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+                "--seq-length", "16", "--vocab-size", "128", "--train-iters", "3", "--lr", "3e-3", "--seed", "7",
+                "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4"]
+# The same shape on real data, trained harder so that the mixing parameters move off their initialisation.
+SAVE_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+              "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
+              "--lr", "1e-2", "--lr-decay-style", "constant", "--split", "100,0,0", "--no-tensorboard", "--seed", "11"]
+# Two layers of Block AttnRes on real data: the training-stack tests (resume, SIGTERM, corruption, ...).
+TRAIN_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+               "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2",
+               "--residual", "attnres", "--attnres-num-blocks", "2", "--log-interval", "5"]
+# Three layers on mock data: model identities in one process.
+UNIT_MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+              "--seq-length", "16", "--vocab-size", "100", "--seed", "3", "--mock-data"]
+
+
+def mechanism_flags(num_layers: int = 4) -> Dict[str, List[str]]:
+    """Every catalogue setting as flags; 3 AttnRes blocks over 4 layers, so that a block straddles a stage."""
+    from mega_depth.catalogue import MECHANISMS, mechanism_flags as flags
+
+    return {name: flags(name, num_layers, attnres_num_blocks=3) for name in MECHANISMS}
+
+
+def run(args, expect=0, timeout=900, env=None):
+    """`python args...` from the repository root; fail with its output unless it exits with `expect`."""
+    proc = subprocess.run([PY] + args, capture_output=True, text=True, cwd=ROOT, env=dict(ENV, **(env or {})),
+                          timeout=timeout)
+    if expect is not None and proc.returncode != expect:
+        pytest.fail(f"{' '.join(args)} exited {proc.returncode} (expected {expect}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, script_and_args, log_path: str, env=None, timeout=900) -> None:
+    """`torchrun --nproc-per-node nproc script args...` (gloo on CPU); fail with the log on error."""
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port())] + list(script_and_args)
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(ENV, **(env or {})),
+                              timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-6000:]
+        pytest.fail(f"{' '.join(cmd)} failed with {proc.returncode}:\n{tail}")
+
+
+def metrics(run_dir) -> Dict[int, dict]:
+    """metrics.jsonl of a run, by step."""
+    import json
+
+    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}

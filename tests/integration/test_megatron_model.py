@@ -1,0 +1,141 @@
+"""The Megatron-core model against SPEC's identities and against the plain decoder (one process, gloo).
+
+The plain decoder is what the Hugging Face export ships and the XLA trainer trains; the direct check below gives
+both models the same weights with every mixing parameter and norm gain randomised (at initialisation AttnRes
+already equals the baseline to ~1e-4, so a wrong block split or source order would not show there).
+"""
+
+import pytest
+import torch
+
+from fixtures import UNIT_MODEL, mechanism_flags
+from mega_depth.catalogue import MECHANISMS
+from mega_depth.config import parse_args
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from megatron.core import parallel_state
+
+    from mega_depth.megatron import cpu_compat
+    from mega_depth.training.distributed import init_process_group
+
+    cpu_compat.apply()  # explicit, as every entry point that starts Megatron on CPU does
+    init_process_group()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    yield
+
+
+def build(flags, seed=3):
+    from megatron.core import tensor_parallel
+
+    from mega_depth.megatron.builder import build_model_chunks
+
+    cfg = parse_args(UNIT_MODEL + flags + ["--seed", str(seed)]).validate(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+    (model,) = build_model_chunks(cfg)
+    return cfg, model.eval()
+
+
+def logits(model, tokens):
+    position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, position_ids, attention_mask=None)
+
+
+@pytest.fixture(scope="module")
+def baseline(megatron_world):
+    return build(["--residual", "standard"])[1]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def copy_baseline_weights(baseline, model):
+    missing, unexpected = model.load_state_dict(baseline.state_dict(), strict=False)
+    assert not unexpected
+    assert all(model.decoder.mechanism.owns(name) for name in missing), missing
+    return missing
+
+
+@pytest.mark.parametrize("flags", [["--residual", "dca"], ["--residual", "dca", "--dca-last-k", "1"],
+                                   ["--residual", "dca", "--dca-grn", "v1"]])
+def test_dca_at_init_gives_the_baseline_logits(baseline, tokens, flags):
+    _, model = build(flags)
+    assert copy_baseline_weights(baseline, model)  # it has GRN parameters, at their init
+    torch.testing.assert_close(logits(model, tokens), logits(baseline, tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gqa", ["query", "group"])
+def test_depth_attention_without_candidates_is_the_baseline(baseline, tokens, gqa):
+    _, model = build(["--residual", "depth-attention", "--depth-attn-stride", "0", "--depth-attn-gqa", gqa])
+    copy_baseline_weights(baseline, model)
+    torch.testing.assert_close(logits(model, tokens), logits(baseline, tokens), rtol=1e-6, atol=1e-6)
+
+
+def test_depth_attention_with_candidates_changes_the_model_by_its_mixing(baseline, tokens):
+    """Layers 1 and 2 mix layer 0's values (stride 1): the logits move by far more than fp noise."""
+    _, model = build(["--residual", "depth-attention", "--depth-attn-stride", "1"])
+    copy_baseline_weights(baseline, model)
+    moved = (logits(model, tokens) - logits(baseline, tokens)).abs().max().item()
+    assert moved > 1e-2, moved
+
+
+def test_attnres_first_sublayer_reads_the_embedding_and_mixers_start_at_zero(megatron_world, tokens):
+    """With zero pseudo-queries every sublayer reads the uniform average of its sources (SPEC.md section 1)."""
+    _, model = build(["--residual", "attnres"])
+    layer0 = model.decoder.layers[0]
+    assert torch.count_nonzero(layer0.attn_mixer.query) == 0
+    assert torch.count_nonzero(model.decoder.final_mixer.query) == 0
+    seen = []
+    hook = layer0.input_layernorm.register_forward_hook(lambda m, inp, out: seen.append(inp[0]))
+    logits(model, tokens)
+    hook.remove()
+    embedding = model.embedding(tokens, torch.arange(16).expand_as(tokens))
+    torch.testing.assert_close(seen[0], embedding)
+
+
+def test_mixing_parameters_are_in_the_sharded_state_dict(megatron_world):
+    """Distributed checkpoints hold the depth-mixing parameters, under layout-independent keys."""
+    keys = lambda model: {v.key: v for v in model.sharded_state_dict().values() if hasattr(v, "key")}  # noqa: E731
+    attnres = keys(build(["--residual", "attnres", "--attnres-num-blocks", "2"])[1])
+    for key in ("decoder.layers.attn_mixer.query", "decoder.layers.mlp_mixer.key_norm_weight",
+                "decoder.final_mixer.query"):
+        assert key in attnres, sorted(attnres)
+    assert attnres["decoder.layers.attn_mixer.query"].global_shape == (3, 32)  # stacked over the 3 layers
+    dca = keys(build(["--residual", "dca"])[1])
+    assert dca["decoder.final_grn.bias"].global_shape == (1, 32, 4)
+    assert [dca[f"decoder.layers.{i}.grn_qkv.bias"].global_shape for i in range(3)] == \
+        [(3, 32, 1), (3, 32, 2), (3, 32, 3)]
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_megatron_model_equals_the_plain_decoder_with_trained_like_parameters(megatron_world, tokens, mechanism):
+    """Same weights, every mixing parameter and norm gain randomised: the Megatron-core model and the plain
+    decoder give the same logits (fp32, ~1e-4 relative). Ties the Megatron host layer, block, final mix and the
+    state-dict adapter to the plain model that the export and the XLA path use."""
+    from mega_depth.init import padded_vocab_size
+    from mega_depth.model.decoder import CausalLM
+    from mega_depth.model.state_dict_adapter import to_canonical
+
+    cfg, model = build(mechanism_flags(3)[mechanism] if mechanism != "depth-attention" else
+                       ["--residual", "depth-attention", "--depth-attn-stride", "1"])
+    g, mech = torch.Generator().manual_seed(1), cfg.decoder_config().mechanism()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if mech.owns(name) or "layernorm" in name:
+                scale = 0.3 / (p.shape[-1] ** 0.5) if p.dim() >= 2 else 0.3
+                p.add_(scale * torch.randn(p.shape, generator=g))
+    dc = cfg.decoder_config(padded_vocab_size(cfg.model.vocab_size))
+    plain = CausalLM(dc).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = plain.load_state_dict(to_canonical(state, dc), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ref = logits(model, tokens).float()
+    with torch.no_grad():
+        out = plain(tokens).float()
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-4 * scale, (mechanism, (out - ref).abs().max().item(), scale)

@@ -1,0 +1,98 @@
+"""Train every mechanism for a few steps in one parallel layout; write losses, step-1 grads and hop widths.
+
+Run under torchrun (one launch per layout, all mechanisms inside it, so imports are paid once):
+    torchrun --nproc-per-node N tests/scripts/run_layout.py OUT_DIR [layout flags...]
+Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (TP rank 0 and DP rank 0
+of each stage, full tensors under global names) and OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes).
+MECHANISMS=a,b limits the mechanisms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fixtures import LAYOUT_MODEL, mechanism_flags  # noqa: E402
+
+
+def _gather_tp(t: torch.Tensor, param) -> torch.Tensor:
+    """This rank's TP shard -> the full tensor (the inverse of the builder's sharding)."""
+    from megatron.core import parallel_state
+
+    if not getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return t
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = group.size()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [p.chunk(stride, dim=dim) for p in parts]  # pieces[rank][k]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim=dim)
+
+
+def full_grads(modules) -> dict:
+    """{global name: full grad} for this rank's pipeline stages (collective over TP)."""
+    from mega_depth.megatron.builder import global_param_name
+
+    out = {}
+    for module in modules:
+        first_layer = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
+        for name, param in module.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = grad if grad is not None else param.grad
+            if grad is None:
+                continue
+            # clone: main_grad is a view into a buffer that the next step overwrites
+            out[global_param_name(name, first_layer)] = _gather_tp(grad.detach().float(), param).cpu().clone()
+    return out
+
+
+def main() -> None:
+    out_dir, layout = sys.argv[1], sys.argv[2:]
+    from megatron.core import parallel_state
+
+    from mega_depth.config import parse_args
+    from mega_depth.data.datasets import GlobalBatchSampler, build_datasets, tokenizer_for
+    from mega_depth.megatron.pipeline import pipelines_of
+    from mega_depth.training.backends.megatron import MegatronBackend
+
+    only = os.environ.get("MECHANISMS")
+    world = int(os.environ["WORLD_SIZE"])
+    for name, flags in mechanism_flags(4).items():
+        if only and name not in only.split(","):
+            continue
+        cfg = parse_args(LAYOUT_MODEL + flags + layout).validate(world)
+        backend = MegatronBackend(cfg)
+        backend.build()
+        mbs, nmb, dp, dp_rank = backend.sampler_shape
+        data = build_datasets(cfg, tokenizer_for(cfg), (64, None, None))[0]
+        sampler = GlobalBatchSampler(data, mbs, nmb, dp, dp_rank)
+        losses, hops = [], {}
+        for step in range(cfg.training.train_iters):
+            losses.append(backend.forward_backward(sampler.microbatches(step)))
+            if step == 0:
+                grads = full_grads(backend.modules)  # step 1's grads, before the optimizer consumes them
+                for pipe in pipelines_of(backend.model):  # {to_stage: [width per token, bytes per micro-batch]}
+                    hops = {str(k): [pipe.hops.widths[k], pipe.hops.bytes[k][0]] for k in pipe.hops.widths}
+            backend.update()
+        run_dir = os.path.join(out_dir, name)
+        os.makedirs(run_dir, exist_ok=True)
+        rank = backend.rank
+        if dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            torch.save(grads, os.path.join(run_dir, f"grads_rank{rank}.pt"))
+            with open(os.path.join(run_dir, f"hops_rank{rank}.json"), "w") as f:
+                json.dump(hops, f)
+        if rank == 0:
+            with open(os.path.join(run_dir, "losses.json"), "w") as f:
+                json.dump(losses, f)
+        backend.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The Mechanism interface, checked for every registered mechanism and catalogue setting on the plain decoder:
+options and flags come from the registry, parameter ownership, the pipeline payload (layout == entries, widths,
+a state rebuilt from its entries continues identically), fast paths against the eager math."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mega_depth.catalogue import MECHANISMS, residual_settings
+from mega_depth.config import Config, parse_args
+from mega_depth.model.config import DecoderConfig, ResidualConfig
+from mega_depth.model.decoder import CausalLM, _LayerCall, rope_cos_sin
+from mega_depth.model.registry import MECHANISMS as REGISTRY, owner_of
+
+LAYERS = 4
+
+
+def decoder(name: str, seed: int = 0) -> CausalLM:
+    """A plain model of a catalogue setting with its mixing parameters randomised (so nothing sits at init)."""
+    residual = ResidualConfig(**residual_settings(name, LAYERS, attnres_num_blocks=3))
+    torch.manual_seed(seed)
+    model = CausalLM(DecoderConfig(vocab_size=64, hidden_size=32, num_layers=LAYERS, num_attention_heads=4,
+                                   num_query_groups=2, ffn_hidden_size=64, residual=residual))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if owner_of(n):  # O(1) depth logits: matrices (the input-dependent query) scaled by their fan-in
+                p.add_(0.3 * torch.randn_like(p) / (p.shape[-1] ** 0.5 if p.dim() >= 2 else 1.0))
+            elif p.dim() >= 2:
+                p.normal_(0, 0.1)
+    return model
+
+
+def test_every_option_is_a_flag_and_a_yaml_key(tmp_path):
+    fields = {f.name for f in dataclasses.fields(ResidualConfig)}
+    for mech in REGISTRY.values():
+        for opt in mech.options:
+            assert opt.name in fields, opt.name
+            value = opt.choices[-1] if opt.choices else (2 if opt.type is int else opt.default)
+            if opt.type is bool:
+                flags = [f"--no-{opt.name.replace('_', '-')}"]
+                value = False
+            else:
+                flags = [f"--{opt.name.replace('_', '-')}", str(value)]
+            assert getattr(parse_args(flags).residual, opt.name) == value, opt.name
+    (tmp_path / "c.yaml").write_text("residual:\n  residual: attnres\n  attnres_heads: 2\n")
+    assert parse_args(["--config", str(tmp_path / "c.yaml")]).residual.attnres_heads == 2
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_catalogue_settings_validate_and_own_exactly_their_parameters(name):
+    cfg = parse_args(["--mock-data", "--num-layers", str(LAYERS), "--hidden-size", "32", "--num-attention-heads",
+                      "4"] + [a for k, v in residual_settings(name, LAYERS).items()
+                              for a in (f"--{k.replace('_', '-')}", str(v))])
+    cfg.validate(1)
+    model = decoder(name)
+    mech = model.model.mechanism
+    owned = [n for n, _ in model.named_parameters() if mech.owns(n)]
+    for n, _ in model.named_parameters():
+        assert bool(owner_of(n)) == (n in owned), n  # no other mechanism claims them; nothing else is claimed
+    assert bool(owned) == (mech.module_names != ())
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identically(name):
+    """At every layer boundary: the entries a state holds are exactly layout(boundary), with the declared
+    widths, and state_from(entries) continues to the same output (what a pipeline hop or a recompute relies on)."""
+    model = decoder(name).eval()
+    mech, dc = model.model.mechanism, model.cfg
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    x = model.model.embed_tokens(ids).transpose(0, 1)  # [s, b, d]: the Megatron layout the payload uses
+    rope = rope_cos_sin(torch.arange(6).expand(2, 6), dc.head_dim, dc.rotary_base, x.dtype)
+    rope = tuple(r.transpose(0, 1) for r in rope)  # [s, b, 1, hn]
+
+    class SeqFirst(_LayerCall):  # the plain layer expects [b, s, d]; the payload is checked in [s, b, d]
+        def attention_sublayer(self, h, k_in=None, v_in=None, value_mixer=None):
+            t = lambda a: None if a is None else a.transpose(0, 1)  # noqa: E731
+            mixer = None if value_mixer is None else (lambda q, k, rk, v, kn: value_mixer(
+                q.transpose(0, 1), k.transpose(0, 1), rk.transpose(0, 1), v.transpose(0, 1), kn).transpose(0, 1))
+            return super().attention_sublayer(t(h), t(k_in), t(v_in), mixer).transpose(0, 1)
+
+        def mlp_sublayer(self, h):
+            return super().mlp_sublayer(h)
+
+    hosts = [SeqFirst(layer, tuple(r.transpose(0, 1) for r in rope), None) for layer in model.model.layers]
+    with torch.no_grad():
+        reference = mech.final_hidden(mech.run_layers(hosts, mech.initial_state(x)), model.model)
+        state = mech.initial_state(x)
+        for boundary in range(LAYERS + 1):
+            entries, layout = mech.entries(state), mech.layout(boundary)
+            assert list(entries) == [e.name for e in layout] or sorted(entries) == sorted(e.name for e in layout), \
+                (boundary, list(entries), [e.name for e in layout])
+            for e in layout:
+                assert mech.flat(e.name, entries[e.name]).shape[-1] == e.width, (boundary, e)
+                assert mech.unflat(e.name, mech.flat(e.name, entries[e.name])).shape == entries[e.name].shape
+            state = mech.state_from(dict(entries), boundary)  # as if it had crossed a hop here
+            if boundary < LAYERS:
+                state = mech.run_layers(hosts[boundary:boundary + 1], state)
+        torch.testing.assert_close(mech.final_hidden(state, model.model), reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in MECHANISMS if n != "standard"])
+def test_compiled_twins_equal_the_eager_math_in_values_and_gradients(name):
+    """--mixing-impl compiled routes the mixing through torch.compile'd twins; values and gradients must not move."""
+    from mega_depth import kernels
+
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    results = []
+    for impl in ("eager", "compiled"):
+        model = decoder(name, seed=5)
+        model.model.mechanism.kernels = kernels.select(impl)
+        loss = model(ids).float().square().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (eager, eager_grads), (fast, fast_grads) = results
+    torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-6)
+    for n, g in eager_grads.items():  # fp32 reassociation, relative to each gradient's scale
+        torch.testing.assert_close(fast_grads[n], g, rtol=1e-4, atol=1e-4 * g.abs().max().item() + 1e-7,
+                                   msg=lambda m: f"{name} {n}: {m}")
+
+
+def test_weight_decay_rule_is_megatrons_plus_each_mechanisms_own():
+    model = decoder("dca")
+    mech = model.model.mechanism
+    params = dict(model.named_parameters())
+    assert mech.weight_decay_applies("model.layers.0.mlp.up_proj.weight", params["model.layers.0.mlp.up_proj.weight"])
+    assert not mech.weight_decay_applies("model.norm.weight", params["model.norm.weight"])
+    assert not mech.weight_decay_applies("model.layers.1.grn_qkv.bias", params["model.layers.1.grn_qkv.bias"])
+    assert mech.weight_decay_applies("model.layers.1.grn_qkv.proj", params["model.layers.1.grn_qkv.proj"])
+
+
+def test_a_config_without_the_mechanism_keeps_the_training_config_fields_apart():
+    assert {"vp_cache", "mixing_impl"}.isdisjoint({f.name for f in dataclasses.fields(ResidualConfig)})
+    assert Config().parallel.vp_cache and Config().model.mixing_impl == "eager"
