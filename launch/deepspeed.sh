@@ -3,24 +3,29 @@
 #
 #   One node:       NGPUS=8 launch/deepspeed.sh --deepspeed-config launch/ds_configs/zero2.json --config ...
 #   Hostfile:       HOSTFILE=launch/hostfile.example launch/deepspeed.sh ...     (ssh/pdsh to every host)
-#   Per node (schedulers without ssh): on node i of N, with the same MASTER_ADDR:
-#                   NO_SSH=1 NNODES=N NODE_RANK=i MASTER_ADDR=node0 NGPUS=8 launch/deepspeed.sh ...
+#   Per node (schedulers without ssh): on node i of N, with the same MASTER_ADDR and MASTER_PORT:
+#                   NO_SSH=1 NNODES=N NODE_RANK=i MASTER_ADDR=node0 MASTER_PORT=29400 NGPUS=8 launch/deepspeed.sh ...
+#     (DeepSpeed's --no_ssh needs a hostfile naming every node: one with NNODES entries of NGPUS slots is written
+#     for the launch; only the count and order matter, no host is contacted.)
 # --deepspeed is added for you; everything else goes to `python -m mega_depth.train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source launch/common.sh
 DS=${DEEPSPEED:-.venv/bin/deepspeed}
-PY=${PYTHON:-.venv/bin/python}
-MASTER_PORT=${MASTER_PORT:-29500}
-args=(--master_port "$MASTER_PORT")
-if [ -n "${HOSTFILE:-}" ]; then
-  args+=(--hostfile "$HOSTFILE" --no_ssh_check)
-elif [ -n "${NO_SSH:-}" ]; then
-  args+=(--no_ssh --nnodes "${NNODES:?set NNODES}" --node_rank "${NODE_RANK:?set NODE_RANK}"
-         --master_addr "${MASTER_ADDR:?set MASTER_ADDR}" --num_gpus "${NGPUS:-1}")
-else
-  args+=(--num_gpus "${NGPUS:-$($PY -c 'import torch; print(max(1, torch.cuda.device_count()))')}")
-fi
-if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+NGPUS=${NGPUS:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)}
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   export DS_ACCELERATOR=cpu  # CPU: gloo and the CPU accelerator
 fi
-exec "$DS" "${args[@]}" --module mega_depth.train --deepspeed "$@"
+if [ -n "${HOSTFILE:-}" ]; then
+  args=(--hostfile "$HOSTFILE" --no_ssh_check --master_port "$(master_port)")
+elif [ -n "${NO_SSH:-}" ]; then
+  NNODES=${NNODES:?set NNODES}
+  hostfile=$(mktemp "${TMPDIR:-/tmp}/mega_depth_hostfile.XXXXXX")
+  trap 'rm -f "$hostfile"' EXIT
+  for ((i = 0; i < NNODES; i++)); do echo "node$i slots=$NGPUS"; done > "$hostfile"
+  args=(--hostfile "$hostfile" --no_ssh --num_nodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK}"
+        --master_addr "${MASTER_ADDR:?set MASTER_ADDR}" --master_port "$(master_port)")
+else
+  args=(--num_gpus "$NGPUS" --master_port "$(master_port)")
+fi
+"$DS" "${args[@]}" --module mega_depth.train --deepspeed "$@"

@@ -1,0 +1,20 @@
+# Shared by the launch scripts (sourced): the Python to use, a rendezvous port, the pre-emption grace period.
+PY=${PYTHON:-.venv/bin/python}
+# SIGTERM -> save -> exit: the seconds torchrun waits for its workers before it kills them (its default is 30).
+SAVE_GRACE_S=${SAVE_GRACE_S:-100}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$SAVE_GRACE_S}
+
+# A port every node of a job derives alike, never a fixed one (two jobs on one node would collide): MASTER_PORT
+# if set, else one derived from the scheduler's job id, else (one node only) a free port.
+master_port() {
+  if [ -n "${MASTER_PORT:-}" ]; then echo "$MASTER_PORT"; return; fi
+  local job=${SLURM_JOB_ID:-${PBS_JOBID:-${LSB_JOBID:-${JOB_ID:-}}}}
+  if [ -n "$job" ]; then
+    echo $((20000 + $(printf '%s' "$job" | cksum | cut -d' ' -f1) % 40000))
+  elif [ "${NNODES:-1}" -gt 1 ]; then
+    echo "set MASTER_PORT (the same value on every node) or run under a scheduler that sets a job id" >&2
+    return 2
+  else
+    "$PY" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])'
+  fi
+}

@@ -1,0 +1,128 @@
+"""The launchers as far as one machine allows: two simulated nodes on 127.0.0.1 for launch/torchrun.sh,
+launch/deepspeed.sh (per-node, no ssh) and launch/slurm.sbatch (with stand-ins for scontrol and srun), each
+equal to the one-node run; a SIGTERM to the launcher ends with a saved checkpoint and exit status 0."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from fixtures import ENV, ROOT, free_port, metrics
+
+MODEL = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+         "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--lr", "3e-3",
+         "--no-tensorboard"]
+
+
+def launch(script, args, env, timeout=600):
+    return subprocess.Popen(["bash", script] + args, cwd=ROOT, env=dict(ENV, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs, timeout=600):
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+def two_nodes(script, args, node_env, tmp_path, name):
+    port = str(free_port())
+    procs = [launch(script, args + ["--output-dir", str(tmp_path / name)],
+                    dict(node_env, NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    finish(procs)
+    return metrics(tmp_path / name)
+
+
+@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], []])
+def test_torchrun_two_nodes_equal_one_node(tmp_path, layout):
+    one = launch("launch/torchrun.sh", MODEL + layout + ["--output-dir", str(tmp_path / "one")], {"NPROC": "2"})
+    finish([one])
+    two = two_nodes("launch/torchrun.sh", MODEL + layout, {"NPROC": "1"}, tmp_path, "two")
+    ref = metrics(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3] and [two[s]["loss"] for s in two] == pytest.approx([ref[s]["loss"] for s in ref],
+                                                                                       rel=1e-6)
+
+
+def test_deepspeed_per_node_without_ssh_equals_one_node(tmp_path):
+    flags = MODEL + ["--deepspeed-config", "launch/ds_configs/zero2.json"]
+    one = launch("launch/deepspeed.sh", flags + ["--output-dir", str(tmp_path / "one")], {"NGPUS": "2"})
+    finish([one])
+    two = two_nodes("launch/deepspeed.sh", flags, {"NGPUS": "1", "NO_SSH": "1"}, tmp_path, "two")
+    ref = metrics(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3] and [two[s]["loss"] for s in two] == pytest.approx([ref[s]["loss"] for s in ref],
+                                                                                       rel=1e-6)
+
+
+STUB_SCONTROL = """#!/usr/bin/env bash
+# stand-in for `scontrol show hostnames LIST`: one host per simulated node
+for ((i = 0; i < SLURM_NNODES; i++)); do echo 127.0.0.1; done
+"""
+STUB_SRUN = """#!/usr/bin/env bash
+# stand-in for srun: the task once per simulated node (SLURM_NODEID), signals forwarded as srun does
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+status=0
+for pid in "${pids[@]}"; do
+  while true; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done
+  [ "$rc" -ne 0 ] && status=$rc
+done
+exit $status
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", STUB_SCONTROL), ("srun", STUB_SRUN)):
+        (bin_dir / name).write_text(text)
+        os.chmod(bin_dir / name, 0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[0-1]",
+            "SLURM_JOB_ID": str(100000 + os.getpid() % 50000), "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": ROOT,
+            "SAVE_GRACE_S": "120"}
+
+
+def test_slurm_two_nodes_train_and_a_preemption_saves_and_exits_zero(tmp_path, slurm):
+    one = launch("launch/torchrun.sh", MODEL + ["--pipeline-model-parallel-size", "2", "--output-dir",
+                                                str(tmp_path / "one")], {"NPROC": "2"})
+    finish([one])
+    job = launch("launch/slurm.sbatch", MODEL + ["--pipeline-model-parallel-size", "2", "--output-dir",
+                                                 str(tmp_path / "two")], slurm)
+    finish([job])
+    ref, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [two[s]["loss"] for s in two] == pytest.approx([ref[s]["loss"] for s in ref], rel=1e-6)
+
+    # pre-emption: SIGTERM to the job step; the workers finish their step, save, and the step ends with 0
+    long = [a if a != "3" else "100000" for a in MODEL] + ["--pipeline-model-parallel-size", "2", "--save",
+                                                            str(tmp_path / "ckpt"), "--output-dir",
+                                                            str(tmp_path / "pre")]
+    job = launch("launch/slurm.sbatch", long, slurm)
+    path = tmp_path / "pre" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+        assert job.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    import psutil
+
+    # SLURM signals the job step (srun), which forwards to its tasks: not the batch script itself
+    (step,) = [p for p in psutil.Process(job.pid).children(recursive=True) if "srun" in " ".join(p.cmdline())]
+    step.send_signal(signal.SIGTERM)
+    out = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, out[-4000:]
+    assert "SIGTERM received; the workers saved and stopped; exit 0" in out and "Traceback" not in out
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2 and os.path.isdir(tmp_path / "ckpt" / f"iter_{saved:07d}")
+
+
+def test_arguments_with_spaces_reach_the_trainer_intact(tmp_path, slurm):
+    out_dir = tmp_path / "a folder with spaces"
+    job = launch("launch/slurm.sbatch", MODEL + ["--pipeline-model-parallel-size", "2", "--output-dir",
+                                                 str(out_dir)], slurm)
+    finish([job])
+    assert sorted(metrics(out_dir)) == [1, 2, 3]
