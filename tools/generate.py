@@ -1,6 +1,9 @@
-"""Print a sample from an exported Hugging Face folder, offline, with transformers' text-generation pipeline.
+"""Print a sample from an exported Hugging Face folder, offline, with transformers.
 
     python tools/generate.py runs/tiny-attnres/hf --prompt "The Python tutorial" [--max-new-tokens 60]
+
+The prompt and the continuation are decoded together: sentencepiece drops the leading space of a piece decoded on
+its own, so decoding the continuation alone would glue its first word to the prompt.
 """
 
 import argparse
@@ -17,13 +20,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    generator = pipeline("text-generation", model=args.folder, tokenizer=args.folder, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.folder, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(args.folder, trust_remote_code=True).eval()
     kwargs = dict(do_sample=True, temperature=0.8, top_k=40) if args.sample else dict(do_sample=False,
                                                                                       repetition_penalty=1.3)
-    text = generator(args.prompt, max_new_tokens=args.max_new_tokens, **kwargs)[0]["generated_text"]
+    ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, **kwargs)
+    text = tokenizer.decode(out[0], skip_special_tokens=True)
     print("\n--- sample " + "-" * 60)
     print(text)
     print("-" * 71)

@@ -13,7 +13,7 @@ $PIP install -q --upgrade pip >/dev/null
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-$PIP install -q -e ".[test]"
+PYTHONWARNINGS=ignore $PIP install -q -e ".[test]"  # (setuptools warns about every editable install)
 # DeepSpeed after torch (installed first it would pull a CUDA torch), built here with its CPU comm op so that
 # init_distributed does not JIT-compile it (~25 s) in every process.
 if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
