@@ -16,7 +16,8 @@ from mega_depth.model.config import DecoderConfig, ResidualConfig
 from mega_depth.model.registry import MECHANISMS, mechanism_class
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-ATTENTION_BACKENDS = ("local", "te")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+ATTENTION_BACKENDS = ("sdpa", "unfused")
 MIXING_IMPLS = ("eager", "compiled")
 
 
@@ -40,7 +41,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    attention_backend: str = "local"  # local = Megatron-core DotProductAttention; te = TransformerEngine
+    # local: Megatron-core's local spec (torch ops); transformer_engine: its TE spec. None: TE where it is importable
+    # on a GPU, else local (said once at start-up)
+    transformer_impl: Optional[str] = None
+    attention_backend: str = "sdpa"  # local spec's core attention: torch SDPA (fused kernels) | unfused (Megatron's)
     fused_single_qkv_rope: bool = False
     mixing_impl: str = "eager"  # eager (mixing.py, the reference) | compiled (torch.compile'd twins)
 
@@ -173,12 +177,14 @@ class Config:
         )
         _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
                "--hidden-dropout and --attention-dropout must lie in [0, 1)")
-        if m.attention_backend == "te":
+        if m.transformer_impl == "transformer_engine":
             try:
                 import transformer_engine  # noqa: F401
             except ImportError:
-                raise ConfigError("--attention-backend te needs TransformerEngine, which is not installed; "
-                                  "install transformer-engine or use --attention-backend local") from None
+                raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine, which is not "
+                                  "installed; install transformer-engine or use --transformer-impl local") from None
+            _check(r.residual != "dca", "--residual dca feeds separate query/key/value inputs, which Transformer "
+                   "Engine's fused norm+QKV projection cannot take; use --transformer-impl local")
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         _check(tp >= 1 and pp >= 1, "parallel sizes must be >= 1")
         _check(
@@ -292,6 +298,7 @@ class Config:
 def _check_choices(cfg: "Config") -> None:
     """Fields with a fixed set of values (declared once, in `choices` metadata or the tuples above)."""
     fixed = {("model", "attention_backend"): ATTENTION_BACKENDS, ("model", "mixing_impl"): MIXING_IMPLS,
+             ("model", "transformer_impl"): (None,) + TRANSFORMER_IMPLS,
              ("training", "lr_decay_style"): LR_DECAY_STYLES, ("training", "on_nan"): ("stop", "skip"),
              ("training", "lr_wsd_decay_style"): ("linear", "cosine", "exponential", "minus_sqrt"),
              ("parallel", "recompute_granularity"): (None, "full", "selective"),

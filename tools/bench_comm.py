@@ -62,6 +62,23 @@ def depth_entries(lam, num_layers, stride, window, kv_units, v_units):
     return out
 
 
+def stream_entries(n):
+    """HC / mHC (SPEC-more §10): the n streams, rewritten by every sublayer."""
+    return {"streams": (n, False)}
+
+
+def denseformer_entries(units_done, num_units, k, p):
+    """SPEC-more §8: Y_i, plus every stored X_j a later DWA reads ({j <= i: j mod k in C_i}); Y_i travels on its own
+    only when a DWA follows unit i or X_i is not in the set."""
+    later_classes = {u % k for u in range(units_done + 1, num_units + 1) if u % p == 0}
+    stored = [j for j in range(units_done + 1) if j % k in later_classes]
+    out = {f"x{j}": (1, True) for j in stored}
+    dwa_here = units_done >= 1 and units_done % p == 0
+    if dwa_here or units_done not in stored:
+        out["y"] = (1, False)
+    return out
+
+
 def expected_widths(mech, num_layers, num_blocks, pp, vpp, cache, kv_units, v_units):
     """{receiving stage: width in units of d} for every hop."""
     per_stage = num_layers // (pp * vpp)
@@ -74,6 +91,11 @@ def expected_widths(mech, num_layers, num_blocks, pp, vpp, cache, kv_units, v_un
         if mech.startswith("dca"):
             return dca_entries(lam, 2 if mech == "dca-2" else None)
         settings = residual_settings(mech, num_layers)
+        if settings["residual"] in ("hc", "mhc"):
+            return stream_entries(settings["hc_expansion"])
+        if settings["residual"] == "denseformer":
+            return denseformer_entries(lam, num_layers, settings["denseformer_dilation"],
+                                       settings["denseformer_period"])
         return depth_entries(lam, num_layers, settings["depth_attn_stride"], settings["depth_attn_window"], kv_units,
                              v_units)
 
@@ -195,11 +217,11 @@ def main(argv=None) -> int:
     for r in report:
         r["bytes_ratio_to_baseline"] = r["total_bytes_per_microbatch"] / base[(r["P"], r["V"], r["cache"])]
     print(f"\npipeline traffic per micro-batch ({args.num_layers} layers, d={d}, s={s}, fp32), widths in units of d")
-    print(f"{'mechanism':<17}{'P':>3}{'V':>3} {'cache':<6}{'peak hop B':>11}{'total B':>10}{'x base':>8}  "
+    print(f"{'mechanism':<20}{'P':>3}{'V':>3} {'cache':<6}{'peak hop B':>11}{'total B':>10}{'x base':>8}  "
           f"{'formula':<8}widths per hop")
     for r in report:
         widths = " ".join(f"{w:g}" for w in r["hop_units_of_d"].values())
-        print(f"{r['mechanism']:<17}{r['P']:>3}{r['V']:>3} {str(r['cache']):<6}{r['peak_hop_bytes']:>11}"
+        print(f"{r['mechanism']:<20}{r['P']:>3}{r['V']:>3} {str(r['cache']):<6}{r['peak_hop_bytes']:>11}"
               f"{r['total_bytes_per_microbatch']:>10}{r['bytes_ratio_to_baseline']:>8.2f}  "
               f"{'ok' if r['matches_formula'] else 'MISMATCH':<8}{widths}")
     if args.out:

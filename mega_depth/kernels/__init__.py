@@ -14,7 +14,10 @@ from typing import Optional
 from mega_depth.model import mixing
 
 # The functions a mechanism may ask for by name (Mechanism.kernel(name, reference)).
-FAST_FUNCTIONS = ("attnres_mix", "attnres_block_phase1", "grn_apply", "depth_attention_mix")
+FAST_FUNCTIONS = ("attnres_mix_sources", "attnres_phase1_sources", "attnres_phase2", "grn_apply_sources",
+                  "depth_attention_mix")
+# the reference each name stands for, in mixing.py
+REFERENCES = {"attnres_phase2": "attnres_block_phase2"}
 
 
 def select(impl: str) -> Optional[SimpleNamespace]:
@@ -27,5 +30,6 @@ def select(impl: str) -> Optional[SimpleNamespace]:
         # One compiled graph per distinct source count / None pattern: a deep model needs more than dynamo's
         # default of 8 before it would fall back to eager (seen on an H200 with 24 sublayers).
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        return SimpleNamespace(**{name: torch.compile(getattr(mixing, name), dynamic=True) for name in FAST_FUNCTIONS})
+        return SimpleNamespace(**{name: torch.compile(getattr(mixing, REFERENCES.get(name, name)), dynamic=True)
+                                  for name in FAST_FUNCTIONS})
     raise ValueError(f"unknown --mixing-impl {impl!r}")

@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from mega_depth.config import Config
 from mega_depth import kernels
 from mega_depth.init import initial_value, padded_vocab_size
+from mega_depth.megatron.attention import SDPAttention
 from mega_depth.megatron.block import DepthMixingGPTModel
 from mega_depth.megatron.layer import DepthMixingLayer, DepthMixingSelfAttention
 from mega_depth.megatron.norm import RMSNorm
@@ -80,21 +81,40 @@ def mechanism_of(cfg: Config, tp: int = 1):
     return mechanism
 
 
-def layer_spec(cfg: Config, mechanism) -> ModuleSpec:
-    """Megatron's local GPT layer (Llama/Qwen3 choices) with SP-capable RMSNorms; for a depth-mixing mechanism
-    the same submodules under DepthMixingLayer / DepthMixingSelfAttention."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm"))
-    subs = spec.submodules
-    subs.input_layernorm = RMSNorm
-    subs.pre_mlp_layernorm = RMSNorm
-    attn = subs.self_attention.submodules
-    attn.q_layernorm = RMSNorm if cfg.model.qk_layernorm else IdentityOp
-    attn.k_layernorm = RMSNorm if cfg.model.qk_layernorm else IdentityOp
-    if cfg.model.attention_backend == "te":  # validated: TransformerEngine is installed
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+def transformer_impl(cfg: Config) -> str:
+    """--transformer-impl, resolved: Transformer Engine's spec where it is importable on a GPU, else the local one."""
+    if cfg.model.transformer_impl is not None:
+        return cfg.model.transformer_impl
+    if torch.cuda.is_available():
+        try:
+            import transformer_engine  # noqa: F401
 
-        attn.core_attention = TEDotProductAttention
+            return "transformer_engine"
+        except ImportError:
+            pass
+    return "local"
+
+
+def layer_spec(cfg: Config, mechanism) -> ModuleSpec:
+    """Megatron's GPT layer (Llama/Qwen3 choices): the local spec with SP-capable RMSNorms and torch SDPA core
+    attention (or Megatron's unfused one, --attention-backend unfused), or Transformer Engine's spec; for a
+    depth-mixing mechanism the same submodules under DepthMixingLayer / DepthMixingSelfAttention."""
+    if transformer_impl(cfg) == "transformer_engine":  # validated: Transformer Engine is installed
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.model.qk_layernorm))
+    else:
+        spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm"))
+        subs = spec.submodules
+        subs.input_layernorm = RMSNorm
+        subs.pre_mlp_layernorm = RMSNorm
+        attn = subs.self_attention.submodules
+        attn.q_layernorm = RMSNorm if cfg.model.qk_layernorm else IdentityOp
+        attn.k_layernorm = RMSNorm if cfg.model.qk_layernorm else IdentityOp
+        if cfg.model.attention_backend == "sdpa":
+            attn.core_attention = SDPAttention
     if mechanism.mixes_depth:
+        subs = spec.submodules
         spec.module = DepthMixingLayer
         spec.params = {"mechanism": mechanism}
         subs.self_attention.module = DepthMixingSelfAttention

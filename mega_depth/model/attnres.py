@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import Entry, Mechanism, Option, sublayer_label
-from .mixing import (attnres_block_phase1, attnres_block_phase2, attnres_logits, attnres_mix, depth_weights,
-                     rms_inverse, scalar_mix)
+from .mixing import (attnres_block_phase2, attnres_logits, attnres_mix_sources, attnres_phase1_sources,
+                     depth_weights, rms_inverse, scalar_mix)
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,13 @@ class AttnResState:
         self.next_sublayer = next_sublayer
         self.phase1: Dict[int, tuple] = {}  # sublayer -> (m, z, o)
 
+    def source_list(self) -> List[Tensor]:
+        """The sources of the next sublayer (or of the final aggregation once all ran), in order."""
+        return self.blocks + ([self.partial] if self.partial is not None else [])
+
     def sources(self) -> Tensor:
-        """[K, *, d]: the sources of the next sublayer (or of the final aggregation once all ran)."""
-        return torch.stack(self.blocks + ([self.partial] if self.partial is not None else []))
+        """[K, *, d]: the same, stacked."""
+        return torch.stack(self.source_list())
 
     def newest(self) -> Tensor:
         """The newest source: the partial sum, or the last completed block (input-dependent query, §9.1)."""
@@ -217,13 +221,12 @@ class AttnRes(Mechanism):
             self.recorder.add("attnres", *sublayer_label(sublayer), self.weights(mixer, state))
         if sublayer in state.phase1:
             m, z, o = state.phase1[sublayer]
-            return attnres_block_phase2(m, z, o, state.partial, mixer.query, self._gain(mixer), self.eps,
-                                        self.weight, self.heads)
-        sources = state.sources()
+            return self.kernel("attnres_phase2", attnres_block_phase2)(
+                m, z, o, state.partial, mixer.query, self._gain(mixer), self.eps, self.weight, self.heads)
         if self.mixing == "scalar":
-            return scalar_mix(sources, mixer.logits)
-        return self.kernel("attnres_mix", attnres_mix)(sources, self._query(mixer, state), self._gain(mixer),
-                                                       self.eps, self.weight, self.heads)
+            return scalar_mix(state.sources(), mixer.logits)
+        return self.kernel("attnres_mix_sources", attnres_mix_sources)(
+            state.source_list(), self._query(mixer, state), self._gain(mixer), self.eps, self.weight, self.heads)
 
     def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
         """The depth weights alpha [K, *] of one mix (heatmaps)."""
@@ -245,8 +248,8 @@ class AttnRes(Mechanism):
         subs = sorted(mixers)
         queries = torch.stack([mixers[s].query for s in subs])
         gains = torch.stack([mixers[s].key_norm_weight for s in subs]) if self.key_norm else None
-        phase1 = self.kernel("attnres_block_phase1", attnres_block_phase1)
-        m, z, o = phase1(torch.stack(state.blocks), queries, gains, self.eps, self.weight, self.heads)
+        phase1 = self.kernel("attnres_phase1_sources", attnres_phase1_sources)
+        m, z, o = phase1(state.blocks, queries, gains, self.eps, self.weight, self.heads)
         state.phase1 = {s: (m[i], z[i], o[i]) for i, s in enumerate(subs)}
 
     def run_layers(self, layers, state):

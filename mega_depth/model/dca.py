@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Entry, Mechanism, Option
-from .mixing import GRN_VERSIONS, dca_num_sources, grn_apply, grn_mean_weights
+from .mixing import GRN_VERSIONS, dca_num_sources, grn_apply_sources, grn_mean_weights
 
 
 class GRN(nn.Module):
@@ -43,8 +43,11 @@ class DCAState:
         self.recent = list(recent)
         self.next_block = next_block
 
+    def entries(self) -> List[Tensor]:
+        return [self.embedding] + ([self.summed] if self.summed is not None else []) + self.recent
+
     def stack(self) -> Tensor:
-        return torch.stack([self.embedding] + ([self.summed] if self.summed is not None else []) + self.recent)
+        return torch.stack(self.entries())
 
     def record(self, block_output: Tensor) -> None:
         self.recent.append(block_output)
@@ -105,25 +108,27 @@ class DCA(Mechanism):
         return False  # the GRNs grow with depth (one column per source)
 
     # --- forward ------------------------------------------------------------------------------------------------
-    def _grn(self, grn: GRN, stack: Tensor, order: float, label: str) -> Tensor:
-        if stack.shape[0] != grn.num_sources:
-            raise ValueError(f"GRN built for {grn.num_sources} sources got a stack of {stack.shape[0]}")
+    def _grn(self, grn: GRN, state: DCAState, order: float, label: str) -> Tensor:
+        entries = state.entries()
+        if len(entries) != grn.num_sources:
+            raise ValueError(f"GRN built for {grn.num_sources} sources got a stack of {len(entries)}")
         if self.recorder is not None:  # mean over the q/k/v instances
-            self.recorder.add("dca", order, label, grn_mean_weights(stack, grn.bias, grn.proj, grn.version).mean(0))
-        return self.kernel("grn_apply", grn_apply)(stack, grn.bias, grn.proj, grn.version)
+            self.recorder.add("dca", order, label,
+                              grn_mean_weights(torch.stack(entries), grn.bias, grn.proj, grn.version).mean(0))
+        return self.kernel("grn_apply_sources", grn_apply_sources)(entries, grn.bias, grn.proj, grn.version)
 
     def initial_state(self, embedding):
         return DCAState(self.last_k, embedding, None, [], 1)
 
     def layer_forward(self, layer, state):
         t = layer.layer_index + 1
-        q_in, k_in, v_in = self._grn(layer.grn_qkv, state.stack(), t, f"block {t} q/k/v").unbind(0)
+        q_in, k_in, v_in = self._grn(layer.grn_qkv, state, t, f"block {t} q/k/v").unbind(0)
         a = layer.attention_sublayer(q_in, k_in, v_in)
         state.record(a + layer.mlp_sublayer(a + q_in))  # f_t = a + m; the block input is not added
         return state
 
     def final_hidden(self, state, decoder):
-        return self._grn(decoder.final_grn, state.stack(), 1e9, "final")[0]
+        return self._grn(decoder.final_grn, state, 1e9, "final")[0]
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -14,7 +14,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -119,6 +119,18 @@ def attnres_block_phase2(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tens
     return (numerator / per_head(z * scale_old + scale_new)).to(o.dtype)
 
 
+def attnres_mix_sources(sources: Sequence[Tensor], query: Tensor, key_norm_weight: Optional[Tensor], eps: float,
+                        weight: str = "softmax", heads: int = 1) -> Tensor:
+    """attnres_mix over separate source tensors (the form fast paths take: they read each source in place)."""
+    return attnres_mix(torch.stack(list(sources)), query, key_norm_weight, eps, weight, heads)
+
+
+def attnres_phase1_sources(completed: Sequence[Tensor], queries: Tensor, key_norm_weights: Optional[Tensor],
+                           eps: float, weight: str = "softmax", heads: int = 1):
+    """attnres_block_phase1 over separate completed-block tensors."""
+    return attnres_block_phase1(torch.stack(list(completed)), queries, key_norm_weights, eps, weight, heads)
+
+
 def scalar_mix(sources: Tensor, logits: Tensor) -> Tensor:
     """Input-independent mixing (§9.5): softmax over learned scalars c [K], shared by every token."""
     alpha = torch.softmax(fp32(logits), dim=0)
@@ -155,6 +167,11 @@ def grn_apply(stack: Tensor, bias: Tensor, proj: Optional[Tensor], version: str)
         gate = torch.einsum("k...d,gd->gk...", stack, proj.to(stack.dtype)).clamp(min=0)  # [n, K, *]
         out = out + torch.einsum("gk...,k...d->g...d", gate, stack)
     return out
+
+
+def grn_apply_sources(sources: Sequence[Tensor], bias: Tensor, proj: Optional[Tensor], version: str) -> Tensor:
+    """grn_apply over separate stack entries (the form fast paths take)."""
+    return grn_apply(torch.stack(list(sources)), bias, proj, version)
 
 
 def grn_mean_weights(stack: Tensor, bias: Tensor, proj: Optional[Tensor], version: str) -> Tensor:

@@ -11,10 +11,13 @@ from typing import Dict, List
 from .attnres import AttnRes
 from .base import Mechanism
 from .dca import DCA
+from .denseformer import DenseFormer
 from .depth_attention import DepthAttention
+from .hc import HC
+from .mhc import MHC
 from .standard import Standard
 
-MECHANISMS: Dict[str, type] = {m.name: m for m in (Standard, AttnRes, DCA, DepthAttention)}
+MECHANISMS: Dict[str, type] = {m.name: m for m in (Standard, AttnRes, DCA, DepthAttention, HC, MHC, DenseFormer)}
 
 
 def mechanism_class(name: str) -> type:

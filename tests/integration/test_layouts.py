@@ -68,24 +68,30 @@ def test_layout_matches_single_process(runs, layout, mechanism):
         return
     assert set(ref_grads) <= set(grads), sorted(set(ref_grads) - set(grads))
     # Zero grads at step 1 only where the math says so: AttnRes key-norm gains (they multiply the zero-initialised
-    # pseudo-query) and layer 0's attention mixer (its only source is the embedding). Everything else must move.
+    # pseudo-query) and layer 0's attention mixer (its only source is the embedding); HC's stream-norm gain and
+    # scales, and mHC's scales (they multiply the zero-initialised W / phi). Everything else must move.
     zero = [name for name, ref in ref_grads.items() if ref.abs().max() == 0]
-    assert all("_mixer.key_norm_weight" in name or "layers.0.attn_mixer" in name for name in zero), zero
+    math_zero = ("_mixer.key_norm_weight", "layers.0.attn_mixer", "_hc.norm_weight", "_hc.s_alpha", "_hc.s_beta",
+                 "_mhc.alpha_")
+    assert all(any(k in name for k in math_zero) for name in zero), zero
     for name, ref in ref_grads.items():
-        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item(),
+        # atol: relative to the tensor's scale, with a floor for gradients that cancel to ~1e-6 (HC's A_m at init,
+        # where every stream is the same): there the reduction order of another layout shows as ~1e-9
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=max(1e-5 * ref.abs().max().item(), 1e-8),
                                    msg=lambda m: f"{layout}/{mechanism} grad of {name}: {m}")
 
 
 def test_losses_fall_and_mechanisms_act(runs):
     """Every setting learns; DCA starts as the baseline (its init identity); every other setting has moved away
-    from the baseline by step 3 (a mechanism that silently ran the plain residual would not)."""
+    from the baseline by step 3 by far more than the ~1e-7 that separates layouts of one model (a mechanism that
+    silently ran the plain residual would not; mHC and HC start as the baseline and move slowly)."""
     finals = {m: load(runs, "single", m)[0] for m in MECHANISMS}
     for m, losses in finals.items():
         assert losses[-1] < losses[0], (m, losses)
     assert finals["dca"][0] == pytest.approx(finals["standard"][0], abs=1e-6)
     for m in MECHANISMS:
         if m != "standard":
-            assert abs(finals[m][-1] - finals["standard"][-1]) > 1e-5, (m, finals[m], finals["standard"])
+            assert abs(finals[m][-1] - finals["standard"][-1]) > 2e-6, (m, finals[m], finals["standard"])
 
 
 def block_attnres_hop_widths(num_layers, num_blocks, pp, vpp, cache):

@@ -139,3 +139,35 @@ def test_megatron_model_equals_the_plain_decoder_with_trained_like_parameters(me
         out = plain(tokens).float()
     scale = ref.abs().max().item()
     assert (out - ref).abs().max().item() <= 1e-4 * scale, (mechanism, (out - ref).abs().max().item(), scale)
+
+
+@pytest.mark.parametrize("flags", [["--residual", "denseformer"],
+                                   ["--residual", "denseformer", "--denseformer-dilation", "2"],
+                                   ["--residual", "denseformer", "--denseformer-granularity", "sublayer"],
+                                   ["--residual", "hc", "--hc-expansion", "1", "--no-hc-dynamic"]])
+def test_identities_against_megatrons_own_layer_bit_for_bit(baseline, tokens, flags):
+    """SPEC-more §11: DenseFormer at init, and one-stream HC with unit weights, are Megatron's own layer bit for bit
+    (the depth-mixing host runs the same attention and MLP; its additions are exact)."""
+    _, model = build(flags)
+    copy_baseline_weights(baseline, model)
+    assert torch.equal(logits(model, tokens), logits(baseline, tokens))
+
+
+def test_mhc_at_init_is_megatrons_baseline_to_fp_tolerance(megatron_world, tokens):
+    _, base = build(["--residual", "standard", "--norm-epsilon", "0"])
+    _, model = build(["--residual", "mhc", "--norm-epsilon", "0"])
+    copy_baseline_weights(base, model)
+    torch.testing.assert_close(logits(model, tokens), logits(base, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_core_attention_equals_megatrons_unfused_attention(megatron_world, tokens):
+    """The fast baseline's core attention (torch SDPA) against Megatron's own local DotProductAttention, GQA."""
+    _, unfused = build(["--residual", "standard", "--attention-backend", "unfused"])
+    _, sdpa = build(["--residual", "standard"])
+    sdpa.load_state_dict(unfused.state_dict())
+    from mega_depth.megatron.attention import SDPAttention
+
+    assert isinstance(sdpa.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    assert not isinstance(unfused.decoder.layers[0].self_attention.core_attention, SDPAttention)
+    a, b = logits(sdpa, tokens), logits(unfused, tokens)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())

@@ -60,9 +60,12 @@ class MegatronBackend(Collectives):
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamWithNamePredicate, get_megatron_optimizer
 
-        from mega_depth.megatron.builder import build_model_chunks, load_full_state
+        from mega_depth.megatron.builder import build_model_chunks, load_full_state, transformer_impl
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.training
+        if cfg.model.transformer_impl is None and torch.cuda.is_available() and transformer_impl(cfg) == "local" \
+                and self.rank == 0:
+            print("Transformer Engine is not importable: the local spec, with torch SDPA core attention", flush=True)
         chunks = build_model_chunks(cfg)
         if initial_weights is not None:
             load_full_state(chunks, initial_weights, cfg)

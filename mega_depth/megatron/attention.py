@@ -1,0 +1,45 @@
+"""Core attention through torch's scaled_dot_product_attention (flash / memory-efficient kernels on a GPU), as the
+local spec's `core_attention` submodule: the fast baseline every mechanism uses (Depth-Attention mixes its values
+first, then calls the same attention).
+
+Megatron-core's own local DotProductAttention (baddbmm + a separate masked softmax + bmm, the [b, np, s, s] scores
+in memory) stays available as `--attention-backend unfused`, the reference. Same interface, sizes, softmax scale,
+dropout and checkpoint keys: this class only replaces its forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class SDPAttention(DotProductAttention):
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """query [sq, b, np, hn], key / value [sk, b, ng, hn] (GQA groups, or np) -> context [sq, b, np * hn]."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences and attention bias need --transformer-impl "
+                                      "transformer_engine")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if attention_mask is None and mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise NotImplementedError(f"SDPA core attention without a mask handles causal or no masks, not "
+                                      f"{mask_type}")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # GQA: each key/value group serves `groups` consecutive query heads (Megatron's order)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        dropout = self.attention_dropout.p if self.training else 0.0
+        # attention_mask (Megatron's convention): True where a position is masked out
+        mask = None if attention_mask is None else ~attention_mask
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 and not self.config.sequence_parallel \
+            else contextlib.nullcontext()
+        with rng:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                 scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)

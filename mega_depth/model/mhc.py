@@ -1,0 +1,103 @@
+"""Manifold-constrained Hyper-Connections (arXiv 2512.24880, SPEC-more §7): HC's n streams, with coefficients read
+from all n*d values of a token at once (a gain-less RMS, one projection phi, three scales alpha, biases b), a
+sigmoid for the sublayer's input weights H_pre, 2*sigmoid for its output weights H_post, and a doubly stochastic
+stream mix H_res from Sinkhorn-Knopp. All coefficient math runs in fp32. Streams, payload and collapse as HC (hc.py).
+
+Choices (SPEC-more §7 table; each an option): Sinkhorn order (paper: columns then rows, rows exact; megatron: rows
+then columns), epsilon style (clamp; deepseek), init (default: phi = 0, alpha = 0.01, LUMIA's biases so that
+H_pre = 1/n, H_post = 1, H_res ~ 0.99 I; megatron: xavier phi, zero biases; lumia: N(0, 0.01) phi [unverified]),
+collapse (mean; sum; learned head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .base import Option, sublayer_label
+from .hc import COLLAPSES, StreamMechanism
+from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_coefficients, streams_in, streams_out
+
+INITS = ("default", "megatron", "lumia")
+
+
+def lumia_bias(n: int) -> torch.Tensor:
+    """[pre | post | res]: logit(1/n), 0, log(0.99 I + 0.01/(n-1) (J - I)); zero at n = 1 (the logs diverge)."""
+    if n == 1:
+        return torch.zeros(3)
+    pre = torch.full((n,), math.log((1 / n) / (1 - 1 / n)))
+    res = torch.full((n, n), 0.01 / (n - 1)).fill_diagonal_(0.99).log()
+    return torch.cat([pre, torch.zeros(n), res.flatten()])
+
+
+class MHCMixer(nn.Module):
+    """One sublayer's mHC: mapping_proj.weight = phi [n^2 + 2n, n*d], bias [n^2 + 2n], alpha_pre/post/res [1]
+    (Megatron-compatible names)."""
+
+    def __init__(self, n: int, hidden_size: int, init: str, dtype=None):
+        super().__init__()
+        self.mapping_proj = nn.Linear(n * hidden_size, n * n + 2 * n, bias=False, dtype=dtype)
+        nn.init.zeros_(self.mapping_proj.weight)  # random inits are drawn by Mechanism.random_init (keyed)
+        bias = torch.zeros(n * n + 2 * n) if init == "megatron" else lumia_bias(n)
+        self.bias = nn.Parameter(bias.to(dtype or torch.get_default_dtype()))
+        for name in ("alpha_pre", "alpha_post", "alpha_res"):
+            setattr(self, name, nn.Parameter(torch.full((1,), 0.01, dtype=dtype)))
+
+
+class MHC(StreamMechanism):
+    name = "mhc"
+    options = (
+        Option("mhc_sinkhorn_iters", int, 20, "mHC: Sinkhorn-Knopp iterations for H_res"),
+        Option("mhc_sk_order", str, "paper", "mHC: per iteration normalise columns then rows (paper, DeepSeek: rows "
+               "exact) or rows then columns (Megatron-LM)", MHC_SK_ORDERS),
+        Option("mhc_eps_style", str, "clamp", "mHC: clamp: divide by max(sum, 1e-6), r + 1e-6; deepseek: +1e-6 to "
+               "the Sinkhorn sums and after the first normalisation, sigmoid + 1e-6, epsilon inside the RMS",
+               MHC_EPS_STYLES),
+        Option("mhc_init", str, "default", "mHC: default (phi 0, LUMIA biases), megatron (xavier phi, zero "
+               "biases), lumia (N(0, 0.01) phi, LUMIA biases)", INITS),
+        Option("mhc_collapse", str, "mean", "mHC: streams -> one before the final norm", COLLAPSES),
+    )
+    shared_options = ("hc_expansion",)
+    module_names = ("attn_mhc", "mlp_mhc", "final_mhc")
+    module_prefix, final_name, collapse_option = "mhc", "final_mhc", "mhc_collapse"
+
+    @classmethod
+    def catalogue(cls, num_layers):
+        return {"mhc": {"residual": "mhc", "hc_expansion": 4}}
+
+    @classmethod
+    def validate(cls, cfg, fail):
+        r = cfg.residual
+        fail(r.hc_expansion >= 1, "--hc-expansion must be >= 1 (mHC uses 4)")
+        fail(r.mhc_sinkhorn_iters >= 1, "--mhc-sinkhorn-iters must be >= 1 (the paper uses 20)")
+
+    def layer_modules(self, layer, dtype=None):
+        d, init = self.shape.hidden_size, self.residual.mhc_init
+        return {"attn_mhc": MHCMixer(self.n, d, init, dtype), "mlp_mhc": MHCMixer(self.n, d, init, dtype)}
+
+    def decays(self, param_name, param):
+        return param_name.endswith("mapping_proj.weight") or param_name.endswith(".phi")  # b, alpha: no
+
+    def random_init(self, param_name, shape, generator):
+        init = self.residual.mhc_init
+        if not param_name.endswith("mapping_proj.weight") or init == "default":
+            return None
+        if init == "megatron":  # xavier_uniform
+            bound = math.sqrt(6.0 / (shape[0] + shape[1]))
+            return (torch.rand(list(shape), generator=generator) * 2 - 1) * bound
+        return torch.randn(list(shape), generator=generator) * 0.01
+
+    def sublayer(self, mixer, streams, run, sublayer):
+        r = self.residual
+        pre, post, res = mhc_coefficients(streams, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre,
+                                          mixer.alpha_post, mixer.alpha_res, r.mhc_sinkhorn_iters, r.mhc_sk_order,
+                                          r.mhc_eps_style)
+        if self.recorder is not None:  # token means; H_res flattened row-major: entry i*n + j is stream j -> i
+            order, label = sublayer_label(sublayer)
+            self.recorder.add("mhc-H_pre", order, label, pre)
+            self.recorder.add("mhc-H_post", order, label, post)
+            self.recorder.add("mhc-H_res", order, label, res.flatten(-2).movedim(-1, 0))
+        mix = res.transpose(-1, -2).movedim(-2, 0)  # [j (in), *, i (out)] as streams_out takes it
+        return streams_out(streams, run(streams_in(streams, pre)), mix, post)
