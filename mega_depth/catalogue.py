@@ -7,6 +7,7 @@ and turns them into trainer flags, so that a benchmark, a layout test and a ship
 
 from typing import Dict, List
 
+from mega_depth.model.config import option_flag
 from mega_depth.model.registry import catalogue
 
 MECHANISMS = tuple(catalogue(8))  # the names; the settings themselves may scale with depth
@@ -27,7 +28,7 @@ def mechanism_flags(name: str, num_layers: int, **overrides) -> List[str]:
     """The same settings as trainer flags, e.g. ['--residual', 'attnres', '--attnres-num-blocks', '8']."""
     flags = []
     for key, value in residual_settings(name, num_layers, **overrides).items():
-        flag = f"--{key.replace('_', '-')}"
+        flag = option_flag(key)
         flags += [flag if value is True else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)]
     return flags
 

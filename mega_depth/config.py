@@ -12,13 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mega_depth.model.config import DecoderConfig, ResidualConfig
+from mega_depth.model.config import DecoderConfig, ResidualConfig, option_flag
 from mega_depth.model.registry import MECHANISMS, mechanism_class
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 ATTENTION_BACKENDS = ("sdpa", "unfused")
-MIXING_IMPLS = ("eager", "compiled")
+MIXING_IMPLS = ("eager", "compiled", "triton")
 
 
 class ConfigError(ValueError):
@@ -46,7 +46,9 @@ class ModelConfig:
     transformer_impl: Optional[str] = None
     attention_backend: str = "sdpa"  # local spec's core attention: torch SDPA (fused kernels) | unfused (Megatron's)
     fused_single_qkv_rope: bool = False
-    mixing_impl: str = "eager"  # eager (mixing.py, the reference) | compiled (torch.compile'd twins)
+    # eager (mixing.py, the reference) | compiled (torch.compile'd twins) | triton (fused Functions, kernels on a GPU);
+    # None: triton on a GPU where triton is importable, else eager
+    mixing_impl: Optional[str] = None
 
     @property
     def ffn_size(self) -> int:
@@ -161,7 +163,7 @@ class Config:
     def validate(self, world_size: int = 1) -> "Config":
         """Refuse every combination that cannot work, naming the fix. Returns self."""
         m, r, p, t = self.model, self.residual, self.parallel, self.training
-        _check(r.residual in MECHANISMS, f"unknown --residual {r.residual!r}; choose one of {', '.join(MECHANISMS)}")
+        _check(r.mechanism in MECHANISMS, f"unknown --residual {r.mechanism!r}; choose one of {', '.join(MECHANISMS)}")
         _check_choices(self)
         _check(m.num_layers >= 1 and m.hidden_size >= 1, "--num-layers and --hidden-size must be positive")
         _check(m.num_attention_heads >= 1 and m.seq_length >= 1,
@@ -183,8 +185,14 @@ class Config:
             except ImportError:
                 raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine, which is not "
                                   "installed; install transformer-engine or use --transformer-impl local") from None
-            _check(r.residual != "dca", "--residual dca feeds separate query/key/value inputs, which Transformer "
+            _check(r.mechanism != "dca", "--residual dca feeds separate query/key/value inputs, which Transformer "
                    "Engine's fused norm+QKV projection cannot take; use --transformer-impl local")
+        if m.mixing_impl == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                raise ConfigError("--mixing-impl triton needs triton (pip install triton==3.6.0, the version the "
+                                  "GPU's torch uses); or use --mixing-impl eager") from None
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         _check(tp >= 1 and pp >= 1, "parallel sizes must be >= 1")
         _check(
@@ -277,11 +285,11 @@ class Config:
             _check(nmb % pp == 0,
                    f"interleaved pipelines need the number of micro-batches ({nmb}) to be a multiple of "
                    f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
-            _check(r.residual == "standard" or nmb >= 2 * pp,
-                   f"interleaved pipelines with --residual {r.residual} need at least 2 x "
+            _check(r.mechanism == "standard" or nmb >= 2 * pp,
+                   f"interleaved pipelines with --residual {r.mechanism} need at least 2 x "
                    f"--pipeline-model-parallel-size micro-batches per step (got {nmb}): with every micro-batch in "
                    "warm-up the variable-shape p2p exchange deadlocks on this version; raise --global-batch-size")
-        mechanism_class(r.residual).validate(self, _check)
+        mechanism_class(r.mechanism).validate(self, _check)
         return self
 
     def decoder_config(self, vocab_size: Optional[int] = None) -> DecoderConfig:
@@ -297,7 +305,7 @@ class Config:
 
 def _check_choices(cfg: "Config") -> None:
     """Fields with a fixed set of values (declared once, in `choices` metadata or the tuples above)."""
-    fixed = {("model", "attention_backend"): ATTENTION_BACKENDS, ("model", "mixing_impl"): MIXING_IMPLS,
+    fixed = {("model", "attention_backend"): ATTENTION_BACKENDS, ("model", "mixing_impl"): (None,) + MIXING_IMPLS,
              ("model", "transformer_impl"): (None,) + TRANSFORMER_IMPLS,
              ("training", "lr_decay_style"): LR_DECAY_STYLES, ("training", "on_nan"): ("stop", "skip"),
              ("training", "lr_wsd_decay_style"): ("linear", "cosine", "exponential", "minus_sqrt"),
@@ -327,7 +335,7 @@ _SECTIONS = {"model": ModelConfig, "residual": ResidualConfig, "parallel": Paral
 
 
 def _field_flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return option_flag(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -392,6 +400,8 @@ def load_yaml(path: str, cfg: Config) -> Config:
                               f"; sections are {', '.join(_SECTIONS)}"))
         names = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
         for key, value in (values or {}).items():
+            if (section, key) == ("residual", "residual"):  # the mechanism's field before it was renamed
+                key = "mechanism"
             if key not in names:
                 near = difflib.get_close_matches(str(key), list(names), n=1)
                 raise ConfigError(f"unknown key {section}.{key} in {path}" + (f"; did you mean {section}.{near[0]}?"

@@ -5,7 +5,8 @@ import pytest
 from fixtures import CORPUS, run
 
 # tests/xla needs torch-xla (tools/test_xla.sh builds its environment); the main suite leaves it alone.
-collect_ignore = [] if importlib.util.find_spec("torch_xla") else ["xla"]
+# tests/kernels runs in its own process (tests/unit/test_kernels.py), with the Triton interpreter switched on.
+collect_ignore = ([] if importlib.util.find_spec("torch_xla") else ["xla"]) + ["kernels"]
 
 
 @pytest.fixture(scope="session")

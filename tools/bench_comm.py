@@ -91,9 +91,9 @@ def expected_widths(mech, num_layers, num_blocks, pp, vpp, cache, kv_units, v_un
         if mech.startswith("dca"):
             return dca_entries(lam, 2 if mech == "dca-2" else None)
         settings = residual_settings(mech, num_layers)
-        if settings["residual"] in ("hc", "mhc"):
+        if settings["mechanism"] in ("hc", "mhc"):
             return stream_entries(settings["hc_expansion"])
-        if settings["residual"] == "denseformer":
+        if settings["mechanism"] == "denseformer":
             return denseformer_entries(lam, num_layers, settings["denseformer_dilation"],
                                        settings["denseformer_period"])
         return depth_entries(lam, num_layers, settings["depth_attn_stride"], settings["depth_attn_window"], kv_units,

@@ -46,7 +46,7 @@ def flops_per_token(L, d, heads, groups, ffn, vocab, seq) -> float:
 
 def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
     """Forward memory traffic of the depth mixing per token, in units of d, summed over the model."""
-    kind, S = settings["residual"], 2 * L
+    kind, S = settings["mechanism"], 2 * L
     if kind == "standard":
         return 3.0 * S
     if kind == "attnres":
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (DEVICES[key][0] if key else None)
     bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
     fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length)
-    base_io = io_units({"residual": "standard"}, L, d, heads, groups)
+    base_io = io_units({"mechanism": "standard"}, L, d, heads, groups)
     bytes_el = 2 if gpu else 4
     results = []
     for name in names:

@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Tuple
 
 from mega_depth.checkpoint.manifest import CorruptCheckpoint, has_manifest, verify, write_manifest
 from mega_depth.config import Config, ConfigError, to_dict
+from mega_depth.model.config import option_flag
 
 POINTER = "latest_checkpointed_iteration.txt"
 META = "mega_depth.json"
@@ -261,9 +262,9 @@ def check_compatible(meta: dict, cfg: Config, where: str) -> None:
                 "--" + key.replace("_", "-")
             diffs.append(f"{flag}: checkpoint {saved[key]!r}, this run {now[key]!r}")
     saved_r, now_r = saved["residual"], now["residual"]
-    for key in sorted(set(saved_r) | set(now_r), key=lambda k: (k != "residual", k)):
+    for key in sorted(set(saved_r) | set(now_r), key=lambda k: (k != "mechanism", k)):
         if saved_r.get(key) != now_r.get(key):
-            diffs.append(f"--{key.replace('_', '-')}: checkpoint {saved_r.get(key)!r}, this run {now_r.get(key)!r}")
+            diffs.append(f"{option_flag(key)}: checkpoint {saved_r.get(key)!r}, this run {now_r.get(key)!r}")
     if diffs:
         raise CheckpointError(f"checkpoint {where} was trained with a different model or mechanism: "
                               + "; ".join(diffs) + ". Pass the checkpoint's flags (or its --config), or start "

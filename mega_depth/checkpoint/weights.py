@@ -40,8 +40,8 @@ def saved_config(meta: dict) -> Config:
     saved = meta["config"]
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in saved["model"].items() if k in model_fields})
-    residual = {k: v for k, v in saved["residual"].items() if k in {f.name for f in
-                                                                    dataclasses.fields(type(Config().residual))}}
+    known = {f.name for f in dataclasses.fields(type(Config().residual))} | {"residual"}  # (the old name)
+    residual = {k: v for k, v in saved["residual"].items() if k in known}
     cfg = Config(model=model, residual=residual_config(residual))
     cfg.data.mock_data = True  # only the model matters here
     return cfg

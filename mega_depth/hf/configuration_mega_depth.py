@@ -24,7 +24,7 @@ class MegaDepthConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.qk_layernorm = qk_layernorm
-        self.residual = dict(residual or {"residual": "standard"})
+        self.residual = dict(residual or {"mechanism": "standard"})
         self.depth_mixing_inference = depth_mixing_inference
         self.max_position_embeddings = max_position_embeddings
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -2,8 +2,10 @@
 the reference (and the CPU default); every fast twin here has the same signature and a test that ties its values
 and gradients to the reference.
 
-    eager      the reference itself (mechanism.kernels = None)
+    eager      the reference itself (mechanism.kernels = None); the CPU default
     compiled   torch.compile'd twins (fused elementwise kernels on a GPU)
+    triton     fused.py: autograd Functions that read each source in place and save no stacked copy; Triton
+               kernels on a GPU, the same Functions with torch inner compute on the CPU; the GPU default
 """
 
 from __future__ import annotations
@@ -32,4 +34,22 @@ def select(impl: str) -> Optional[SimpleNamespace]:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         return SimpleNamespace(**{name: torch.compile(getattr(mixing, REFERENCES.get(name, name)), dynamic=True)
                                   for name in FAST_FUNCTIONS})
+    if impl == "triton":
+        from mega_depth.kernels import fused
+
+        return fused.fast_functions()
     raise ValueError(f"unknown --mixing-impl {impl!r}")
+
+
+def default_impl() -> str:
+    """triton on a GPU where triton is importable, else eager (the reference)."""
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            pass
+    return "eager"

@@ -77,7 +77,7 @@ def mechanism_of(cfg: Config, tp: int = 1):
     """The mechanism instance for this rank (TP and SP only set its pipeline-payload widths), with the fast path
     of --mixing-impl."""
     mechanism = build_mechanism(cfg.residual, cfg.decoder_config().shape, tp, cfg.parallel.sequence_parallel)
-    mechanism.kernels = kernels.select(cfg.model.mixing_impl)
+    mechanism.kernels = kernels.select(cfg.model.mixing_impl or kernels.default_impl())
     return mechanism
 
 

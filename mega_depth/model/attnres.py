@@ -162,11 +162,11 @@ class AttnRes(Mechanism):
     @classmethod
     def catalogue(cls, num_layers):
         return {
-            "attnres-full": {"residual": "attnres"},
+            "attnres-full": {"mechanism": "attnres"},
             # Block AttnRes with the paper's 8 blocks (at most one per layer)
-            "attnres-block": {"residual": "attnres", "attnres_num_blocks": min(8, num_layers)},
+            "attnres-block": {"mechanism": "attnres", "attnres_num_blocks": min(8, num_layers)},
             # the best ablation of §5.3 (Full AttnRes with an input-dependent query)
-            "attnres-input-query": {"residual": "attnres", "attnres_query": "input"},
+            "attnres-input-query": {"mechanism": "attnres", "attnres_query": "input"},
         }
 
     @classmethod

@@ -17,16 +17,24 @@ from .registry import MECHANISMS, build
 
 ResidualConfig = dataclasses.make_dataclass(
     "ResidualConfig",
-    [("residual", str, field(default="standard", metadata={"help": "the depth-mixing mechanism",
-                                                          "choices": tuple(MECHANISMS)}))]
+    [("mechanism", str, field(default="standard", metadata={"help": "the depth-mixing mechanism (--residual)",
+                                                           "choices": tuple(MECHANISMS)}))]
     + option_fields(list(MECHANISMS.values())),
-    namespace={"__doc__": "The residual mechanism and every mechanism's options (flat: --attnres-num-blocks, ...)."},
+    namespace={"__doc__": "The mechanism (--residual) and every mechanism's options (flat: --attnres-num-blocks, ...)."},
 )
 ResidualConfig.__module__ = __name__
 
 
+def option_flag(name: str) -> str:
+    """The command-line flag of a config field: --attnres-num-blocks; the mechanism itself is --residual."""
+    return "--residual" if name == "mechanism" else "--" + name.replace("_", "-")
+
+
 def residual_config(values: Dict[str, Any]) -> "ResidualConfig":
     """A ResidualConfig from saved values (a checkpoint's or an exported config's); unknown keys are errors."""
+    values = dict(values)
+    if "residual" in values:  # written before the field was renamed
+        values["mechanism"] = values.pop("residual")
     known = {f.name for f in dataclasses.fields(ResidualConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -62,8 +70,8 @@ class DecoderConfig:
         return build(self.residual, self.shape, tp, sp)
 
     def residual_values(self) -> Dict[str, Any]:
-        """`residual` plus the chosen mechanism's own options: what a checkpoint or an exported config records."""
-        return {"residual": self.residual.residual, **self.mechanism().option_values()}
+        """The mechanism's name and its own options: what a checkpoint or an exported config records."""
+        return {"residual": self.residual.mechanism, **self.mechanism().option_values()}
 
     def to_dict(self) -> Dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "residual"}
@@ -73,5 +81,5 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, values: Dict[str, Any]) -> "DecoderConfig":
         values = dict(values)
-        residual = values.pop("residual", {"residual": "standard"})
+        residual = values.pop("residual", {"mechanism": "standard"})
         return cls(**values, residual=residual_config(residual))

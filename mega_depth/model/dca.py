@@ -82,7 +82,7 @@ class DCA(Mechanism):
 
     @classmethod
     def catalogue(cls, num_layers):
-        return {"dca": {"residual": "dca"}, "dca-2": {"residual": "dca", "dca_last_k": 2}}
+        return {"dca": {"mechanism": "dca"}, "dca-2": {"mechanism": "dca", "dca_last_k": 2}}
 
     @classmethod
     def validate(cls, cfg, fail):

@@ -55,7 +55,7 @@ class DenseFormer(Mechanism):
 
     @classmethod
     def catalogue(cls, num_layers):
-        return {"denseformer": {"residual": "denseformer", "denseformer_dilation": 1, "denseformer_period": 1}}
+        return {"denseformer": {"mechanism": "denseformer", "denseformer_dilation": 1, "denseformer_period": 1}}
 
     @classmethod
     def validate(cls, cfg, fail):

@@ -74,7 +74,7 @@ class DepthAttention(Mechanism):
 
     @classmethod
     def catalogue(cls, num_layers):
-        return {"depth-attention": {"residual": "depth-attention", "depth_attn_stride": max(1, num_layers // 2),
+        return {"depth-attention": {"mechanism": "depth-attention", "depth_attn_stride": max(1, num_layers // 2),
                                     "depth_attn_window": 0}}
 
     @classmethod

@@ -133,7 +133,7 @@ class HC(StreamMechanism):
 
     @classmethod
     def catalogue(cls, num_layers):
-        return {"hc": {"residual": "hc", "hc_expansion": 4}}
+        return {"hc": {"mechanism": "hc", "hc_expansion": 4}}
 
     @classmethod
     def validate(cls, cfg, fail):

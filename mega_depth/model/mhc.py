@@ -65,7 +65,7 @@ class MHC(StreamMechanism):
 
     @classmethod
     def catalogue(cls, num_layers):
-        return {"mhc": {"residual": "mhc", "hc_expansion": 4}}
+        return {"mhc": {"mechanism": "mhc", "hc_expansion": 4}}
 
     @classmethod
     def validate(cls, cfg, fail):

@@ -28,7 +28,7 @@ def mechanism_class(name: str) -> type:
 
 def build(residual, shape, tp: int = 1, sp: bool = False) -> Mechanism:
     """The mechanism instance of a ResidualConfig for a decoder of `shape` (TP/SP only set payload widths)."""
-    return mechanism_class(residual.residual)(residual, shape, tp, sp)
+    return mechanism_class(residual.mechanism)(residual, shape, tp, sp)
 
 
 def catalogue(num_layers: int) -> Dict[str, Dict[str, object]]:

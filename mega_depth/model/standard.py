@@ -12,7 +12,7 @@ class Standard(Mechanism):
 
     @classmethod
     def catalogue(cls, num_layers):
-        return {"standard": {"residual": "standard"}}
+        return {"standard": {"mechanism": "standard"}}
 
     def initial_state(self, embedding):
         return embedding  # the state is the residual stream itself

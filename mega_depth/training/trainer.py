@@ -174,8 +174,9 @@ class Trainer:
                 every = cfg.logging.heatmap_interval
                 if (every and done % every == 0) or (last and not every):
                     figures = b.depth_weights(train.microbatches(step))
-                    if figures and logger is not None:
-                        self.say(f"depth-weight heatmaps: {', '.join(logger.heatmaps(figures, done))}")
+                    paths = logger.heatmaps(figures, done) if figures and logger is not None else []
+                    if paths:
+                        self.say(f"depth-weight heatmaps: {', '.join(paths)}")
                 preempted = b.any(preemption.requested)
                 exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
                 if ck.save and ((ck.save_interval and done % ck.save_interval == 0) or exiting or last):
@@ -236,8 +237,11 @@ class Logger:
 
     def heatmaps(self, figures: dict, step: int) -> List[str]:
         """One PNG (and TensorBoard figure) per recorded figure; returns the paths."""
-        import matplotlib.pyplot as plt
-
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:  # e.g. a TPU VM's minimal environment: training goes on without pictures
+            print("matplotlib is not installed: depth-weight heatmaps skipped (pip install matplotlib)", flush=True)
+            return []
         from mega_depth.training.depth_weights import heatmap_figure
 
         paths = []

@@ -72,7 +72,7 @@ def test_trainer_bad_input(data, saved, tmp_path, case):
     elif case == "negative-lr":
         flags += ["--lr", "-0.1"]
     elif case == "bad-choice-in-yaml":
-        (tmp_path / "c.yaml").write_text("residual:\n  residual: attnres\n  attnres_query: dynamic\n")
+        (tmp_path / "c.yaml").write_text("residual:\n  mechanism: attnres\n  attnres_query: dynamic\n")
         flags += ["--config", str(tmp_path / "c.yaml")]
     else:
         flags += ["--deepspeed", "--deepspeed-config", "/nowhere.json"]

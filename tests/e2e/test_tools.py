@@ -34,9 +34,9 @@ def test_analytic_io_model_follows_spec():
     sys.path.insert(0, "tools")
     from bench_throughput import io_units
 
-    assert io_units({"residual": "standard"}, 24, 2048, 16, 16) == 3 * 48
-    full = io_units({"residual": "attnres"}, 24, 2048, 16, 16)
-    block = io_units({"residual": "attnres", "attnres_num_blocks": 8}, 24, 2048, 16, 16)
+    assert io_units({"mechanism": "standard"}, 24, 2048, 16, 16) == 3 * 48
+    full = io_units({"mechanism": "attnres"}, 24, 2048, 16, 16)
+    block = io_units({"mechanism": "attnres", "attnres_num_blocks": 8}, 24, 2048, 16, 16)
     assert full > block > 3 * 48
     assert block == sum(6 * (b / 6 + 5) for b in range(1, 9)) + 10
 

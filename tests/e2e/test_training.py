@@ -36,7 +36,7 @@ def test_end_to_end_tokenizer_preprocess_train_checkpoint(data, baseline):
                                                      "latest_checkpointed_iteration.txt"]
     assert open(baseline / "ckpt" / "latest_checkpointed_iteration.txt").read() == "20"
     meta = json.load(open(baseline / "ckpt" / "iter_0000020" / "mega_depth.json"))
-    assert meta["step"] == 20 and meta["config"]["residual"]["residual"] == "attnres" and meta["format"] == "megatron"
+    assert meta["step"] == 20 and meta["config"]["residual"]["mechanism"] == "attnres" and meta["format"] == "megatron"
     manifest = json.load(open(baseline / "ckpt" / "iter_0000020" / "manifest.json"))
     assert manifest["run_id"] == meta["run_id"] and "mega_depth.json" in manifest["files"]
     assert glob.glob(str(baseline / "run" / "heatmaps" / "attnres_step*.png"))

@@ -31,6 +31,11 @@ LAYOUTS = {
     # The distributed optimizer reduce-scatters grads, so only losses compare.
     "dp2-distopt": (2, ["--use-distributed-optimizer"], False, None),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2"] + PP2, True, None),
+    # The fused mixing Functions (their torch inner compute on a CPU) under the layouts that stress them most:
+    # virtual-stage caching and recompute, and sequence parallelism.
+    "pp2-vpp-fused": (2, VPP + ["--mixing-impl", "triton"], True, None),
+    "tp2-sp-recompute-fused": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--recompute-granularity", "full", "--mixing-impl", "triton"], True, None),
 }
 
 
@@ -137,3 +142,9 @@ def test_plain_trainer_matches_the_megatron_trainer(runs, tmp_path):
         assert len(plain) == len(ref) == 3
         torch.testing.assert_close(torch.tensor(plain), torch.tensor(ref), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{mech}: {m}")
+
+
+def test_fused_kernels_leave_the_pipeline_payload_unchanged(runs):
+    """--mixing-impl triton sends exactly the bytes per hop of the eager reference, virtual-stage cache included."""
+    for mechanism in MECHANISMS:
+        assert load(runs, "pp2-vpp-fused", mechanism)[2] == load(runs, "pp2-vpp", mechanism)[2], mechanism

@@ -23,7 +23,7 @@ def decoder(eps=1e-6, layers=4, **residual):
 
 def with_baseline_weights(model, eps=1e-6, layers=4):
     """(model, baseline) with the same transformer weights; the model's own parameters stay at their init."""
-    base = decoder(eps, layers, residual="standard")
+    base = decoder(eps, layers, mechanism="standard")
     with torch.no_grad():
         for p in base.parameters():
             if p.dim() >= 2:
@@ -47,14 +47,14 @@ def logits(model):
 
 
 def test_hc_with_one_stream_and_unit_weights_is_the_baseline_bit_for_bit():
-    model, base = with_baseline_weights(decoder(residual="hc", hc_expansion=1, hc_dynamic=False))
+    model, base = with_baseline_weights(decoder(mechanism="hc", hc_expansion=1, hc_dynamic=False))
     assert torch.equal(logits(model), logits(base))
 
 
 def test_hc_at_init_keeps_identical_streams_and_the_baseline_inputs():
     """Every sublayer input equals the baseline's bit for bit (tanh(0) = 0); the final sum is n x_L, which the final
     norm cancels up to its epsilon (0 here)."""
-    model, base = with_baseline_weights(decoder(eps=0.0, residual="hc", hc_expansion=4), eps=0.0)
+    model, base = with_baseline_weights(decoder(eps=0.0, mechanism="hc", hc_expansion=4), eps=0.0)
     seen = {"model": [], "base": []}
     hooks = [layer.input_layernorm.register_forward_hook(lambda m, i, o, k=k: seen[k].append(i[0]))
              for k, net in (("model", model), ("base", base)) for layer in net.model.layers]
@@ -86,10 +86,10 @@ def test_hc_unfolded_depth_weights_reproduce_the_sublayer_inputs():
 
 def test_hc_parameter_count_matches_eq_25():
     n, d, L = 4, 32, 4
-    model = decoder(residual="hc", hc_expansion=n)
+    model = decoder(mechanism="hc", hc_expansion=n)
     extra = sum(p.numel() for k, p in model.named_parameters() if model.model.mechanism.owns(k))
     assert extra == 2 * L * (d * (n + 2) + n * (n + 2) + 2 + d)
-    static = decoder(residual="hc", hc_expansion=n, hc_dynamic=False)
+    static = decoder(mechanism="hc", hc_expansion=n, hc_dynamic=False)
     assert sum(p.numel() for k, p in static.named_parameters() if static.model.mechanism.owns(k)) == \
         2 * L * n * (n + 2)
 
@@ -98,7 +98,7 @@ def test_hc_parameter_count_matches_eq_25():
 
 
 def test_mhc_at_default_init_is_the_baseline_to_fp_tolerance():
-    model, base = with_baseline_weights(decoder(eps=0.0, residual="mhc", hc_expansion=4), eps=0.0)
+    model, base = with_baseline_weights(decoder(eps=0.0, mechanism="mhc", hc_expansion=4), eps=0.0)
     torch.testing.assert_close(logits(model), logits(base), rtol=1e-5, atol=1e-5)
     pre, post, res = mixing.mhc_coefficients(torch.randn(4, 3, 32), torch.zeros(24, 128),
                                              model.model.layers[0].attn_mhc.bias, torch.tensor([0.01]),
@@ -157,7 +157,7 @@ def test_relabelling_mhc_streams_only_relabels_its_outputs():
 
 def test_mhc_parameter_count_matches_the_spec():
     n, d, L = 4, 32, 4
-    model = decoder(residual="mhc", hc_expansion=n)
+    model = decoder(mechanism="mhc", hc_expansion=n)
     extra = sum(p.numel() for k, p in model.named_parameters() if model.model.mechanism.owns(k))
     assert extra == 2 * L * ((n * n + 2 * n) * (n * d + 1) + 3) and (n * n + 2 * n) * (n * d + 1) + 3 == 96 * d + 27
 
@@ -167,7 +167,7 @@ def test_mhc_parameter_count_matches_the_spec():
 
 @pytest.mark.parametrize("k, p", [(1, 1), (4, 1), (2, 2), (4, 5)])
 def test_denseformer_at_init_is_the_baseline_bit_for_bit(k, p):
-    model, base = with_baseline_weights(decoder(layers=6, residual="denseformer", denseformer_dilation=k,
+    model, base = with_baseline_weights(decoder(layers=6, mechanism="denseformer", denseformer_dilation=k,
                                                 denseformer_period=p), layers=6)
     assert torch.equal(logits(model), logits(base))
 
@@ -175,7 +175,7 @@ def test_denseformer_at_init_is_the_baseline_bit_for_bit(k, p):
 @pytest.mark.parametrize("k, p", list(itertools.product([1, 2, 4, 5], [1, 2, 4, 5])))
 def test_denseformer_sparsity_pattern_and_parameter_count(k, p):
     L = 12
-    model = decoder(layers=L, residual="denseformer", denseformer_dilation=k, denseformer_period=p)
+    model = decoder(layers=L, mechanism="denseformer", denseformer_dilation=k, denseformer_period=p)
     counts = {int(n.split(".")[2]) + 1: t.numel() for n, t in model.named_parameters() if n.endswith("dwa.alpha")}
     assert counts == {i: i // k + 1 for i in range(1, L + 1) if i % p == 0}
     for i in counts:
@@ -191,7 +191,7 @@ def test_denseformer_payload_widths_of_the_spec():
     from mega_depth.model.denseformer import DenseFormer
 
     def width(k, p, boundary):
-        mech = DenseFormer(ResidualConfig(residual="denseformer", denseformer_dilation=k, denseformer_period=p),
+        mech = DenseFormer(ResidualConfig(mechanism="denseformer", denseformer_dilation=k, denseformer_period=p),
                            ModelShape(48, 1, 1, 1))
         return sum(e.width for e in mech.layout(boundary))
 
@@ -214,28 +214,28 @@ def test_dwa_at_identity_is_exact_even_for_extreme_values():
                                      dict(attnres_key_norm=False), dict(attnres_mixing="scalar")])
 @pytest.mark.parametrize("blocks", [None, 3])
 def test_attnres_variants_at_init_equal_attnres(variant, blocks):
-    ref, _ = with_baseline_weights(decoder(residual="attnres", attnres_num_blocks=blocks))
-    model, _ = with_baseline_weights(decoder(residual="attnres", attnres_num_blocks=blocks, **variant))
+    ref, _ = with_baseline_weights(decoder(mechanism="attnres", attnres_num_blocks=blocks))
+    model, _ = with_baseline_weights(decoder(mechanism="attnres", attnres_num_blocks=blocks, **variant))
     torch.testing.assert_close(logits(model), logits(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_sigmoid_attnres_at_init_is_the_baseline_up_to_the_norm_epsilon():
-    model, base = with_baseline_weights(decoder(eps=0.0, residual="attnres", attnres_weight="sigmoid"), eps=0.0)
+    model, base = with_baseline_weights(decoder(eps=0.0, mechanism="attnres", attnres_weight="sigmoid"), eps=0.0)
     torch.testing.assert_close(logits(model), logits(base), rtol=1e-4, atol=1e-4)
 
 
 def test_attnres_input_query_parameter_count():
     d, L = 32, 4
-    static = decoder(residual="attnres")
-    model = decoder(residual="attnres", attnres_query="input")
+    static = decoder(mechanism="attnres")
+    model = decoder(mechanism="attnres", attnres_query="input")
     owned = lambda m: sum(p.numel() for k, p in m.named_parameters() if m.model.mechanism.owns(k))  # noqa: E731
     assert owned(model) - owned(static) == (2 * L + 1) * (d * d - d)
-    assert owned(decoder(residual="attnres", attnres_key_norm=False)) == owned(static) - (2 * L + 1) * d
+    assert owned(decoder(mechanism="attnres", attnres_key_norm=False)) == owned(static) - (2 * L + 1) * d
 
 
 def test_hc_and_mhc_heads_are_the_learned_collapse():
-    for residual in (dict(residual="hc", hc_collapse="learned"), dict(residual="mhc", mhc_collapse="learned")):
+    for residual in (dict(mechanism="hc", hc_collapse="learned"), dict(mechanism="mhc", mhc_collapse="learned")):
         model = decoder(**residual)
         names = [k for k, _ in model.named_parameters() if k.startswith("model.final_")]
         assert sorted(n.rsplit(".", 1)[1] for n in names) == ["alpha", "bias", "phi"]
-    assert math.isfinite(logits(decoder(residual="mhc", mhc_collapse="learned")).sum().item())
+    assert math.isfinite(logits(decoder(mechanism="mhc", mhc_collapse="learned")).sum().item())

@@ -43,7 +43,7 @@ def test_every_option_is_a_flag_and_a_yaml_key(tmp_path):
             else:
                 flags = [f"--{opt.name.replace('_', '-')}", str(value)]
             assert getattr(parse_args(flags).residual, opt.name) == value, opt.name
-    (tmp_path / "c.yaml").write_text("residual:\n  residual: attnres\n  attnres_heads: 2\n")
+    (tmp_path / "c.yaml").write_text("residual:\n  mechanism: attnres\n  attnres_heads: 2\n")
     assert parse_args(["--config", str(tmp_path / "c.yaml")]).residual.attnres_heads == 2
 
 
@@ -99,14 +99,16 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
         torch.testing.assert_close(mech.final_hidden(state, model.model), reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["compiled", "triton"])
 @pytest.mark.parametrize("name", [n for n in MECHANISMS if n != "standard"])
-def test_compiled_twins_equal_the_eager_math_in_values_and_gradients(name):
-    """--mixing-impl compiled routes the mixing through torch.compile'd twins; values and gradients must not move."""
+def test_fast_paths_equal_the_eager_math_in_values_and_gradients(name, impl):
+    """--mixing-impl compiled / triton (the fused Functions; their torch inner compute on a CPU) route the mixing
+    through the fast twins; the model's values and gradients must not move."""
     from mega_depth import kernels
 
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
     results = []
-    for impl in ("eager", "compiled"):
+    for impl in ("eager", impl):
         model = decoder(name, seed=5)
         model.model.mechanism.kernels = kernels.select(impl)
         loss = model(ids).float().square().mean()
@@ -131,4 +133,4 @@ def test_weight_decay_rule_is_megatrons_plus_each_mechanisms_own():
 
 def test_a_config_without_the_mechanism_keeps_the_training_config_fields_apart():
     assert {"vp_cache", "mixing_impl"}.isdisjoint({f.name for f in dataclasses.fields(ResidualConfig)})
-    assert Config().parallel.vp_cache and Config().model.mixing_impl == "eager"
+    assert Config().parallel.vp_cache and Config().model.mixing_impl is None  # triton on a GPU, else eager
