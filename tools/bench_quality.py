@@ -245,8 +245,8 @@ def main(argv=None) -> int:
         last = [p for p in pictures if pictures and p.endswith(pictures[-1].rsplit("_step", 1)[1])]
         for picture in last:
             figure = picture.rsplit("_step", 1)[0]
-            dest = os.path.join(args.out_dir, f"heatmap_{name}.png" if len(last) == 1 else
-                                f"heatmap_{name}-{figure}.png")
+            label = name if len(last) == 1 else figure if figure.startswith(name) else f"{name}-{figure}"
+            dest = os.path.join(args.out_dir, f"heatmap_{label}.png")
             shutil.copy(os.path.join(folder, picture), dest)
             plots.append(dest)
 

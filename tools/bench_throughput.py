@@ -77,6 +77,15 @@ def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
         kv, v = groups / heads, (heads if settings.get("depth_attn_gqa", "query") == "query" else groups) / heads
         cands = sum(len(depth_attention_candidates(l, stride, window)) for l in range(L))
         return 3.0 * S + cands * (kv + v) + L * (v - kv)
+    if kind in ("hc", "mhc"):  # unfused, per sublayer: reads (5n+1)d, writes (3n+1)d (mHC paper Table 2, HC row)
+        n = settings.get("hc_expansion", 4)
+        return S * (8 * n + 2) + (n + 1)  # + the collapse before the final norm
+    if kind == "denseformer":  # per DWA after unit i: reads |S_i| d, writes Y_i, stores X_i (SPEC-more §8)
+        from mega_depth.model.mixing import dwa_sources, dwa_units
+
+        k, p = settings.get("denseformer_dilation", 1), settings.get("denseformer_period", 1)
+        units = S if settings.get("denseformer_granularity") == "sublayer" else L
+        return 3.0 * S + sum(len(dwa_sources(i, k)) + 2 for i in dwa_units(units, p))
     raise ValueError(f"no I/O model for {kind}")
 
 
@@ -191,7 +200,7 @@ def main(argv=None) -> int:
     bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
     fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length)
     base_io = io_units({"mechanism": "standard"}, L, d, heads, groups)
-    bytes_el = 2 if gpu else 4
+    bytes_el = 2  # the bound models bf16 training on the GPU (the targets' setting), on any machine
     results = []
     for name in names:
         run, base = measured[name]

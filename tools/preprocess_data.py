@@ -25,6 +25,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import numpy as np
+
+    from mega_depth.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
     import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 

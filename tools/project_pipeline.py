@@ -1,7 +1,7 @@
 """Scale on paper: what each mechanism's pipeline traffic costs across nodes, for the shipped configs.
 
-    python tools/project_pipeline.py [--configs 1b,7b] [--pp 2,4,8] [--vpp 1,2,4] [--mfu 0.4] [--out proj.json]
-        [--link nvlink=450e9,ib=50e9] [--peak-tflops 989]
+    python tools/project_pipeline.py [--configs 1b,7b|PATH.yaml] [--pp 2,4,8] [--vpp 1,2,4] [--mfu 0.4]
+        [--link nvlink=450e9,ib=50e9] [--peak-tflops 989] [--bytes-per-element 2] [--out proj.json]
 
 For every catalogue setting, at each pipeline degree P and virtual stages V that divide the config's layers:
 - bytes per hop (per TP rank, per micro-batch): the widths the mechanism's payload declares (mega_depth/model/*:
@@ -27,15 +27,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name: str):
+    """A shipped size (1b, 7b, ...: launch/configs/<name>-standard.yaml) or any YAML config file."""
     from mega_depth.config import parse_args
 
-    path = os.path.join(ROOT, "launch", "configs", f"{name}-standard.yaml")
+    path = name if name.endswith(".yaml") else os.path.join(ROOT, "launch", "configs", f"{name}-standard.yaml")
     cfg = parse_args(["--config", path])
     cfg.model.vocab_size = cfg.model.vocab_size or 32000
     return cfg
 
 
-def projection(cfg, mechanism_name: str, pp: int, vpp: int, links: dict, mfu: float, peak: float) -> dict:
+def projection(cfg, mechanism_name: str, pp: int, vpp: int, links: dict, mfu: float, peak: float,
+               bytes_per_element: int = 2) -> dict:
     from bench_throughput import flops_per_token
     from mega_depth.catalogue import residual_settings
     from mega_depth.megatron.pipeline import StageGeometry, hop_layout
@@ -52,7 +54,7 @@ def projection(cfg, mechanism_name: str, pp: int, vpp: int, links: dict, mfu: fl
     hops = {}
     for stage in range(1, geo.num_stages):
         sent, _ = hop_layout(mech, geo, stage, cache=True)
-        hops[stage] = sum(e.width for e in sent) * tokens_local * 2  # bf16 bytes
+        hops[stage] = sum(e.width for e in sent) * tokens_local * bytes_per_element
     peak_bytes = max(hops.values())
     per_token = flops_per_token(m.num_layers, m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn_size,
                                 m.vocab_size, m.seq_length)
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the chip (H100/H200)")
     parser.add_argument("--link", default="nvlink=450e9,ib=50e9", help="name=bytes/s,...")
     parser.add_argument("--mechanisms", default=None)
+    parser.add_argument("--bytes-per-element", type=int, default=2, help="2: bf16 training; 4: fp32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -94,8 +97,8 @@ def main(argv=None) -> int:
                 for vpp in map(int, args.vpp.split(",")):
                     if cfg.model.num_layers % (pp * vpp) or pp * vpp > cfg.model.num_layers:
                         continue
-                    rows.append(dict(projection(cfg, name, pp, vpp, links, args.mfu, args.peak_tflops * 1e12),
-                                     config=config))
+                    rows.append(dict(projection(cfg, name, pp, vpp, links, args.mfu, args.peak_tflops * 1e12,
+                                                args.bytes_per_element), config=config))
     summary = []
     for config in args.configs.split(","):
         cfg = load_config(config)

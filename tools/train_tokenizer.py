@@ -28,6 +28,10 @@ def main(argv=None) -> int:
 
     import sentencepiece as spm
 
+    from mega_depth.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
+
     try:
         dataset = load_text_dataset(args.input, args.json_keys)
     except (FileNotFoundError, ValueError) as e:

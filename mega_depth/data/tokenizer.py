@@ -1,10 +1,10 @@
-"""The sentencepiece tokenizer, with the interface megatron-core's datasets expect (vocab_size, eod, ...)."""
+"""The sentencepiece tokenizer, with what megatron-core's GPT datasets read from one (vocab_size, eod,
+unique_identifiers); encoding happens in tools/preprocess_data.py, decoding in the Hugging Face export."""
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import List
 
 import sentencepiece as spm
 
@@ -31,15 +31,5 @@ class SentencePieceTokenizer:
         return self.sp.eos_id()
 
     @property
-    def bos(self) -> int:
-        return self.sp.bos_id()
-
-    @property
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict({"class": type(self).__name__, "model": os.path.abspath(self.model_path)})
-
-    def tokenize(self, text: str) -> List[int]:
-        return self.sp.encode(text)
-
-    def detokenize(self, ids: List[int]) -> str:
-        return self.sp.decode(list(ids))

@@ -376,7 +376,7 @@ class _TorchOps:
 
     @staticmethod
     def grn_bwd(go, srcs, bias, proj, version):
-        (n, d), dt = srcs[0].shape, srcs[0].dtype
+        dt = srcs[0].dtype
         ct = _acc(dt)
         go = go.to(ct)
         dbias = torch.zeros(bias.shape, dtype=ct, device=go.device)

@@ -10,10 +10,11 @@ version of the catalogue added window 1; it was dropped so that the named settin
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .base import Entry, Mechanism, Option
 from .mixing import (DEPTH_ATTN_GQA_MODES, depth_attention_candidates, depth_attention_mix,
@@ -29,13 +30,14 @@ class DepthAttentionState:
         self.values: Dict[int, Tensor] = {}
 
     def candidates(self, layer: int, stride: int, window: int):
+        """([raw key, ...], [value, ...]) of the layers `layer` mixes, or (None, None)."""
         ids = depth_attention_candidates(layer, stride, window)
         if not ids:
             return None, None
         missing = [j for j in ids if j not in self.raw_keys]
         if missing:
             raise RuntimeError(f"depth-attention layer {layer} needs layers {missing}, which were not carried here")
-        return torch.stack([self.raw_keys[j] for j in ids]), torch.stack([self.values[j] for j in ids])
+        return [self.raw_keys[j] for j in ids], [self.values[j] for j in ids]
 
     def store(self, layer: int, raw_key: Tensor, value: Tensor, num_layers: int, stride: int, window: int) -> None:
         """Keep this layer's raw key and mixed value, and drop what no later layer needs."""
@@ -99,14 +101,25 @@ class DepthAttention(Mechanism):
     def layer_forward(self, layer, state):
         index = layer.layer_index
 
+        mix = self.kernel("depth_attention_mix", depth_attention_mix)
+
+        def normalise_and_mix(query, key, value, cand_raw, cand_values, key_norm):
+            return mix(query, key, value, key_norm(torch.stack(cand_raw)), torch.stack(cand_values), self.gqa)
+
         def value_mixer(query, key, raw_key, value, key_norm):
             cand_raw, cand_values = state.candidates(index, self.stride, self.window)
-            cand_keys = key_norm(cand_raw) if cand_raw is not None else None
-            if self.recorder is not None and cand_keys is not None:
-                weights = depth_attention_weights(query, torch.cat([cand_keys, key.unsqueeze(0)]), self.gqa)
-                self.recorder.add("depth-attention", index, f"layer {index}", weights)
-            mixed = self.kernel("depth_attention_mix", depth_attention_mix)(query, key, value, cand_keys,
-                                                                            cand_values, self.gqa)
+            if cand_raw is None:
+                mixed = mix(query, key, value, None, None, self.gqa)
+            else:
+                if self.recorder is not None:
+                    keys = torch.cat([key_norm(torch.stack(cand_raw)), key.unsqueeze(0)])
+                    self.recorder.add("depth-attention", index, f"layer {index}",
+                                      depth_attention_weights(query, keys, self.gqa))
+                # The candidates' keys normalised with THIS layer's key norm (and the stacks) are new tensors per
+                # layer: recompute them in backward instead of keeping them (only the stored keys and values stay).
+                mixed = checkpoint(normalise_and_mix, query, key, value, cand_raw, cand_values, key_norm,
+                                   use_reentrant=False) if torch.is_grad_enabled() else \
+                    normalise_and_mix(query, key, value, cand_raw, cand_values, key_norm)
             state.store(index, raw_key, mixed, self.shape.num_layers, self.stride, self.window)
             return mixed
 

@@ -40,7 +40,9 @@ class CollapseHead(nn.Module):
 class StreamMechanism(Mechanism):
     """What HC and mHC share: n streams in the state and the payload, expansion and collapse."""
 
-    collapse_option: str = ""
+    module_prefix: str = ""  # the per-sublayer modules are attn_<prefix> and mlp_<prefix>
+    final_name: str = ""  # the learned collapse head's module name
+    collapse_option: str = ""  # the option that picks the collapse
 
     @property
     def n(self) -> int:

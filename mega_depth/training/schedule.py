@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from mega_depth.config import Config
+from mega_depth.config import Config, ConfigError
 
 
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
@@ -30,3 +30,12 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=False,
     )
+
+
+def load_scheduler_state(scheduler: OptimizerParamScheduler, state: dict, where: str) -> None:
+    """Restore a checkpoint's schedule; Megatron's scheduler asserts that the schedule itself did not change."""
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as e:
+        raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {where}'s ({e}); pass the "
+                          "checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style") from None

@@ -129,6 +129,13 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> List[dict]:
+        preemption = Preemption()  # first: a SIGTERM while the model builds is honoured at the first step's end
+        try:
+            return self._run(preemption)
+        finally:
+            preemption.restore()
+
+    def _run(self, preemption: Preemption) -> List[dict]:
         cfg, b, ck = self.cfg, self.backend, self.cfg.checkpoint
         found = self._resume_point()
         start, run_id = 0, rules.new_run_id()
@@ -150,7 +157,6 @@ class Trainer:
         logger = Logger(cfg, start) if b.rank == 0 else None
         meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
         tokens_per_step = train.global_batch_size * cfg.model.seq_length
-        preemption = Preemption()
         history, train_time = [], 0.0
         try:
             for step in range(start, cfg.training.train_iters):
@@ -187,7 +193,6 @@ class Trainer:
                     self.say(f"exiting after step {done} ({'SIGTERM' if preempted else '--exit-interval'})")
                     break
         finally:
-            preemption.restore()
             if logger is not None:
                 logger.close()
         return history

@@ -205,15 +205,12 @@ class PlainBackend:
     def load(self, ckpt_dir: str, meta: dict) -> int:
         from safetensors.torch import load_file
 
+        from mega_depth.training.schedule import load_scheduler_state
+
         self._load_canonical(self.model, load_file(os.path.join(ckpt_dir, WEIGHTS)), f"{ckpt_dir}'s weights")
         state = torch.load(os.path.join(ckpt_dir, TRAINER_STATE), map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
-        try:
-            self.scheduler.load_state_dict(state["scheduler"])
-        except AssertionError as e:
-            raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt_dir}'s ({e}); "
-                              "pass the checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
-                              "--lr-decay-style") from None
+        load_scheduler_state(self.scheduler, state["scheduler"], ckpt_dir)
         if "rng" in state:
             rng.restore(state["rng"])
         return int(state["step"])

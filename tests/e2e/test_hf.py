@@ -3,7 +3,6 @@ at TP=1 x PP=1 and TP=2 x PP=2; KV-cache parity in generation; bit-exact round t
 
 import json
 import os
-import sys
 import shutil
 
 import pytest
@@ -275,7 +274,6 @@ import torch
 original = torch.cuda.current_device
 from mega_depth.hf.io import export_checkpoint
 export_checkpoint({str(trained / "tp1" / "attnres-block" / "ckpt")!r}, {str(tmp_path / "out")!r})
-import sys
 assert torch.cuda.current_device is original, "torch.cuda was patched"
 assert "megatron.core" not in sys.modules, "the export imported megatron-core"
 print("ok")

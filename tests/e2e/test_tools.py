@@ -39,6 +39,11 @@ def test_analytic_io_model_follows_spec():
     block = io_units({"mechanism": "attnres", "attnres_num_blocks": 8}, 24, 2048, 16, 16)
     assert full > block > 3 * 48
     assert block == sum(6 * (b / 6 + 5) for b in range(1, 9)) + 10
+    assert io_units({"mechanism": "hc", "hc_expansion": 4}, 24, 2048, 16, 16) == 48 * 34 + 5  # 34d per sublayer
+    from mega_depth.catalogue import residual_settings
+
+    for name in MECHANISMS:  # every setting has an I/O model
+        assert io_units(residual_settings(name, 24), 24, 2048, 16, 8) >= 3 * 48
 
 
 def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
@@ -50,6 +55,14 @@ def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
     assert all(r["matches_formula"] for r in report)
     full = {r["cache"]: r for r in report if r["mechanism"] == "attnres-full"}
     assert full[True]["peak_hop_bytes"] < full[False]["peak_hop_bytes"]  # cross-stage caching pays
+    # the projection tool's bytes per hop (for the 1B / 7B configs) are the measured ones on this grid, exactly
+    (tmp_path / "small.yaml").write_text("model: {num_layers: 4, hidden_size: 32, num_attention_heads: 4, "
+                                         "num_query_groups: 2, seq_length: 16}\ntraining: {micro_batch_size: 1}\n")
+    run(["tools/project_pipeline.py", "--configs", str(tmp_path / "small.yaml"), "--pp", "2", "--vpp", "2",
+         "--bytes-per-element", "4", "--out", str(tmp_path / "proj.json")])
+    projected = {r["mechanism"]: r["hop_bytes"] for r in json.loads((tmp_path / "proj.json").read_text())["rows"]}
+    measured = {r["mechanism"]: r["bytes_per_hop"] for r in report if r["cache"]}
+    assert projected == measured
 
 
 def test_bench_quality_trains_every_seed_and_reports_the_spread(data, tmp_path):

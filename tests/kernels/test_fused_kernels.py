@@ -230,7 +230,6 @@ def test_depth_attention_reads_strided_keys_and_values(path):
     fused tensor; candidates given as a list."""
     lead, hkv, r, hn = (3, 2), 2, 2, 6
     fused_kv = leaf(*lead, hkv, (r + 2) * hn)
-    query = fused_kv[..., :r * hn].reshape(*lead, hkv * r, hn)
     key, value = fused_kv[..., r * hn:(r + 1) * hn], fused_kv[..., (r + 1) * hn:]
     cands_k, cands_v = [leaf(*lead, hkv, hn) for _ in range(2)], [leaf(*lead, hkv * r, hn) for _ in range(2)]
     check(lambda f, *c: fused.depth_attention_mix(query_of(f), *kv_of(f), list(c[:2]), list(c[2:]), "query"),

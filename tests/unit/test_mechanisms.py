@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from mega_depth.catalogue import MECHANISMS, residual_settings
+from mega_depth.catalogue import MECHANISMS, mechanism_flags, residual_settings
 from mega_depth.config import Config, parse_args
 from mega_depth.model.config import DecoderConfig, ResidualConfig
 from mega_depth.model.decoder import CausalLM, _LayerCall, rope_cos_sin
@@ -50,8 +50,7 @@ def test_every_option_is_a_flag_and_a_yaml_key(tmp_path):
 @pytest.mark.parametrize("name", MECHANISMS)
 def test_catalogue_settings_validate_and_own_exactly_their_parameters(name):
     cfg = parse_args(["--mock-data", "--num-layers", str(LAYERS), "--hidden-size", "32", "--num-attention-heads",
-                      "4"] + [a for k, v in residual_settings(name, LAYERS).items()
-                              for a in (f"--{k.replace('_', '-')}", str(v))])
+                      "4"] + mechanism_flags(name, LAYERS))
     cfg.validate(1)
     model = decoder(name)
     mech = model.model.mechanism
@@ -99,8 +98,11 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
         torch.testing.assert_close(mech.final_hidden(state, model.model), reference, rtol=1e-6, atol=1e-6)
 
 
+FAST = [n for n in MECHANISMS if residual_settings(n, LAYERS)["mechanism"] in ("attnres", "dca", "depth-attention")]
+
+
 @pytest.mark.parametrize("impl", ["compiled", "triton"])
-@pytest.mark.parametrize("name", [n for n in MECHANISMS if n != "standard"])
+@pytest.mark.parametrize("name", FAST)  # the settings whose mixing has fast twins (Mechanism.kernel)
 def test_fast_paths_equal_the_eager_math_in_values_and_gradients(name, impl):
     """--mixing-impl compiled / triton (the fused Functions; their torch inner compute on a CPU) route the mixing
     through the fast twins; the model's values and gradients must not move."""

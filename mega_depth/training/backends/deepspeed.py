@@ -24,7 +24,7 @@ from mega_depth.init import padded_vocab_size, seed_everything
 from mega_depth.megatron import cpu_compat
 from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, init_process_group
-from mega_depth.training.schedule import build_scheduler
+from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
 
 TAG = "deepspeed"
@@ -234,12 +234,7 @@ class DeepSpeedBackend(Collectives):
         path, client = self.engine.load_checkpoint(ckpt_dir, tag=TAG)
         if path is None or client is None:
             raise ConfigError(f"{ckpt_dir} holds no DeepSpeed checkpoint ({TAG}/ is missing)")
-        try:
-            self.scheduler.load_state_dict(client["scheduler"])
-        except AssertionError as e:
-            raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt_dir}'s ({e}); "
-                              "pass the checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
-                              "--lr-decay-style") from None
+        load_scheduler_state(self.scheduler, client["scheduler"], ckpt_dir)
         if meta.get("layout", {}).get("dp") == self.dp and "rng" in client:
             rng.restore(client["rng"])
         return int(client["step"])

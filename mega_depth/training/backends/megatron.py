@@ -9,12 +9,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from mega_depth.config import Config, ConfigError
+from mega_depth.config import Config
 from mega_depth.init import seed_everything
 from mega_depth.megatron import cpu_compat
 from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, init_process_group
-from mega_depth.training.schedule import build_scheduler
+from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
 
 
@@ -218,12 +218,7 @@ class MegatronBackend(Collectives):
             module.load_state_dict(loaded[f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])
         common = loaded["common"]
-        try:
-            self.scheduler.load_state_dict(common["scheduler"])
-        except AssertionError as e:  # megatron's scheduler asserts that the schedule did not change
-            raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {ckpt_dir}'s ({e}); "
-                              "pass the checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/"
-                              "--lr-decay-style") from None
+        load_scheduler_state(self.scheduler, common["scheduler"], ckpt_dir)
         rng_file = self._rng_path(ckpt_dir)
         if same_layout and os.path.isfile(rng_file):  # a resharded run reseeds instead
             rng.restore(torch.load(rng_file, map_location="cpu", weights_only=True),
