@@ -270,6 +270,7 @@ def test_xla_trainer_checkpoint_exports_and_fine_tunes_on_megatron(data, prompt,
 def test_export_does_not_patch_torch_for_the_rest_of_the_session(exports, tmp_path, trained):
     """The export reads checkpoints with pure torch: no CPU-compatibility patch is applied by it."""
     code = f"""
+import sys
 import torch
 original = torch.cuda.current_device
 from mega_depth.hf.io import export_checkpoint
