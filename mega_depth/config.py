@@ -49,6 +49,10 @@ class ModelConfig:
     # eager (mixing.py, the reference) | compiled (torch.compile'd twins) | triton (fused Functions, kernels on a GPU);
     # None: triton on a GPU where triton is importable, else eager
     mixing_impl: Optional[str] = None
+    # on the fast paths (compiled, triton): recompute in backward what the mixing makes (DCA's q/k/v inputs, Block
+    # AttnRes's phase-2 merge, Depth-Attention's normalised keys) instead of keeping it; trades memory-bound
+    # recompute for activation memory near the baseline's
+    mixing_recompute: bool = True
 
     @property
     def ffn_size(self) -> int:

@@ -8,8 +8,8 @@ Per mechanism it reports:
   baseline is re-measured in the same run, interleaved with the mechanism (--resident pair: one mechanism and the
   baseline resident at a time, for sizes where every model does not fit at once; all: every model built up front,
   rounds over all of them), so drifts of the machine hit both alike;
-- the bytes saved for backward in one training step (torch.autograd.graph.saved_tensors_hooks; unique storages,
-  parameters excluded): a machine-independent measure of activation memory, shown on CPU as on a GPU;
+- the bytes the forward of one training step saves for backward (mega_depth/kernels/saved_bytes.py: unique
+  storages, parameters excluded): a machine-independent measure of activation memory, shown on CPU as on a GPU;
 - on a GPU: the step's peak memory above what was resident before it;
 - the baseline's MFU: tokens/s x model FLOPs per token / the chip's peak (null on CPU). Model FLOPs per token
   (training = 3 x forward, attention counted over the full sequence as Megatron-LM and PaLM do):
@@ -90,22 +90,13 @@ def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
 
 
 def saved_bytes(backend, microbatches) -> int:
-    """Bytes of the tensors autograd saves for backward in one training step (unique storages, no parameters)."""
-    import torch
+    """Bytes of the tensors one training step's forward saves for backward (mega_depth/kernels/saved_bytes.py)."""
+    from mega_depth.kernels.saved_bytes import saved_for_backward_bytes
 
-    params = {p.untyped_storage().data_ptr() for m in backend.model for p in m.parameters()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        backend.forward_backward(microbatches)
+    saved = saved_for_backward_bytes(lambda: backend.forward_backward(microbatches),
+                                     [p for m in backend.model for p in m.parameters()])
     backend.discard()
-    return sum(storages.values())
+    return saved
 
 
 def main(argv=None) -> int:

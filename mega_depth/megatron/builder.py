@@ -78,6 +78,7 @@ def mechanism_of(cfg: Config, tp: int = 1):
     of --mixing-impl."""
     mechanism = build_mechanism(cfg.residual, cfg.decoder_config().shape, tp, cfg.parallel.sequence_parallel)
     mechanism.kernels = kernels.select(cfg.model.mixing_impl or kernels.default_impl())
+    mechanism.recompute_mixing = cfg.model.mixing_recompute
     return mechanism
 
 

@@ -4,7 +4,8 @@
 hidden state itself: the mechanism calls its two sublayers (`attention_sublayer`, `mlp_sublayer`: pre-norm,
 Megatron's attention / MLP, hidden dropout) on inputs it forms from its cross-layer state.
 `DepthMixingSelfAttention` is Megatron's SelfAttention with two hooks, both off unless one call sets them:
-separate query/key/value inputs (DCA) and a value mixer (Depth-Attention).
+query/key/value projected from separate inputs (DCA; megatron/qkv_projection.py) and a value mixer
+(Depth-Attention).
 """
 
 from __future__ import annotations
@@ -15,21 +16,19 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from mega_depth.megatron.qkv_projection import RecomputedQKVProjection, project_separate
+from mega_depth.model.base import normed
 from mega_depth.model.mixing import expand_heads
 
 
 @dataclass
 class AttentionHooks:
-    qkv_inputs: Optional[tuple] = None  # normalised (q_in, k_in, v_in), each [s(/tp), b, h]
-    value_mixer: Optional[Callable] = None  # (query, key, raw_key, value, key_norm) -> value
+    qkv: Optional[tuple] = None  # projected (query [s, b, np, hn], raw key [s, b, ng, hn], value [s, b, ng, hn])
+    value_mixer: Optional[Callable] = None  # (raw_query, raw_key, value, query_norm, key_norm) -> value
 
 
 class DepthMixingSelfAttention(SelfAttention):
@@ -61,45 +60,23 @@ class DepthMixingSelfAttention(SelfAttention):
         query, key, value = torch.split(mixed, [r * hn, hn, hn], dim=-1)
         return query.reshape(*query.shape[:2], -1, hn), key, value
 
-    def _project_separate(self, q_in, k_in, v_in):
-        """QKV projection with a different input for each of Q, K and V, at the FLOPs of one projection.
-
-        The fused weight's rows are [ng, q heads of the group | k | v, hn]; each input meets only its rows. The
-        inputs take the column-parallel input path of linear_qkv (all-gather under SP, identity under TP).
-        """
-        hn, ng = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
-        r = self.num_attention_heads_per_partition // ng
-        lin = self.linear_qkv
-        x = torch.cat([q_in, k_in, v_in], dim=1)  # [s(/tp), 3b, h]
-        if self.config.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, group=self.tp_group)
-        elif self.world_size > 1:
-            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-        xq, xk, xv = x.chunk(3, dim=1)
-        w = lin.weight.view(ng, r + 2, hn, -1)
-        b = lin.bias.view(ng, r + 2, hn) if getattr(lin, "bias", None) is not None else None
-        out = []
-        for xi, rows in ((xq, slice(0, r)), (xk, slice(r, r + 1)), (xv, slice(r + 1, r + 2))):
-            wi = w[:, rows].reshape(-1, w.shape[-1])
-            bi = b[:, rows].reshape(-1) if b is not None else None
-            out.append(F.linear(xi, wi, bi).view(*xi.shape[:2], -1, hn))
-        return out[0], out[1], out[2]
-
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         hooks = self.hooks
         if hooks is None:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
-        if hooks.qkv_inputs is not None:
-            query, raw_key, value = self._project_separate(*hooks.qkv_inputs)
+        if hooks.qkv is not None:
+            query, raw_key, value = hooks.qkv
         else:
             mixed, _ = self.linear_qkv(hidden_states)
             query, raw_key, value = self._split_heads(mixed)
+        raw_query = query
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
         key = self.k_layernorm(raw_key) if self.k_layernorm is not None else raw_key
         if hooks.value_mixer is not None:
+            query_norm = self.q_layernorm if self.q_layernorm is not None else IdentityOp()
             key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
-            value = hooks.value_mixer(query, key, raw_key, value, key_norm)
+            value = hooks.value_mixer(raw_query, raw_key, value, query_norm, key_norm)
             if value.shape[-2] != key.shape[-2]:  # per-query-head values: the keys follow
                 key = expand_heads(key, value.shape[-2])
         return query, key, value
@@ -138,22 +115,34 @@ class _BoundLayer:
         return F.dropout(out, self._layer.hidden_dropout, self._layer.training)
 
     def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None):
-        layer, kw = self._layer, self._kwargs
-        norm = layer.input_layernorm
-        q = norm(x)
-        qkv = None if k_in is None else (q, norm(k_in), norm(v_in))
-        attention = layer.self_attention
-        attention.hooks = None if qkv is None and value_mixer is None else AttentionHooks(qkv, value_mixer)
+        layer = self._layer
+        if k_in is not None:  # DCA: three inputs, each normalised and met by its rows of linear_qkv
+            qkv = project_separate(layer.self_attention, layer.input_layernorm, x, k_in, v_in)
+            return self._attention(x, AttentionHooks(qkv=qkv))
+        hooks = None if value_mixer is None else AttentionHooks(value_mixer=value_mixer)
+        return self._attention(normed(layer.input_layernorm, x), hooks)
+
+    def attention_sublayer_recomputed(self, make_inputs, sources):
+        layer = self._layer
+        lin = layer.self_attention.linear_qkv
+        q_in, *qkv = RecomputedQKVProjection.apply(layer.self_attention, layer.input_layernorm, make_inputs,
+                                                   lin.weight, getattr(lin, "bias", None), *sources)
+        return self._attention(q_in, AttentionHooks(qkv=tuple(qkv))), q_in
+
+    def _attention(self, hidden, hooks):
+        """Megatron's attention on `hidden` [s(/tp), b, h] (normalised; only a stand-in when hooks.qkv is set)."""
+        kw, attention = self._kwargs, self._layer.self_attention
+        attention.hooks = hooks
         try:
-            out, bias = attention(q, attention_mask=kw.get("attention_mask"), rotary_pos_emb=kw.get("rotary_pos_emb"),
-                                  attention_bias=kw.get("attention_bias"),
+            out, bias = attention(hidden, attention_mask=kw.get("attention_mask"),
+                                  rotary_pos_emb=kw.get("rotary_pos_emb"), attention_bias=kw.get("attention_bias"),
                                   packed_seq_params=kw.get("packed_seq_params"))
         finally:
             attention.hooks = None
         return self._dropout(out, bias)
 
     def mlp_sublayer(self, x):
-        out, bias = self._layer.mlp(self._layer.pre_mlp_layernorm(x))
+        out, bias = self._layer.mlp(normed(self._layer.pre_mlp_layernorm, x))
         return self._dropout(out, bias)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option, sublayer_label
+from .base import Entry, Mechanism, Option, Recomputed, sublayer_label
 from .mixing import (attnres_block_phase2, attnres_logits, attnres_mix_sources, attnres_phase1_sources,
                      depth_weights, rms_inverse, scalar_mix)
 
@@ -228,6 +228,19 @@ class AttnRes(Mechanism):
         return self.kernel("attnres_mix_sources", attnres_mix_sources)(
             state.source_list(), self._query(mixer, state), self._gain(mixer), self.eps, self.weight, self.heads)
 
+    def _sublayer_input(self, mixer: AttnResMixer, state: AttnResState, sublayer: int):
+        """`mix`, or on the fast path of the two-phase form a `Recomputed` phase-2 merge: the sublayer's input is
+        then rebuilt in backward from (m, z, o, partial), which phase 2 keeps anyway, instead of being kept too."""
+        if not (self.recomputes and sublayer in state.phase1):
+            return self.mix(mixer, state, sublayer)
+        phase2 = self.kernel("attnres_phase2", attnres_block_phase2)
+        query, gain = mixer.query, self._gain(mixer)
+
+        def merge(m, z, o, partial):
+            return phase2(m, z, o, partial, query, gain, self.eps, self.weight, self.heads)
+
+        return Recomputed(merge, (*state.phase1[sublayer], state.partial))
+
     def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
         """The depth weights alpha [K, *] of one mix (heatmaps)."""
         sources = state.sources()
@@ -258,7 +271,7 @@ class AttnRes(Mechanism):
                 sub = state.next_sublayer
                 if self.two_phase and sub not in state.phase1:
                     self._phase1(state, layers[i:])
-                state.record(run(self.mix(getattr(layer, name), state, sub)))
+                state.record(run(self._sublayer_input(getattr(layer, name), state, sub)))
         return state
 
     def layer_forward(self, layer, state):

@@ -11,9 +11,14 @@ A mechanism (one file beside this one, registered in registry.py) holds
 Hosts. The Megatron-core layer (megatron/layer.py) and the plain decoder's layer (decoder.py) both offer:
     layer_index                                   0-based global layer number
     attention_sublayer(x, k_in=None, v_in=None, value_mixer=None) -> [*, d]
-        pre-norm (applied to each input) + attention (+ hidden dropout); DCA passes separate key/value inputs;
-        value_mixer(query, key, raw_key, value, key_norm) -> value mixes the values (Depth-Attention)
-    mlp_sublayer(x) -> [*, d]                     pre-norm + MLP (+ hidden dropout)
+        pre-norm (applied to each input) + attention (+ hidden dropout); x may be a `Recomputed` input (the norm
+        then keeps only its sources for backward, see `normed`); DCA passes separate key/value inputs;
+        value_mixer(raw_query, raw_key, value, query_norm, key_norm) -> value mixes the values (Depth-Attention;
+        raw = the projections before the q/k norms, which the mixer applies itself)
+    attention_sublayer_recomputed(make_inputs, sources) -> (out [*, d], q_in)
+        the same on (q_in, k_in, v_in) = make_inputs(*sources), where the Megatron host keeps neither those inputs
+        nor their normalised forms for backward but recomputes them from `sources` (DCA's fast path)
+    mlp_sublayer(x) -> [*, d]                     pre-norm + MLP (+ hidden dropout); x may be `Recomputed`
     <module name>                                 the mechanism's own modules, as attributes
 and the decoder / last pipeline stage offers the final modules as attributes. Mechanisms never see Megatron,
 process groups or devices: the same code runs in the training model, the Hugging Face export and the XLA path.
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -84,6 +89,33 @@ class Recorder:
         self.figures.setdefault(figure, {})[(order, label)] = mean.cpu().tolist()
 
 
+def recompute(fn: Callable, *tensors: Optional[Tensor]):
+    """fn(*tensors), keeping only `tensors` for backward and running fn again there: reentrant activation
+    checkpointing, whose inputs are saved with save_for_backward (so saved-tensor accounting sees them). Parameters
+    that fn uses get their gradients in that backward re-run. Plain fn(*tensors) where no input needs a gradient."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
+        return fn(*tensors)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *tensors, use_reentrant=True, preserve_rng_state=False)
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A sublayer input that a mechanism's fast path hands to the host instead of a tensor: make(*sources). The
+    host's pre-norm then keeps only the sources for backward, not the input itself (checkpointed aggregation)."""
+
+    make: Callable[..., Tensor]
+    sources: Tuple[Optional[Tensor], ...]
+
+
+def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
+    """A host's pre-norm of a sublayer input: a tensor, or a `Recomputed` one (recomputed in backward)."""
+    if isinstance(x, Recomputed):
+        return recompute(lambda *sources: norm(x.make(*sources)), *x.sources)
+    return norm(x)
+
+
 def sublayer_label(sublayer: int) -> Tuple[float, str]:
     """Heatmap row of sublayer 1..L (and L+1 = the output aggregation)."""
     layer, kind = (sublayer - 1) // 2, ("attn", "mlp")[(sublayer - 1) % 2]
@@ -108,6 +140,7 @@ class Mechanism:
         self.tp, self.sp = tp, sp
         self.recorder: Optional[Recorder] = None
         self.kernels = None  # a fast-path namespace (mega_depth.kernels) or None: the eager math
+        self.recompute_mixing = True  # with a fast path: see `recomputes`
 
     # --- config -------------------------------------------------------------------------------------------------
     @classmethod
@@ -209,11 +242,20 @@ class Mechanism:
         return t
 
     # --- fast paths ---------------------------------------------------------------------------------------------
+    @property
+    def fast_path(self) -> bool:
+        """A fast path is selected (--mixing-impl compiled|triton) and nothing is being recorded."""
+        return self.kernels is not None and self.recorder is None
+
+    @property
+    def recomputes(self) -> bool:
+        """On the fast path, recompute in backward what the mixing makes instead of keeping it (--mixing-recompute;
+        never while recording: a recomputed forward would record twice)."""
+        return self.fast_path and self.recompute_mixing
+
     def kernel(self, name: str, reference):
-        """The fast twin of a mixing function when a fast path is selected (and nothing is being recorded)."""
-        if self.kernels is None or self.recorder is not None:
-            return reference
-        return getattr(self.kernels, name, reference)
+        """The fast twin of a mixing function on the fast path; the eager reference otherwise."""
+        return getattr(self.kernels, name, reference) if self.fast_path else reference
 
 
 def option_fields(mechanisms: Sequence[type]) -> List[Tuple[str, Any, dataclasses.Field]]:

@@ -108,8 +108,7 @@ class DCA(Mechanism):
         return False  # the GRNs grow with depth (one column per source)
 
     # --- forward ------------------------------------------------------------------------------------------------
-    def _grn(self, grn: GRN, state: DCAState, order: float, label: str) -> Tensor:
-        entries = state.entries()
+    def _grn(self, grn: GRN, entries: List[Tensor], order: float, label: str) -> Tensor:
         if len(entries) != grn.num_sources:
             raise ValueError(f"GRN built for {grn.num_sources} sources got a stack of {len(entries)}")
         if self.recorder is not None:  # mean over the q/k/v instances
@@ -122,13 +121,20 @@ class DCA(Mechanism):
 
     def layer_forward(self, layer, state):
         t = layer.layer_index + 1
-        q_in, k_in, v_in = self._grn(layer.grn_qkv, state, t, f"block {t} q/k/v").unbind(0)
-        a = layer.attention_sublayer(q_in, k_in, v_in)
+
+        def qkv_inputs(*entries):
+            return self._grn(layer.grn_qkv, list(entries), t, f"block {t} q/k/v").unbind(0)
+
+        if self.recomputes:  # the three inputs and their norms are recomputed in backward, not kept: ~3-4 d per layer
+            a, q_in = layer.attention_sublayer_recomputed(qkv_inputs, state.entries())
+        else:
+            q_in, k_in, v_in = qkv_inputs(*state.entries())
+            a = layer.attention_sublayer(q_in, k_in, v_in)
         state.record(a + layer.mlp_sublayer(a + q_in))  # f_t = a + m; the block input is not added
         return state
 
     def final_hidden(self, state, decoder):
-        return self._grn(decoder.final_grn, state, 1e9, "final")[0]
+        return self._grn(decoder.final_grn, state.entries(), 1e9, "final")[0]
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

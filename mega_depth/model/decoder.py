@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 # Relative imports: the same lines work in the package and in an exported Hugging Face folder, where
 # transformers' remote-code loader follows `from .x import` lines to copy the files along.
+from .base import normed
 from .config import DecoderConfig
 
 
@@ -70,12 +71,13 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, s, _ = x_q.shape
         hn = cfg.head_dim
-        q = self.q_proj(x_q).view(b, s, -1, hn)
+        raw_q = self.q_proj(x_q).view(b, s, -1, hn)
         raw_k = self.k_proj(x_k).view(b, s, -1, hn)
         v = self.v_proj(x_v).view(b, s, -1, hn)
-        q, k = (self.q_norm(q), self.k_norm(raw_k)) if cfg.qk_layernorm else (q, raw_k)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if cfg.qk_layernorm else (nn.Identity(), nn.Identity())
+        q, k = q_norm(raw_q), k_norm(raw_k)
         if value_mixer is not None:  # Depth-Attention: this token's values mixed over earlier layers
-            v = value_mixer(q, k, raw_k, v, self.k_norm if cfg.qk_layernorm else (lambda t: t))
+            v = value_mixer(raw_q, raw_k, v, q_norm, k_norm)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, s, hn]
@@ -131,13 +133,17 @@ class _LayerCall:
 
     def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None):
         norm = self._layer.input_layernorm
-        q = norm(x)
+        q = normed(norm, x)
         k = q if k_in is None else norm(k_in)
         v = q if v_in is None else norm(v_in)
         return self._dropout(self._layer.self_attn(q, k, v, self._rope, self._cache, value_mixer))
 
+    def attention_sublayer_recomputed(self, make_inputs, sources):
+        q_in, k_in, v_in = make_inputs(*sources)  # no fast path here: the plain composition
+        return self.attention_sublayer(q_in, k_in, v_in), q_in
+
     def mlp_sublayer(self, x):
-        return self._dropout(self._layer.mlp(self._layer.post_attention_layernorm(x)))
+        return self._dropout(self._layer.mlp(normed(self._layer.post_attention_layernorm, x)))
 
 
 class Decoder(nn.Module):

@@ -14,9 +14,8 @@ from typing import Dict
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from .base import Entry, Mechanism, Option
+from .base import Entry, Mechanism, Option, recompute
 from .mixing import (DEPTH_ATTN_GQA_MODES, depth_attention_candidates, depth_attention_mix,
                      depth_attention_needed_after, depth_attention_weights)
 
@@ -103,23 +102,25 @@ class DepthAttention(Mechanism):
 
         mix = self.kernel("depth_attention_mix", depth_attention_mix)
 
-        def normalise_and_mix(query, key, value, cand_raw, cand_values, key_norm):
-            return mix(query, key, value, key_norm(torch.stack(cand_raw)), torch.stack(cand_values), self.gqa)
-
-        def value_mixer(query, key, raw_key, value, key_norm):
+        def value_mixer(raw_query, raw_key, value, query_norm, key_norm):
             cand_raw, cand_values = state.candidates(index, self.stride, self.window)
-            if cand_raw is None:
-                mixed = mix(query, key, value, None, None, self.gqa)
-            else:
+            n = 0 if cand_raw is None else len(cand_raw)
+
+            def normalise_and_mix(raw_query, raw_key, value, *candidates):
+                query, key = query_norm(raw_query), key_norm(raw_key)
+                if n == 0:
+                    return mix(query, key, value, None, None, self.gqa)
+                keys, values = key_norm(torch.stack(candidates[:n])), torch.stack(candidates[n:])
                 if self.recorder is not None:
-                    keys = torch.cat([key_norm(torch.stack(cand_raw)), key.unsqueeze(0)])
                     self.recorder.add("depth-attention", index, f"layer {index}",
-                                      depth_attention_weights(query, keys, self.gqa))
-                # The candidates' keys normalised with THIS layer's key norm (and the stacks) are new tensors per
-                # layer: recompute them in backward instead of keeping them (only the stored keys and values stay).
-                mixed = checkpoint(normalise_and_mix, query, key, value, cand_raw, cand_values, key_norm,
-                                   use_reentrant=False) if torch.is_grad_enabled() else \
-                    normalise_and_mix(query, key, value, cand_raw, cand_values, key_norm)
+                                      depth_attention_weights(query, torch.cat([keys, key.unsqueeze(0)]), self.gqa))
+                return mix(query, key, value, keys, values, self.gqa)
+
+            # On the fast path, what this mix makes (the normalised query and keys of this layer and of its
+            # candidates, the stacks) is recomputed in backward instead of kept: only the raw projections, which the
+            # q/k norms keep anyway, this layer's value and the stored candidates stay.
+            tensors = (raw_query, raw_key, value) + (() if n == 0 else (*cand_raw, *cand_values))
+            mixed = recompute(normalise_and_mix, *tensors) if self.recomputes else normalise_and_mix(*tensors)
             state.store(index, raw_key, mixed, self.shape.num_layers, self.stride, self.window)
             return mixed
 

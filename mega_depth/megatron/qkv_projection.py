@@ -1,0 +1,137 @@
+"""Query, key and value from three different inputs (DCA) through the rows of Megatron's fused linear_qkv weight.
+
+`project_rows`: each input meets only its rows of the weight ([ng, q heads of the group | k | v, hn] rows), so the
+three projections cost the FLOPs of one.
+
+`RecomputedQKVProjection` (the fast path, --mixing-impl compiled|triton): the same projection, but neither the
+mechanism's q/k/v inputs nor their normalised forms are kept for backward. They are recomputed there from the
+sources they were mixed from (checkpointed aggregation, as the AttnRes paper does for its mixing), and the
+projection's backward GEMMs run on the recomputed inputs: the forward GEMMs are not re-run and no slice of the
+weight is copied for backward. Saved: the sources (which the mechanism's state keeps anyway) and the weight
+parameter. Under SP the inputs are all-gathered again in backward, as Megatron's own column-parallel linear does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    _reduce,
+    _reduce_scatter_along_first_dim,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from torch import Tensor
+
+
+def _rows(r: int) -> Tuple[slice, slice, slice]:
+    """The query, key and value rows within one query group of the fused weight."""
+    return slice(0, r), slice(r, r + 1), slice(r + 1, r + 2)
+
+
+def project_rows(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor], groups: int, heads_per_group: int,
+                 head_dim: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(q_in, k_in, v_in), each [s, b, h] -> query [s, b, ng*r, hn], raw key [s, b, ng, hn], value [s, b, ng, hn]."""
+    w = weight.view(groups, heads_per_group + 2, head_dim, -1)
+    b = bias.view(groups, heads_per_group + 2, head_dim) if bias is not None else None
+    out = []
+    for x, rows in zip(inputs, _rows(heads_per_group)):
+        w_rows = w[:, rows].reshape(-1, w.shape[-1])
+        b_rows = b[:, rows].reshape(-1) if b is not None else None
+        out.append(F.linear(x, w_rows, b_rows).view(*x.shape[:2], -1, head_dim))
+    return out[0], out[1], out[2]
+
+
+def project_rows_backward(inputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], weight: Tensor,
+                          bias: Optional[Tensor], groups: int, heads_per_group: int, head_dim: int):
+    """The input, weight and bias gradients of `project_rows` from its inputs: two GEMMs per input, as F.linear's
+    backward computes them."""
+    d = weight.shape[-1]
+    w = weight.view(groups, heads_per_group + 2, head_dim, d)
+    d_weight = torch.zeros_like(w)
+    d_bias = torch.zeros(w.shape[:3], dtype=bias.dtype, device=bias.device) if bias is not None else None
+    d_inputs: List[Tensor] = []
+    for x, grad, rows in zip(inputs, grads, _rows(heads_per_group)):
+        n = rows.stop - rows.start
+        if grad is None:
+            d_inputs.append(torch.zeros_like(x))
+            continue
+        g = grad.reshape(-1, groups * n * head_dim)  # [s*b, rows]
+        d_inputs.append((g @ w[:, rows].reshape(-1, d)).view_as(x))
+        d_weight[:, rows] = (g.t() @ x.reshape(-1, d)).view(groups, n, head_dim, d)
+        if d_bias is not None:
+            d_bias[:, rows] = g.sum(0).view(groups, n, head_dim)
+    return d_inputs, d_weight.view_as(weight), (d_bias.view_as(bias) if d_bias is not None else None)
+
+
+def _to_projection(x: Tensor, attention) -> Tensor:
+    """linear_qkv's input path, forward: all-gather of the sequence under SP, identity otherwise."""
+    return _gather_along_first_dim(x, attention.tp_group) if attention.config.sequence_parallel else x
+
+
+def _from_projection(grad: Tensor, attention) -> Tensor:
+    """linear_qkv's input path, backward: reduce-scatter under SP, all-reduce under TP, identity otherwise."""
+    if attention.config.sequence_parallel:
+        return _reduce_scatter_along_first_dim(grad, attention.tp_group)
+    return _reduce(grad, attention.tp_group) if attention.world_size > 1 else grad
+
+
+def _dims(attention) -> Tuple[int, int, int]:
+    groups = attention.num_query_groups_per_partition
+    return groups, attention.num_attention_heads_per_partition // groups, attention.hidden_size_per_attention_head
+
+
+def _normalised(norm, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> Tensor:
+    return torch.cat([norm(q_in), norm(k_in), norm(v_in)], dim=1)  # [s(/tp), 3b, h]
+
+
+def project_separate(attention, norm, q_in: Tensor, k_in: Tensor, v_in: Tensor):
+    """The eager path: norm each input, take linear_qkv's input path, project (autograd keeps what it needs)."""
+    x = _normalised(norm, q_in, k_in, v_in)
+    if attention.config.sequence_parallel:
+        x = gather_from_sequence_parallel_region(x, group=attention.tp_group)
+    elif attention.world_size > 1:
+        x = copy_to_tensor_model_parallel_region(x, group=attention.tp_group)
+    lin = attention.linear_qkv
+    return project_rows(x.chunk(3, dim=1), lin.weight, getattr(lin, "bias", None), *_dims(attention))
+
+
+class RecomputedQKVProjection(torch.autograd.Function):
+    """sources -> (q_in, query, raw key, value), keeping only the sources and the weight (module doc).
+
+    make_inputs(*sources) -> (q_in, k_in, v_in) [s(/tp), b, h] is the mechanism's mixing; q_in is also returned
+    raw (DCA's MLP reads a + q_in). Its parameters, and the norm's, get their gradients through autograd in
+    backward, as under reentrant activation checkpointing.
+    """
+
+    @staticmethod
+    def forward(ctx, attention, norm, make_inputs: Callable, weight: Tensor, bias: Optional[Tensor],
+                *sources: Tensor):
+        with torch.no_grad():
+            q_in, k_in, v_in = make_inputs(*sources)
+            x = _to_projection(_normalised(norm, q_in, k_in, v_in), attention)
+            query, raw_key, value = project_rows(x.chunk(3, dim=1), weight, bias, *_dims(attention))
+        ctx.attention, ctx.norm, ctx.make_inputs = attention, norm, make_inputs
+        ctx.save_for_backward(weight, bias, *sources)
+        return q_in, query, raw_key, value
+
+    @staticmethod
+    def backward(ctx, d_q_in, d_query, d_key, d_value):
+        weight, bias, *sources = ctx.saved_tensors
+        attention = ctx.attention
+        leaves = [s.detach().requires_grad_(s.requires_grad) for s in sources]
+        with torch.enable_grad():
+            q_in, k_in, v_in = ctx.make_inputs(*leaves)
+            normed = _normalised(ctx.norm, q_in, k_in, v_in)
+        x = _to_projection(normed.detach(), attention)
+        d_inputs, d_weight, d_bias = project_rows_backward(x.chunk(3, dim=1), (d_query, d_key, d_value), weight,
+                                                           bias, *_dims(attention))
+        outputs, grads = [normed], [_from_projection(torch.cat(d_inputs, dim=1), attention)]
+        if d_q_in is not None:
+            outputs.append(q_in)
+            grads.append(d_q_in)
+        torch.autograd.backward(outputs, grads)
+        return (None, None, None, d_weight, d_bias) + tuple(leaf.grad for leaf in leaves)
