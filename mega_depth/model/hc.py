@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option, sublayer_label
+from .base import Entry, Mechanism, Option, Recomputed, recompute, sublayer_label
 from .mixing import hc_coefficients, mhc_head_weights, streams_in, streams_out
 
 COLLAPSES = ("sum", "mean", "learned")
@@ -78,6 +78,18 @@ class StreamMechanism(Mechanism):
 
     def sublayer(self, mixer, streams: Tensor, run, sublayer: int) -> Tensor:
         raise NotImplementedError
+
+    def coefficients(self, compute, streams: Tensor):
+        """compute(streams) -> a sublayer's coefficients. On the fast path they are recomputed in backward from the
+        streams (which the stream update keeps anyway) instead of keeping the coefficient math's intermediates
+        (the normalised [n*d] token, Sinkhorn's iterations)."""
+        return recompute(compute, streams) if self.recomputes else compute(streams)
+
+    def update(self, streams: Tensor, run, weights_in: Tensor, mix: Tensor, weights_out: Tensor) -> Tensor:
+        """The sublayer on the streams' weighted sum, its output written into the mixed streams. On the fast path
+        the sublayer's input is `Recomputed`: its pre-norm keeps the streams, not the sum."""
+        x = Recomputed(streams_in, (streams, weights_in)) if self.recomputes else streams_in(streams, weights_in)
+        return streams_out(streams, run(x), mix, weights_out)
 
     def layout(self, boundary):
         return [Entry("streams", self.n * self.shape.hidden_size, False)]
@@ -158,12 +170,13 @@ class HC(StreamMechanism):
         dynamic = None
         if mixer.dynamic:
             dynamic = (mixer.norm_weight, mixer.W_m, mixer.W_r, mixer.W_b, mixer.s_alpha, mixer.s_beta)
-        a_m, a_r, b = hc_coefficients(streams, mixer.A_m, mixer.A_r, mixer.B, dynamic, self.residual.hc_tanh,
-                                      self.shape.norm_epsilon)
+        a_m, a_r, b = self.coefficients(lambda s: hc_coefficients(s, mixer.A_m, mixer.A_r, mixer.B, dynamic,
+                                                                  self.residual.hc_tanh, self.shape.norm_epsilon),
+                                        streams)
         if self.recorder is not None:  # token means; A_r flattened row-major: entry i*n + j is stream i -> j
             order, label = sublayer_label(sublayer)
             tokens = streams.shape[1:-1]
             self.recorder.add("hc-A_m", order, label, a_m.expand(-1, *tokens))
             self.recorder.add("hc-B", order, label, b.expand(-1, *tokens))
             self.recorder.add("hc-A_r", order, label, a_r.expand(-1, *tokens, -1).movedim(-1, 1).flatten(0, 1))
-        return streams_out(streams, run(streams_in(streams, a_m)), a_r, b)
+        return self.update(streams, run, a_m, a_r, b)

@@ -18,7 +18,7 @@ from torch import nn
 
 from .base import Option, sublayer_label
 from .hc import COLLAPSES, StreamMechanism
-from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_coefficients, streams_in, streams_out
+from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_coefficients
 
 INITS = ("default", "megatron", "lumia")
 
@@ -91,13 +91,14 @@ class MHC(StreamMechanism):
 
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual
-        pre, post, res = mhc_coefficients(streams, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre,
-                                          mixer.alpha_post, mixer.alpha_res, r.mhc_sinkhorn_iters, r.mhc_sk_order,
-                                          r.mhc_eps_style)
+        pre, post, res = self.coefficients(
+            lambda s: mhc_coefficients(s, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre, mixer.alpha_post,
+                                       mixer.alpha_res, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style),
+            streams)
         if self.recorder is not None:  # token means; H_res flattened row-major: entry i*n + j is stream j -> i
             order, label = sublayer_label(sublayer)
             self.recorder.add("mhc-H_pre", order, label, pre)
             self.recorder.add("mhc-H_post", order, label, post)
             self.recorder.add("mhc-H_res", order, label, res.flatten(-2).movedim(-1, 0))
         mix = res.transpose(-1, -2).movedim(-2, 0)  # [j (in), *, i (out)] as streams_out takes it
-        return streams_out(streams, run(streams_in(streams, pre)), mix, post)
+        return self.update(streams, run, pre, mix, post)

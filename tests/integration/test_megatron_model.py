@@ -190,16 +190,18 @@ def train_step_saved_bytes(model, tokens):
     return saved, losses[0], {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-# The speed issue's activation-memory targets: saved-for-backward bytes over the baseline's, on the fused path.
+# The speed issue's activation-memory targets: saved-for-backward bytes over the baseline's, on the fused path
+# (HC and mHC have none; their recomputation is checked against keeping).
 SAVED_BYTES_TARGETS = {"attnres-full": 1.25, "attnres-block": 1.10, "dca": 1.25, "dca-2": 1.10,
-                       "depth-attention": 1.05}
+                       "depth-attention": 1.05, "hc": None, "mhc": None}
 
 
 @pytest.mark.parametrize("mechanism", list(SAVED_BYTES_TARGETS))
 def test_fused_path_meets_the_memory_targets_and_trains_the_same(megatron_world, tokens, mechanism):
     """--mixing-impl triton (the fused Functions, their torch inner compute on a CPU) against the eager reference
     in the Megatron model, where the fast path also recomputes in backward what the mixing makes (DCA's q/k/v inputs
-    and their projections' inputs, the two-phase merge, Depth-Attention's normalised keys): the same loss and
+    and their projections' inputs, the two-phase merge, Depth-Attention's normalised keys, HC/mHC's coefficients
+    and sublayer inputs): the same loss and
     gradients, fewer bytes saved for backward than eager, and within the target ratio to the baseline's;
     --no-mixing-recompute keeps those tensors instead."""
     baseline_saved, _, _ = train_step_saved_bytes(build(["--residual", "standard"])[1], tokens)
@@ -211,7 +213,8 @@ def test_fused_path_meets_the_memory_targets_and_trains_the_same(megatron_world,
         torch.testing.assert_close(fused_grads[name], g, rtol=1e-4, atol=1e-5 * g.abs().max().item() + 1e-8,
                                    msg=lambda m: f"{mechanism} {name}: {m}")
     assert fused_saved < eager_saved, (mechanism, fused_saved, eager_saved)
-    assert fused_saved <= SAVED_BYTES_TARGETS[mechanism] * baseline_saved, (mechanism, fused_saved / baseline_saved)
+    target = SAVED_BYTES_TARGETS[mechanism]
+    assert target is None or fused_saved <= target * baseline_saved, (mechanism, fused_saved / baseline_saved)
     kept_saved, kept_loss, _ = train_step_saved_bytes(
         build(mechanism_flags(3)[mechanism] + ["--mixing-impl", "triton", "--no-mixing-recompute"])[1], tokens)
     torch.testing.assert_close(kept_loss, eager_loss, rtol=1e-6, atol=1e-6)
