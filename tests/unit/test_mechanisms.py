@@ -101,8 +101,14 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
 FAST = [n for n in MECHANISMS if residual_settings(n, LAYERS)["mechanism"] in ("attnres", "dca", "depth-attention")]
 
 
-@pytest.mark.parametrize("impl", ["compiled", "triton"])
-@pytest.mark.parametrize("name", FAST)  # the settings whose mixing has fast twins (Mechanism.kernel)
+# torch.compile on a CPU costs ~20-50 s per setting: the compiled twins are checked on the settings that call all
+# five of them (Block AttnRes: mix, phase 1, phase 2; 2-DCA: the GRN; Depth-Attention: its mix); the fused
+# Functions on every fast setting.
+CASES = [(name, "triton") for name in FAST] + [(name, "compiled") for name in
+                                                ("attnres-block", "dca-2", "depth-attention")]
+
+
+@pytest.mark.parametrize("name, impl", CASES)
 def test_fast_paths_equal_the_eager_math_in_values_and_gradients(name, impl):
     """--mixing-impl compiled / triton (the fused Functions; their torch inner compute on a CPU) route the mixing
     through the fast twins; the model's values and gradients must not move."""
