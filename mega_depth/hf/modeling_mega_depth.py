@@ -10,6 +10,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+_OUTPUT_FIELDS = CausalLMOutputWithPast.__dataclass_fields__
+
 try:  # an exported folder: the files beside this one
     from .configuration_mega_depth import MegaDepthConfig
     from .config import DecoderConfig
@@ -71,4 +73,6 @@ class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
+        # transformers 5 names the output's cache `cache` (`past_key_values` warns); older releases the other way
+        cache_field = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field: cache if use_cache else None})

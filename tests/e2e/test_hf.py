@@ -196,6 +196,15 @@ def test_offline_tokenizer_and_pipeline(data, exports):
         assert out.startswith("The tutorial") and len(out) > len("The tutorial")
 
 
+def test_generate_tool_samples_without_deprecation_noise(exports):
+    """README command 1's last step: the sample starts with the prompt, and transformers has nothing to warn about
+    (the model's output names its cache as transformers 5 does)."""
+    proc = run(["tools/generate.py", str(exports / "tp1" / "attnres-block"), "--prompt", "The tutorial",
+                "--max-new-tokens", "8"])
+    assert proc.stdout.split("--- sample")[1].split("\n")[1].startswith("The tutorial")
+    assert "deprecated" not in proc.stderr.lower(), proc.stderr
+
+
 @pytest.mark.parametrize("case", ["not-a-checkpoint", "missing-tokenizer", "non-empty-out", "bad-dtype",
                                   "config-mismatch", "config-mismatch-unverified"])
 def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_path, case):
