@@ -189,8 +189,9 @@ class Config:
             except ImportError:
                 raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine, which is not "
                                   "installed; install transformer-engine or use --transformer-impl local") from None
-            _check(r.mechanism != "dca", "--residual dca feeds separate query/key/value inputs, which Transformer "
-                   "Engine's fused norm+QKV projection cannot take; use --transformer-impl local")
+            _check(mechanism_class(r.mechanism).runs_on_fused_norm_qkv, f"--residual {r.mechanism} feeds separate "
+                   "query/key/value inputs, which Transformer Engine's fused norm+QKV projection cannot take; use "
+                   "--transformer-impl local")
         if m.mixing_impl == "triton":
             try:
                 import triton  # noqa: F401

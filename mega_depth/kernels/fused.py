@@ -157,15 +157,15 @@ class _TorchOps:
     """The kernels' computation in torch: one source in flight at a time, per-token scalars kept for the rest."""
 
     @staticmethod
-    def attnres_fwd(srcs, q, g, eps, sigmoid, heads):
-        (n, d), dt = srcs[0].shape, srcs[0].dtype
-        ct, c = _acc(dt), d // heads
-        f = _fold(q, g, dt, ct).view(-1, heads, c)  # [1 or N, H, C]
-        acc = torch.zeros(n, heads, c, dtype=ct, device=srcs[0].device)
-        m = torch.full((n, heads), -math.inf, dtype=ct, device=acc.device)
-        z = torch.zeros((n, heads), dtype=ct, device=acc.device)
+    def _accumulate(srcs, f, source_shape, out_shape, ct, g, eps, sigmoid):
+        """One pass over the sources: logits against the folded queries f, and the weighted sum with an online
+        softmax (running max m and normaliser z; unnormalised acc) or sigmoid weights. Sources are viewed as
+        source_shape [..., H, C] and broadcast against f; acc is out_shape [..., H, C]."""
+        acc = torch.zeros(out_shape, dtype=ct, device=srcs[0].device)
+        m = torch.full(out_shape[:-1], -math.inf, dtype=ct, device=acc.device)
+        z = torch.zeros(out_shape[:-1], dtype=ct, device=acc.device)
         for src in srcs:
-            v = src.to(ct).view(n, heads, c)
+            v = src.to(ct).view(source_shape)
             s = (v * f).sum(-1)
             if g is not None:
                 s = s * _rinv(v, eps).unsqueeze(-1)
@@ -177,6 +177,14 @@ class _TorchOps:
                 z = z * scale + p
                 acc = acc * scale.unsqueeze(-1) + p.unsqueeze(-1) * v
                 m = m_new
+        return acc, m, z
+
+    @staticmethod
+    def attnres_fwd(srcs, q, g, eps, sigmoid, heads):
+        (n, d), dt = srcs[0].shape, srcs[0].dtype
+        ct, c = _acc(dt), d // heads
+        f = _fold(q, g, dt, ct).view(-1, heads, c)  # [1 or N, H, C]
+        acc, _, z = _TorchOps._accumulate(srcs, f, (n, heads, c), (n, heads, c), ct, g, eps, sigmoid)
         if not sigmoid:
             acc = acc / z.unsqueeze(-1)
         return acc.view(n, d).to(dt)
@@ -231,22 +239,7 @@ class _TorchOps:
         (n, d), dt, s_ = srcs[0].shape, srcs[0].dtype, q.shape[0]
         ct, c = _acc(dt), d // heads
         f = _fold(q, g, dt, ct).view(s_, 1, heads, c)
-        acc = torch.zeros(s_, n, heads, c, dtype=ct, device=srcs[0].device)
-        m = torch.full((s_, n, heads), -math.inf, dtype=ct, device=acc.device)
-        z = torch.zeros((s_, n, heads), dtype=ct, device=acc.device)
-        for src in srcs:
-            v = src.to(ct).view(1, n, heads, c)
-            s = (v * f).sum(-1)  # [S, N, H]
-            if g is not None:
-                s = s * _rinv(v, eps).unsqueeze(-1)
-            if sigmoid:
-                acc += torch.sigmoid(s).unsqueeze(-1) * v
-            else:
-                m_new = torch.maximum(m, s)
-                scale, p = torch.exp(m - m_new), torch.exp(s - m_new)
-                z = z * scale + p
-                acc = acc * scale.unsqueeze(-1) + p.unsqueeze(-1) * v
-                m = m_new
+        acc, m, z = _TorchOps._accumulate(srcs, f, (1, n, heads, c), (s_, n, heads, c), ct, g, eps, sigmoid)
         if sigmoid:
             m, z = torch.zeros_like(m), torch.ones_like(z)
         f32 = torch.promote_types(ct, torch.float32)

@@ -24,7 +24,7 @@ from mega_depth.megatron.block import DepthMixingGPTModel
 from mega_depth.megatron.layer import DepthMixingLayer, DepthMixingSelfAttention
 from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.pipeline import DepthPipeline, StageGeometry
-from mega_depth.model.registry import build as build_mechanism
+from mega_depth.model.registry import build as build_mechanism, mechanism_class
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
@@ -83,10 +83,11 @@ def mechanism_of(cfg: Config, tp: int = 1):
 
 
 def transformer_impl(cfg: Config) -> str:
-    """--transformer-impl, resolved: Transformer Engine's spec where it is importable on a GPU, else the local one."""
+    """--transformer-impl, resolved: Transformer Engine's spec where it is importable on a GPU and the mechanism can
+    run on its fused norm+QKV projection (not DCA), else the local one."""
     if cfg.model.transformer_impl is not None:
         return cfg.model.transformer_impl
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and mechanism_class(cfg.residual.mechanism).runs_on_fused_norm_qkv:
         try:
             import transformer_engine  # noqa: F401
 

@@ -133,6 +133,9 @@ class Mechanism:
     module_names: ClassVar[Tuple[str, ...]] = ()
     # Whether it uses the generic depth-mixing layer at all (standard: Megatron's own layer, unmodified).
     mixes_depth: ClassVar[bool] = True
+    # False where attention gets separate query/key/value inputs (DCA): Transformer Engine's fused norm+QKV
+    # projection cannot take them, so such a mechanism runs on the local spec.
+    runs_on_fused_norm_qkv: ClassVar[bool] = True
 
     def __init__(self, residual, shape: ModelShape, tp: int = 1, sp: bool = False):
         self.residual = residual  # the ResidualConfig (mechanism fields are read from it by name)

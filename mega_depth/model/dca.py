@@ -75,6 +75,7 @@ class DCA(Mechanism):
                "input-dependent ReLU term", GRN_VERSIONS),
     )
     module_names = ("grn_qkv", "final_grn")
+    runs_on_fused_norm_qkv = False  # three different inputs to one norm + QKV projection
 
     def __init__(self, residual, shape, tp=1, sp=False):
         super().__init__(residual, shape, tp, sp)

@@ -222,3 +222,22 @@ def test_fused_path_meets_the_memory_targets_and_trains_the_same(megatron_world,
         assert kept_saved == fused_saved
     else:
         assert kept_saved > fused_saved, (mechanism, kept_saved, fused_saved)
+
+
+def test_transformer_engine_by_default_only_where_the_mechanism_can_run_on_it(monkeypatch):
+    """On a GPU with Transformer Engine importable the default spec is TE's, whose norm is fused into the QKV
+    projection; DCA's three q/k/v inputs cannot take that, so DCA stays on the local spec (it would otherwise lose
+    its pre-norm silently), and an explicit --transformer-impl transformer_engine is refused for it."""
+    import sys
+    import types
+
+    from mega_depth.config import ConfigError
+    from mega_depth.megatron.builder import transformer_impl
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    chosen = {name: transformer_impl(parse_args(UNIT_MODEL + flags)) for name, flags in mechanism_flags(3).items()}
+    assert chosen.pop("dca") == chosen.pop("dca-2") == "local"
+    assert set(chosen.values()) == {"transformer_engine"}, chosen
+    with pytest.raises(ConfigError, match="--transformer-impl local"):
+        parse_args(UNIT_MODEL + mechanism_flags(3)["dca"] + ["--transformer-impl", "transformer_engine"]).validate(1)

@@ -65,7 +65,8 @@ class MegatronBackend(Collectives):
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.training
         if cfg.model.transformer_impl is None and torch.cuda.is_available() and transformer_impl(cfg) == "local" \
                 and self.rank == 0:
-            print("Transformer Engine is not importable: the local spec, with torch SDPA core attention", flush=True)
+            print("the local spec, with torch SDPA core attention (Transformer Engine is not importable, or "
+                  f"--residual {cfg.residual.mechanism} cannot run on its fused norm+QKV projection)", flush=True)
         chunks = build_model_chunks(cfg)
         if initial_weights is not None:
             load_full_state(chunks, initial_weights, cfg)
