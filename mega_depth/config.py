@@ -53,6 +53,9 @@ class ModelConfig:
     # AttnRes's phase-2 merge, Depth-Attention's normalised keys) instead of keeping it; trades memory-bound
     # recompute for activation memory near the baseline's
     mixing_recompute: bool = True
+    # torch.compile every layer's norms, attention and MLP (megatron/compile.py): fuses their elementwise chains,
+    # which dominate the launch-bound small sizes on a GPU; eager stays the reference
+    compile_layers: bool = False
 
     @property
     def ffn_size(self) -> int:

@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         run = {"backend": backend, "sampler": sampler, "times": [], "step": 0, "peak": 0.0,
                "tokens": sampler.global_batch_size * args.seq_length}
         run["saved_bytes"] = saved_bytes(backend, sampler.microbatches(0))
-        for _ in range(2):  # warm-up: allocations, first-call overheads, compilation (--mixing-impl compiled)
+        # warm-up: allocations, first-call overheads, compilation (--mixing-impl compiled, --compile-layers)
+        for _ in range(2):
             timed(run, 1, record=False)
         return run
 

@@ -4,7 +4,9 @@
 #   3. throughput at d = 512 (12 layers) and at the 1B-class size (24 layers, d = 2048, 16 heads, seq 2048):
 #      the baseline on the SDPA local spec, every mechanism with --mixing-impl triton, same run, interleaved, one
 #      mechanism and the baseline resident at a time; MFU, saved-for-backward bytes, the analytic bound;
-#   4. the quickstart's train -> export -> sample; 5. a short GPU quality run (every setting, same tokens).
+#   4. --compile-layers at d = 512 (Block AttnRes and its baseline, both compiled): whether whole-sublayer compile
+#      helps the launch-bound size (its baseline's tokens/s against step 3's eager one);
+#   5. the quickstart's train -> export -> sample; 6. a short GPU quality run (every setting, same tokens).
 #   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels)
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
@@ -61,15 +63,17 @@ step environment 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
   $PY -c 'import sys, torch, megatron.core, transformers; print(sys.version.split()[0], torch.__version__,
   megatron.core.__version__, transformers.__version__, torch.cuda.is_available())';
   $PY -c 'import triton; print(\"triton\", triton.__version__)'"
-step kernels 60 "$PY" -m pytest -q -p no:cacheprovider tests/kernels
-step throughput_d512 120 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
+step kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/kernels
+step throughput_d512 110 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
   --out "$WORK/throughput_d512.json"
+step throughput_d512_compiled 60 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
+  --mechanisms attnres-block --compile-layers --out "$WORK/throughput_d512_compiled.json"
 step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
-step quickstart 70 bash -c "rm -rf runs/tiny-attnres && $PY -m mega_depth.train --config launch/configs/tiny-attnres.yaml \
+step quickstart 60 bash -c "rm -rf runs/tiny-attnres && $PY -m mega_depth.train --config launch/configs/tiny-attnres.yaml \
   ${QUICK[*]} && $PY tools/convert_to_hf.py --load runs/tiny-attnres/checkpoints --out runs/tiny-attnres/hf --force \
   && $PY tools/generate.py runs/tiny-attnres/hf --prompt 'The Python tutorial'"
-step quality 90 "$PY" tools/bench_quality.py "${QUALITY[@]}" --out-dir "$WORK/quality"
+step quality 60 "$PY" tools/bench_quality.py "${QUALITY[@]}" --out-dir "$WORK/quality"
 
 printf "%s" "$SUMMARY" | tee "$OUT/device_check.log"
 rm -rf "$WORK"

@@ -21,6 +21,7 @@ from mega_depth import kernels
 from mega_depth.init import initial_value, padded_vocab_size
 from mega_depth.megatron.attention import SDPAttention
 from mega_depth.megatron.block import DepthMixingGPTModel
+from mega_depth.megatron.compile import compile_layers
 from mega_depth.megatron.layer import DepthMixingLayer, DepthMixingSelfAttention
 from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.pipeline import DepthPipeline, StageGeometry
@@ -163,6 +164,8 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
         model.model_type = ModelType.encoder_or_decoder
         init_layout_independent(model, cfg, mechanism, geometry, vp_stage, pp_rank)
         chunks.append(model)
+    if cfg.model.compile_layers:
+        compile_layers(chunks, cfg.model.num_layers)
     return chunks
 
 

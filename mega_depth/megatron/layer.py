@@ -76,10 +76,17 @@ class DepthMixingSelfAttention(SelfAttention):
         if hooks.value_mixer is not None:
             query_norm = self.q_layernorm if self.q_layernorm is not None else IdentityOp()
             key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
-            value = hooks.value_mixer(raw_query, raw_key, value, query_norm, key_norm)
+            value = _mix_values(hooks.value_mixer, raw_query, raw_key, value, query_norm, key_norm)
             if value.shape[-2] != key.shape[-2]:  # per-query-head values: the keys follow
                 key = expand_heads(key, value.shape[-2])
         return query, key, value
+
+
+@torch.compiler.disable
+def _mix_values(value_mixer, *args):
+    """Depth-Attention's value mixer runs eagerly under --compile-layers: it reads other layers' state and calls
+    the mixing's own fast path (Triton kernels), which Dynamo should not trace into the attention's graph."""
+    return value_mixer(*args)
 
 
 class DepthMixingLayer(TransformerLayer):

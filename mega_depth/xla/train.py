@@ -49,7 +49,8 @@ def _refuse_megatron_only(cfg) -> None:
         ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage is not None),
         ("--sequence-parallel", p.sequence_parallel), ("--use-distributed-optimizer", p.use_distributed_optimizer),
         ("--recompute-granularity", p.recompute_granularity is not None), ("--deepspeed", t.deepspeed),
-        ("--mixing-impl", cfg.model.mixing_impl not in (None, "eager"))) if on]
+        ("--mixing-impl", cfg.model.mixing_impl not in (None, "eager")),
+        ("--compile-layers", cfg.model.compile_layers)) if on]
     if bad:
         raise ConfigError(f"{', '.join(bad)}: Megatron-trainer options, not used by the XLA trainer; shard with "
                           "--mesh DATA,FSDP instead")

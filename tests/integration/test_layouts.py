@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
-from fixtures import SCRIPTS, run, torchrun
+from fixtures import LAYOUT_MODEL, SCRIPTS, run, torchrun
 from mega_depth.catalogue import MECHANISMS
 
 SCRIPT = os.path.join(SCRIPTS, "run_layout.py")
+NUM_LAYERS = int(LAYOUT_MODEL[LAYOUT_MODEL.index("--num-layers") + 1])
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -36,7 +37,17 @@ LAYOUTS = {
     "pp2-vpp-fused": (2, VPP + ["--mixing-impl", "triton"], True, None),
     "tp2-sp-recompute-fused": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    "--recompute-granularity", "full", "--mixing-impl", "triton"], True, None),
+    # DCA's recomputed QKV projection under TP without SP (inputs copied to the TP region, input grads all-reduced):
+    # the fused path's other TP branch.
+    "tp2-fused": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca,dca-2"),
+    # --compile-layers (inductor on the norms, attention and MLP), with the fused mixing as on a GPU, and under TP
+    # (Megatron's TP linears and their collectives inside the compiled attention/MLP).
+    "single-compiled": (1, ["--compile-layers", "--mixing-impl", "triton"], True,
+                        "standard,attnres-block,dca,depth-attention"),
+    "tp2-compiled": (2, ["--tensor-model-parallel-size", "2", "--compile-layers"], True,
+                     "standard,dca,depth-attention"),
 }
+COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +95,19 @@ def test_layout_matches_single_process(runs, layout, mechanism):
         # where every stream is the same): there the reduction order of another layout shows as ~1e-9
         torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=max(1e-5 * ref.abs().max().item(), 1e-8),
                                    msg=lambda m: f"{layout}/{mechanism} grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("layout", COMPILED)
+def test_compiled_layers_were_compiled(runs, layout):
+    """The compiled layouts above ran compiled code: every layer's four sublayer modules (norms, attention, MLP)
+    went through torch.compile and Dynamo captured graphs (eager runs write 0 and 0)."""
+    for mechanism in LAYOUTS[layout][3].split(","):
+        compiled = json.loads((runs / layout / mechanism / "compiled.json").read_text())
+        # no pipeline split in these layouts: rank 0 holds every layer
+        assert compiled["modules"] == 4 * NUM_LAYERS, (layout, mechanism, compiled)
+        assert compiled["graphs"] > 0, (layout, mechanism, compiled)
+    eager = json.loads((runs / "single" / "standard" / "compiled.json").read_text())
+    assert eager == {"modules": 0, "graphs": 0}
 
 
 def test_losses_fall_and_mechanisms_act(runs):

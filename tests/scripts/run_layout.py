@@ -3,7 +3,8 @@
 Run under torchrun (one launch per layout, all mechanisms inside it, so imports are paid once):
     torchrun --nproc-per-node N tests/scripts/run_layout.py OUT_DIR [layout flags...]
 Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (TP rank 0 and DP rank 0
-of each stage, full tensors under global names) and OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes).
+of each stage, full tensors under global names), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
+OUT_DIR/<mechanism>/compiled.json (rank 0: modules compiled by --compile-layers, graphs Dynamo captured).
 MECHANISMS=a,b limits the mechanisms.
 """
 
@@ -51,6 +52,13 @@ def full_grads(modules) -> dict:
     return out
 
 
+def _dynamo_graphs() -> int:
+    """Graphs Dynamo has captured in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def main() -> None:
     out_dir, layout = sys.argv[1], sys.argv[2:]
     from megatron.core import parallel_state
@@ -72,6 +80,7 @@ def main() -> None:
         data = build_datasets(cfg, tokenizer_for(cfg), (64, None, None))[0]
         sampler = GlobalBatchSampler(data, mbs, nmb, dp, dp_rank)
         losses, hops = [], {}
+        graphs_before = _dynamo_graphs()
         for step in range(cfg.training.train_iters):
             losses.append(backend.forward_backward(sampler.microbatches(step)))
             if step == 0:
@@ -89,6 +98,10 @@ def main() -> None:
         if rank == 0:
             with open(os.path.join(run_dir, "losses.json"), "w") as f:
                 json.dump(losses, f)
+            with open(os.path.join(run_dir, "compiled.json"), "w") as f:  # --compile-layers took effect
+                json.dump({"modules": sum(getattr(m, "_compiled_call_impl", None) is not None
+                                          for chunk in backend.modules for m in chunk.modules()),
+                           "graphs": _dynamo_graphs() - graphs_before}, f)
         backend.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
