@@ -44,8 +44,9 @@ def flops_per_token(L, d, heads, groups, ffn, vocab, seq) -> float:
     return 3.0 * forward
 
 
-def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
-    """Forward memory traffic of the depth mixing per token, in units of d, summed over the model."""
+def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
+    """Forward memory traffic of the depth mixing per token, in units of d, summed over the model. fused: the fast
+    path's (--mixing-impl triton) where it differs from the unfused reference's (HC / mHC's stream kernels)."""
     kind, S = settings["mechanism"], 2 * L
     if kind == "standard":
         return 3.0 * S
@@ -77,9 +78,13 @@ def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
         kv, v = groups / heads, (heads if settings.get("depth_attn_gqa", "query") == "query" else groups) / heads
         cands = sum(len(depth_attention_candidates(l, stride, window)) for l in range(L))
         return 3.0 * S + cands * (kv + v) + L * (v - kv)
-    if kind in ("hc", "mhc"):  # unfused, per sublayer: reads (5n+1)d, writes (3n+1)d (mHC paper Table 2, HC row)
+    if kind in ("hc", "mhc"):
         n = settings.get("hc_expansion", 4)
-        return S * (8 * n + 2) + (n + 1)  # + the collapse before the final norm
+        # unfused, per sublayer: reads (5n+1)d, writes (3n+1)d (mHC paper Table 2, HC row); fused: the coefficients
+        # read the n streams, the read kernel reads them again and writes the input, the write kernel reads the
+        # streams and the output once and writes the n new streams: reads (3n+1)d, writes (n+1)d
+        per_sublayer = 4 * n + 2 if fused else 8 * n + 2
+        return S * per_sublayer + (n + 1)  # + the collapse before the final norm
     if kind == "denseformer":  # per DWA after unit i: reads |S_i| d, writes Y_i, stores X_i (SPEC-more §8)
         from mega_depth.model.mixing import dwa_sources, dwa_units
 
@@ -87,6 +92,15 @@ def io_units(settings: dict, L: int, d: int, heads: int, groups: int) -> float:
         units = S if settings.get("denseformer_granularity") == "sublayer" else L
         return 3.0 * S + sum(len(dwa_sources(i, k)) + 2 for i in dwa_units(units, p))
     raise ValueError(f"no I/O model for {kind}")
+
+
+def mixing_impl(flags) -> str:
+    """--mixing-impl among the pass-through flags, else the default of this machine."""
+    from mega_depth import kernels
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--mixing-impl", default=None)
+    return parser.parse_known_args(flags)[0].mixing_impl or kernels.default_impl()
 
 
 def saved_bytes(backend, microbatches) -> int:
@@ -192,12 +206,13 @@ def main(argv=None) -> int:
     bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
     fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length)
     base_io = io_units({"mechanism": "standard"}, L, d, heads, groups)
+    fused = mixing_impl(layout) == "triton"
     bytes_el = 2  # the bound models bf16 training on the GPU (the targets' setting), on any machine
     results = []
     for name in names:
         run, base = measured[name]
         t, tb = statistics.median(run["times"]), statistics.median(base["times"])
-        extra = io_units(residual_settings(name, L), L, d, heads, groups) - base_io
+        extra = io_units(residual_settings(name, L), L, d, heads, groups, fused) - base_io
         bound = 1 + 3 * extra * d * bytes_el / bound_bw / (fpt / (args.bound_mfu * bound_peak))
         tps_base = base["tokens"] / tb
         results.append({

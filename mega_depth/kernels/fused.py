@@ -28,6 +28,12 @@ torch twins loop over it. A set may also be passed stacked ([K, *, d]): it is th
         == mixing.depth_attention_mix(...)
         saves: query, key, value, the C candidate keys and values (references); backward recomputes the scores
         and the depth softmax (two passes over the candidates). C = 0 / None: the value expanded, no Function.
+    streams_in(streams, weights) == mixing.streams_in(...)            (HC's A_m X, mHC's H_pre X)
+        saves: streams, weights (references). One read of each of the n streams per token.
+    streams_out(streams, output, mix, post) == mixing.streams_out(...)  (HC / mHC's residual merge)
+        saves: streams, output, mix, post (references). Forward reads each stream and the output once and writes
+        the n new streams: (n + 1) d reads per token, where the reference's einsum and broadcast add make and
+        re-read intermediates. Backward is one pass too.
 
 Dispatch: only the inner compute differs. Triton kernels (mega_depth/kernels/fused_triton.py) run for CUDA
 tensors, or for any tensor when FORCE_TRITON is set (env MEGA_DEPTH_KERNELS_FORCE_TRITON=1 at import, or assign
@@ -451,6 +457,56 @@ class _TorchOps:
 # --------------------------------------------------------------------------------------------------------------
 
 
+class _StreamOps:
+    """Torch twins of the stream kernels: streams [n, N, d] (free strides), weights / post [n, N], mix [n, N, n];
+    a coefficient is rounded to the streams' dtype, then everything is summed in fp32 (as the kernels do)."""
+
+    @staticmethod
+    def _coef(c, dt, ct):
+        return c.to(dt).to(ct)
+
+    @staticmethod
+    def streams_in_fwd(s, w):
+        dt, ct = s.dtype, _acc(s.dtype)
+        out = torch.zeros(s.shape[1:], dtype=ct, device=s.device)
+        for i in range(s.shape[0]):
+            out += _StreamOps._coef(w[i], dt, ct).unsqueeze(-1) * s[i].to(ct)
+        return out.to(dt)
+
+    @staticmethod
+    def streams_in_bwd(go, s, w):
+        dt, ct = s.dtype, _acc(s.dtype)
+        go = go.to(ct)
+        ds = (_StreamOps._coef(w, dt, ct).unsqueeze(-1) * go).to(dt)
+        dw = torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
+        return ds, dw
+
+    @staticmethod
+    def streams_out_fwd(s, y, mix, post):
+        dt, ct = s.dtype, _acc(s.dtype)
+        out = _StreamOps._coef(post, dt, ct).unsqueeze(-1) * y.to(ct)
+        for i in range(s.shape[0]):
+            out += _StreamOps._coef(mix[i], dt, ct).t().unsqueeze(-1) * s[i].to(ct)  # [n (to), N, d]
+        return out.to(dt)
+
+    @staticmethod
+    def streams_out_bwd(go, s, y, mix, post):
+        dt, ct = s.dtype, _acc(s.dtype)
+        go = go.to(ct)
+        dy = (_StreamOps._coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
+        dpost = (go * y.to(ct)).sum(-1)
+        ds, dmix = [], []
+        for i in range(s.shape[0]):
+            x = s[i].to(ct)
+            ds.append((_StreamOps._coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
+            dmix.append((go * x).sum(-1).t())  # [N, n (to)]
+        return torch.stack(ds), dy, torch.stack(dmix), dpost
+
+
+for _name in ("streams_in_fwd", "streams_in_bwd", "streams_out_fwd", "streams_out_bwd"):
+    setattr(_TorchOps, _name, getattr(_StreamOps, _name))
+
+
 class _AttnResMix(torch.autograd.Function):
     """Saves: query, key_norm_weight, the sources (references). Backward recomputes everything else."""
 
@@ -684,8 +740,82 @@ def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Op
     return _DepthAttention.apply(query, key, value, gqa_mode == "group", len(ck), *ck, *cv)
 
 
+def _stream_rows(streams: Tensor) -> Tensor:
+    """[n, *, d] as [n, N, d] with unit channel stride; the stream and token strides stay free (no copy of an
+    expanded embedding or of a pipeline tensor's view where the layout allows)."""
+    t = streams.reshape(streams.shape[0], -1, streams.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _coef_rows(coef: Tensor, n: int, tail: int = 0) -> Tensor:
+    """A coefficient [n, *] (or [n, *, n] with tail=1) as contiguous [n, N] ([n, N, n]): a small copy."""
+    shape = (n, -1) + tuple(coef.shape[coef.dim() - tail:])
+    return coef.reshape(shape).contiguous()
+
+
+class _StreamsIn(torch.autograd.Function):
+    """Saves: streams, weights (references)."""
+
+    @staticmethod
+    def forward(ctx, streams, weights):
+        s = _stream_rows(streams)
+        out = _ops(s).streams_in_fwd(s, _coef_rows(weights, s.shape[0]))
+        ctx.save_for_backward(streams, weights)
+        return out.view(streams.shape[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        streams, weights = ctx.saved_tensors
+        s = _stream_rows(streams)
+        ds, dw = _ops(s).streams_in_bwd(_rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]))
+        need = ctx.needs_input_grad
+        return (ds.view(streams.shape) if need[0] else None,
+                _cast(dw.view(weights.shape), weights, need[1]))
+
+
+class _StreamsOut(torch.autograd.Function):
+    """Saves: streams, output, mix, post (references)."""
+
+    @staticmethod
+    def forward(ctx, streams, output, mix, post):
+        s = _stream_rows(streams)
+        n, d = s.shape[0], s.shape[-1]
+        out = _ops(s).streams_out_fwd(s, _rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n))
+        ctx.save_for_backward(streams, output, mix, post)
+        return out.view(streams.shape[0], *output.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        streams, output, mix, post = ctx.saved_tensors
+        s = _stream_rows(streams)
+        n, d = s.shape[0], s.shape[-1]
+        go = grad.reshape(n, -1, d).contiguous()
+        ds, dy, dmix, dpost = _ops(s).streams_out_bwd(go, s, _rows(output, d), _coef_rows(mix, n, 1),
+                                                      _coef_rows(post, n))
+        need = ctx.needs_input_grad
+        return (ds.view(streams.shape) if need[0] else None, dy.view(output.shape) if need[1] else None,
+                _cast(dmix.view(mix.shape), mix, need[2]), _cast(dpost.view(post.shape), post, need[3]))
+
+
+def streams_in(streams: Tensor, weights: Tensor) -> Tensor:
+    """== mixing.streams_in(...): streams [n, *, d], weights [n, *] (or broadcastable, [n, 1...]) -> [*, d]."""
+    return _StreamsIn.apply(streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
+
+
+def streams_out(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> Tensor:
+    """== mixing.streams_out(...): streams [n, *, d], output [*, d], mix [n, *, n] (from i to j), post [n, *]
+    (both may broadcast over the tokens) -> [n, *, d]."""
+    n, lead = streams.shape[0], streams.shape[1:-1]
+    if output.shape != streams.shape[1:]:
+        output = output.expand(streams.shape[1:])
+    return _StreamsOut.apply(streams, output, mix.expand(n, *lead, n), post.expand(n, *lead))
+
+
 def fast_functions() -> SimpleNamespace:
     """The fast twins under the names mechanisms ask for (mega_depth/kernels/__init__.py: FAST_FUNCTIONS)."""
     return SimpleNamespace(attnres_mix_sources=attnres_mix_sources, attnres_phase1_sources=attnres_phase1_sources,
                            attnres_phase2=attnres_phase2, grn_apply_sources=grn_apply_sources,
-                           depth_attention_mix=depth_attention_mix)
+                           depth_attention_mix=depth_attention_mix, streams_in=streams_in,
+                           streams_out=streams_out)

@@ -889,3 +889,157 @@ def da_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: Li
         hn ** -0.5, tok, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         BJ=_pow2(len(ck) + 1), **consts, num_warps=_warps(consts["BKV"] * consts["BR"] * consts["BN"], 4))
     return dq, dk, dv, dck, dcv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HC / mHC: the n residual streams' read (streams_in) and write (streams_out), each stream read once
+# --------------------------------------------------------------------------------------------------------------
+# Streams come as [n, N, d] with free stream and token strides (an expanded embedding, a pipeline tensor's view);
+# coefficients as contiguous fp32-or-other [n, N] (weights, post) and [n, N, n] (mix: from stream i to stream j).
+# A coefficient is rounded to the streams' dtype first, as the reference multiplies in that dtype; sums are fp32.
+# Offsets of whole [N, d] planes are int64 (r = n * 0 + i: the stream index as an int64 scalar).
+
+
+@triton.jit
+def _streams_in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    dt = out_ptr.dtype.element_ty
+    od = tl.arange(0, BD)
+    dmask = od < D
+    for t in range(TOK):
+        n = (pid * TOK + t).to(tl.int64)
+        valid = n < N
+        acc = tl.zeros([BD], dtype=tl.float32)
+        for i in tl.static_range(NS):
+            r = n * 0 + i
+            w = tl.load(w_ptr + r * N + n, mask=valid, other=0.).to(dt).to(tl.float32)
+            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+            acc += w * x
+        tl.store(out_ptr + n * D + od, acc.to(dt), mask=dmask & valid)
+
+
+@triton.jit
+def _streams_in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr,
+                           BD: tl.constexpr):
+    pid = tl.program_id(0)
+    dt = go_ptr.dtype.element_ty
+    od = tl.arange(0, BD)
+    dmask = od < D
+    for t in range(TOK):
+        n = (pid * TOK + t).to(tl.int64)
+        valid = n < N
+        go = tl.load(go_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+        for i in tl.static_range(NS):
+            r = n * 0 + i
+            w = tl.load(w_ptr + r * N + n, mask=valid, other=0.).to(dt).to(tl.float32)
+            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+            tl.store(ds_ptr + (r * N + n) * D + od, (w * go).to(dt), mask=dmask & valid)
+            tl.store(dw_ptr + r * N + n, tl.sum(x * go, axis=0), mask=valid)
+
+
+@triton.jit
+def _streams_out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr,
+                            BN: tl.constexpr, BD: tl.constexpr):
+    """out[j] = post[j] y + sum_i mix[i, j] x[i]: each input stream row read once, the n outputs in registers."""
+    pid = tl.program_id(0)
+    dt = out_ptr.dtype.element_ty
+    oj = tl.arange(0, BN)
+    od = tl.arange(0, BD)
+    jmask = oj < NS
+    dmask = od < D
+    for t in range(TOK):
+        n = (pid * TOK + t).to(tl.int64)
+        valid = n < N
+        y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+        post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+        acc = post[:, None] * y[None, :]
+        for i in tl.static_range(NS):
+            r = n * 0 + i
+            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+            mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+            acc += mix[:, None] * x[None, :]
+        orow = oj[:, None].to(tl.int64) * N * D + n * D + od[None, :]
+        tl.store(out_ptr + orow, acc.to(dt), mask=jmask[:, None] & dmask[None, :] & valid)
+
+
+@triton.jit
+def _streams_out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN,
+                            ST, TOK, NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """One pass: the n output gradients of a token stay in registers while each input stream is read once."""
+    pid = tl.program_id(0)
+    dt = go_ptr.dtype.element_ty
+    oj = tl.arange(0, BN)
+    od = tl.arange(0, BD)
+    jmask = oj < NS
+    dmask = od < D
+    for t in range(TOK):
+        n = (pid * TOK + t).to(tl.int64)
+        valid = n < N
+        mask2 = jmask[:, None] & dmask[None, :] & valid
+        go = tl.load(go_ptr + oj[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2,
+                     other=0.).to(tl.float32)
+        y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+        post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+        tl.store(dy_ptr + n * D + od, tl.sum(post[:, None] * go, axis=0).to(dt), mask=dmask & valid)
+        tl.store(dpost_ptr + oj * N + n, tl.sum(go * y[None, :], axis=1), mask=jmask & valid)
+        for i in tl.static_range(NS):
+            r = n * 0 + i
+            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+            mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+            tl.store(ds_ptr + (r * N + n) * D + od, tl.sum(mix[:, None] * go, axis=0).to(dt), mask=dmask & valid)
+            tl.store(dmix_ptr + (r * N + n) * NS + oj, tl.sum(go * x[None, :], axis=1), mask=jmask & valid)
+
+
+def streams_in_fwd(s: Tensor, w: Tensor) -> Tensor:
+    ns, n, d = s.shape
+    out = torch.empty((n, d), dtype=s.dtype, device=s.device)
+    if n == 0:
+        return out
+    bd = _pow2(d)
+    programs, tok = _programs(n, s.device, reduces=False)
+    _streams_in_fwd_kernel[(programs,)](s, w, out, n, d, s.stride(0), s.stride(1), tok, NS=ns, BD=bd,
+                                        num_warps=_warps(bd, 2))
+    return out
+
+
+def streams_in_bwd(go: Tensor, s: Tensor, w: Tensor):
+    """-> (stream gradients [n, N, d], weight gradients fp32 [n, N])."""
+    ns, n, d = s.shape
+    ds = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
+    dw = torch.empty((ns, n), dtype=F32, device=s.device)
+    if n == 0:
+        return ds, dw
+    bd = _pow2(d)
+    programs, tok = _programs(n, s.device, reduces=False)
+    _streams_in_bwd_kernel[(programs,)](s, w, go, ds, dw, n, d, s.stride(0), s.stride(1), tok, NS=ns, BD=bd,
+                                        num_warps=_warps(bd, 3))
+    return ds, dw
+
+
+def streams_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
+    ns, n, d = s.shape
+    out = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
+    if n == 0:
+        return out
+    bn, bd = _pow2(ns), _pow2(d)
+    programs, tok = _programs(n, s.device, reduces=False)
+    _streams_out_fwd_kernel[(programs,)](s, y, mix, post, out, n, d, s.stride(0), s.stride(1), tok, NS=ns, BN=bn,
+                                         BD=bd, num_warps=_warps(bn * bd, 2))
+    return out
+
+
+def streams_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor):
+    """-> (stream gradients [n, N, d], output gradient [N, d], mix gradient fp32 [n, N, n], post gradient fp32
+    [n, N])."""
+    ns, n, d = s.shape
+    ds = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
+    dy = torch.empty((n, d), dtype=s.dtype, device=s.device)
+    dmix = torch.empty((ns, n, ns), dtype=F32, device=s.device)
+    dpost = torch.empty((ns, n), dtype=F32, device=s.device)
+    if n == 0:
+        return ds, dy, dmix, dpost
+    bn, bd = _pow2(ns), _pow2(d)
+    programs, tok = _programs(n, s.device, reduces=False)
+    _streams_out_bwd_kernel[(programs,)](s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0), s.stride(1),
+                                         tok, NS=ns, BN=bn, BD=bd, num_warps=_warps(bn * bd, 2))
+    return ds, dy, dmix, dpost

@@ -88,8 +88,9 @@ class StreamMechanism(Mechanism):
     def update(self, streams: Tensor, run, weights_in: Tensor, mix: Tensor, weights_out: Tensor) -> Tensor:
         """The sublayer on the streams' weighted sum, its output written into the mixed streams. On the fast path
         the sublayer's input is `Recomputed`: its pre-norm keeps the streams, not the sum."""
-        x = Recomputed(streams_in, (streams, weights_in)) if self.recomputes else streams_in(streams, weights_in)
-        return streams_out(streams, run(x), mix, weights_out)
+        read, write = self.kernel("streams_in", streams_in), self.kernel("streams_out", streams_out)
+        x = Recomputed(read, (streams, weights_in)) if self.recomputes else read(streams, weights_in)
+        return write(streams, run(x), mix, weights_out)
 
     def layout(self, boundary):
         return [Entry("streams", self.n * self.shape.hidden_size, False)]

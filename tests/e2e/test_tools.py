@@ -39,7 +39,9 @@ def test_analytic_io_model_follows_spec():
     block = io_units({"mechanism": "attnres", "attnres_num_blocks": 8}, 24, 2048, 16, 16)
     assert full > block > 3 * 48
     assert block == sum(6 * (b / 6 + 5) for b in range(1, 9)) + 10
-    assert io_units({"mechanism": "hc", "hc_expansion": 4}, 24, 2048, 16, 16) == 48 * 34 + 5  # 34d per sublayer
+    hc = {"mechanism": "hc", "hc_expansion": 4}
+    assert io_units(hc, 24, 2048, 16, 16, fused=False) == 48 * 34 + 5  # 34d per sublayer, the paper's HC row
+    assert io_units(hc, 24, 2048, 16, 16, fused=True) == 48 * 18 + 5  # the stream kernels: (3n+1) + (n+1)
     from mega_depth.catalogue import residual_settings
 
     for name in MECHANISMS:  # every setting has an I/O model

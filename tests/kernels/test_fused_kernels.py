@@ -248,6 +248,50 @@ def kv_of(f, r=2, hn=6):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# HC / mHC: the streams' read and write
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_streams_in_and_out(path, n, per_token):
+    """mHC's per-token coefficients, and HC's static ones broadcast over the tokens ([n, 1, 1], [n, 1, 1, n]);
+    n = 3 is not a power of two (masked stream lanes)."""
+    lead, d = (5, 2), 24
+    streams, output = leaf(n, *lead, d), leaf(*lead, d, scale=2.0)
+    coef = lead if per_token else (1,) * len(lead)
+    weights, post = leaf(n, *coef), leaf(n, *coef, shift=1.0)
+    mix = leaf(n, *coef, n, scale=0.5)
+    check(fused.streams_in, mixing.streams_in, [streams, weights], f"streams_in n={n}")
+    check(fused.streams_out, mixing.streams_out, [streams, output, mix, post], f"streams_out n={n}")
+
+
+def test_streams_read_an_expanded_embedding_and_a_pipeline_view(path):
+    """The first layer's streams are the embedding expanded n times (stream stride 0) and a received pipeline
+    tensor is viewed [s, b, n*d] -> [n, s, b, d] (permuted strides): both read in place, gradients flow back."""
+    n, (s_, b), d = 4, (5, 2), 16
+    embedding = leaf(s_, b, d)
+    payload = leaf(s_, b, n * d)
+    weights, mix, post = leaf(n, s_, b), leaf(n, s_, b, n, scale=0.5), leaf(n, s_, b)
+    output = leaf(s_, b, d)
+
+    def expanded(e):
+        return e.unsqueeze(0).expand(n, *e.shape)
+
+    def viewed(p):
+        return p.unflatten(2, (n, d)).permute(2, 0, 1, 3)
+
+    for make, label in ((expanded, "expanded"), (viewed, "pipeline view")):
+        src = embedding if make is expanded else payload
+        assert fused._stream_rows(make(src)).data_ptr() == src.data_ptr()  # no copy
+        check(lambda x, w: fused.streams_in(make(x), w), lambda x, w: mixing.streams_in(make(x), w),
+              [src, weights], f"streams_in {label}")
+        check(lambda x, y, m, p: fused.streams_out(make(x), y, m, p),
+              lambda x, y, m, p: mixing.streams_out(make(x), y, m, p), [src, output, mix, post],
+              f"streams_out {label}")
+
+
+# --------------------------------------------------------------------------------------------------------------
 # The memory contract and bf16
 # --------------------------------------------------------------------------------------------------------------
 
@@ -301,6 +345,9 @@ def test_other_functions_save_only_their_inputs(path):
     cands = [leaf(n, 2, 3) for _ in range(6)]
     only_inputs(lambda q, key, v, *c: fused.depth_attention_mix(q, key, v, list(c[:3]), list(c[3:]), "query"),
                 leaf(n, 4, 3), leaf(n, 2, 3), leaf(n, 2, 3), *cands)
+    streams = leaf(4, n, d)
+    only_inputs(lambda x, w: fused.streams_in(x, w), streams, leaf(4, n))
+    only_inputs(lambda x, y, m, p: fused.streams_out(x, y, m, p), streams, leaf(n, d), leaf(4, n, 4), leaf(4, n))
 
 
 def test_bf16_matches_the_fp32_reference(path):
@@ -340,3 +387,6 @@ def test_bf16_matches_the_fp32_reference(path):
     both(lambda *a: fused.depth_attention_mix(*a, "query"), lambda *a: mixing.depth_attention_mix(*a, "query"),
          torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(2, 6, 2, 8),
          torch.randn(2, 6, 4, 8))
+    both(fused.streams_in, mixing.streams_in, torch.randn(4, 6, 24), torch.rand(4, 6))
+    both(fused.streams_out, mixing.streams_out, torch.randn(4, 6, 24), torch.randn(6, 24), torch.rand(4, 6, 4),
+         torch.rand(4, 6) * 2)

@@ -98,14 +98,15 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
         torch.testing.assert_close(mech.final_hidden(state, model.model), reference, rtol=1e-6, atol=1e-6)
 
 
-FAST = [n for n in MECHANISMS if residual_settings(n, LAYERS)["mechanism"] in ("attnres", "dca", "depth-attention")]
+FAST = [n for n in MECHANISMS
+        if residual_settings(n, LAYERS)["mechanism"] in ("attnres", "dca", "depth-attention", "hc", "mhc")]
 
 
 # torch.compile on a CPU costs ~20-50 s per setting: the compiled twins are checked on the settings that call all
-# five of them (Block AttnRes: mix, phase 1, phase 2; 2-DCA: the GRN; Depth-Attention: its mix); the fused
-# Functions on every fast setting.
+# seven of them (Block AttnRes: mix, phase 1, phase 2; 2-DCA: the GRN; Depth-Attention: its mix; mHC: the streams'
+# read and write); the fused Functions on every fast setting.
 CASES = [(name, "triton") for name in FAST] + [(name, "compiled") for name in
-                                                ("attnres-block", "dca-2", "depth-attention")]
+                                                ("attnres-block", "dca-2", "depth-attention", "mhc")]
 
 
 @pytest.mark.parametrize("name, impl", CASES)
