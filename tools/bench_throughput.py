@@ -20,6 +20,8 @@ Per mechanism it reports:
   extra_units: the forward I/O per token (units of d) the mixing adds over the plain residual's 3 per sublayer
   (io_units below, from SPEC's per-sublayer I/O; training is ~3x the forward).
 One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout.
+With --resident pair the --out JSON is rewritten after every pair ("complete": false until the last), so a run cut
+short by a time box keeps the pairs it finished.
 """
 
 import argparse
@@ -184,23 +186,6 @@ def main(argv=None) -> int:
     def medians(times):
         return [statistics.median(times[i * args.steps:(i + 1) * args.steps]) for i in range(args.rounds)]
 
-    measured = {}  # name -> (its run, the baseline run it was timed against)
-    if args.resident == "all":
-        runs = {name: build(name) for name in names}
-        rounds(list(runs.values()))
-        measured = {name: (runs[name], runs["standard"]) for name in names}
-    else:
-        for name in names:
-            base = build("standard")
-            run = base if name == "standard" else build(name)
-            rounds([base] if run is base else [base, run])
-            measured[name] = (run, base)
-            for r in {id(base): base, id(run): run}.values():
-                r["backend"].close()
-                r["backend"] = r["sampler"] = None
-            if gpu:
-                torch.cuda.empty_cache()
-
     key = next((k for k in DEVICES if k in device.lower()), None)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (DEVICES[key][0] if key else None)
     bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
@@ -208,14 +193,13 @@ def main(argv=None) -> int:
     base_io = io_units({"mechanism": "standard"}, L, d, heads, groups)
     fused = mixing_impl(layout) == "triton"
     bytes_el = 2  # the bound models bf16 training on the GPU (the targets' setting), on any machine
-    results = []
-    for name in names:
-        run, base = measured[name]
+
+    def result(name, run, base):
         t, tb = statistics.median(run["times"]), statistics.median(base["times"])
         extra = io_units(residual_settings(name, L), L, d, heads, groups, fused) - base_io
         bound = 1 + 3 * extra * d * bytes_el / bound_bw / (fpt / (args.bound_mfu * bound_peak))
         tps_base = base["tokens"] / tb
-        results.append({
+        return {
             "mechanism": name, "step_time_s": t, "tokens_per_s": run["tokens"] / t,
             "baseline_step_time_s": tb, "step_time_ratio": t / tb, "throughput_ratio": tb / t,
             "overhead_pct": 100 * (t / tb - 1),
@@ -225,7 +209,34 @@ def main(argv=None) -> int:
             "step_peak_memory_ratio": run["peak"] / base["peak"] if gpu and base["peak"] else None,
             "baseline_mfu": tps_base * fpt / peak if peak else None,
             "extra_io_units_of_d": extra, "analytic_bound_ratio": bound,
-        })
+        }
+
+    def write(results, complete):
+        """The JSON so far: a time-boxed run (tools/device_check.sh) that is cut short keeps the finished pairs."""
+        if args.out and torch.distributed.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump({"device": device, "world_size": world, "args": vars(args), "layout": layout,
+                           "flops_per_token": fpt, "complete": complete, "results": results}, f, indent=1)
+
+    results = []
+    if args.resident == "all":
+        runs = {name: build(name) for name in names}
+        rounds(list(runs.values()))
+        results = [result(name, runs[name], runs["standard"]) for name in names]
+    else:
+        for name in names:
+            base = build("standard")
+            run = base if name == "standard" else build(name)
+            rounds([base] if run is base else [base, run])
+            results.append(result(name, run, base))
+            write(results, complete=False)
+            if torch.distributed.get_rank() == 0:
+                print(f"measured {name}: {results[-1]['step_time_ratio']:.3f}x the baseline's step", flush=True)
+            for r in {id(base): base, id(run): run}.values():
+                r["backend"].close()
+                r["backend"] = r["sampler"] = None
+            if gpu:
+                torch.cuda.empty_cache()
     if torch.distributed.get_rank() == 0:
         print(f"\nthroughput on {device}, world {world}: {L} layers, hidden {d}, heads {heads}/{groups}, seq "
               f"{args.seq_length}, mbs {args.micro_batch_size}; median of {args.rounds} x {args.steps} steps, "
@@ -241,10 +252,7 @@ def main(argv=None) -> int:
         mfu = results[0]["baseline_mfu"]
         print(f"baseline MFU: {'n/a (no GPU peak)' if mfu is None else f'{100 * mfu:.1f} %'}; bound: "
               f"{args.bound_device if not key else key} bandwidth at {args.bound_mfu:.0%} MFU")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": device, "world_size": world, "args": vars(args), "layout": layout,
-                           "flops_per_token": fpt, "results": results}, f, indent=1)
+    write(results, complete=True)
     torch.distributed.destroy_process_group()
     return 0
 

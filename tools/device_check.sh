@@ -7,7 +7,8 @@
 #   4. --compile-layers at d = 512 (Block AttnRes and its baseline, both compiled): whether whole-sublayer compile
 #      helps the launch-bound size (its baseline's tokens/s against step 3's eager one);
 #   5. the quickstart's train -> export -> sample; 6. a short GPU quality run (every setting, same tokens).
-#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels)
+#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels
+#                                               # and data/processed, else step 5 prepares the corpus in its time)
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
 # status; the timeouts add up to 560 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, PNG,
@@ -50,7 +51,10 @@ if [ "${SCALE:-full}" = tiny ]; then
   QUALITY=(--num-layers 2 --hidden-size 32 --train-iters 8 --eval-iters 2 --seeds 0 --jobs 2)
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
 else
-  TP_SMALL=(--hidden-size 512 --num-layers 12 --seq-length 1024 --micro-batch-size 8 --steps 5 --rounds 3)
+  # the speed issue's targets first: a pair's numbers reach the JSON as soon as it finishes, so a step cut short by
+  # its timeout still reports them
+  TP_SMALL=(--hidden-size 512 --num-layers 12 --seq-length 1024 --micro-batch-size 8 --steps 5 --rounds 3
+            --mechanisms "$TARGETS,attnres-input-query,hc,mhc,denseformer")
   # the 1B class: micro-batch 4 at seq 2048 leaves room for the baseline and one mechanism on an 80 GB card
   TP_LARGE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4
             --steps 3 --rounds 2 --mechanisms "$TARGETS")
@@ -70,7 +74,7 @@ step throughput_d512_compiled 60 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}
   --mechanisms attnres-block --compile-layers --out "$WORK/throughput_d512_compiled.json"
 step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
-step quickstart 60 bash -c "rm -rf runs/tiny-attnres && $PY -m mega_depth.train --config launch/configs/tiny-attnres.yaml \
+step quickstart 60 bash -c "bash tools/prepare_corpus.sh && rm -rf runs/tiny-attnres && $PY -m mega_depth.train --config launch/configs/tiny-attnres.yaml \
   ${QUICK[*]} && $PY tools/convert_to_hf.py --load runs/tiny-attnres/checkpoints --out runs/tiny-attnres/hf --force \
   && $PY tools/generate.py runs/tiny-attnres/hf --prompt 'The Python tutorial'"
 step quality 60 "$PY" tools/bench_quality.py "${QUALITY[@]}" --out-dir "$WORK/quality"
