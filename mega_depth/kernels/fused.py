@@ -159,7 +159,53 @@ def _rinv(v: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(v.pow(2).mean((-2, -1)) + eps)
 
 
-class _TorchOps:
+class _StreamOps:
+    """Torch twins of the stream kernels: streams [n, N, d] (free strides), weights / post [n, N], mix [n, N, n];
+    a coefficient is rounded to the streams' dtype, then everything is summed in fp32 (as the kernels do)."""
+
+    @staticmethod
+    def _coef(c, dt, ct):
+        return c.to(dt).to(ct)
+
+    @staticmethod
+    def streams_in_fwd(s, w):
+        dt, ct = s.dtype, _acc(s.dtype)
+        out = torch.zeros(s.shape[1:], dtype=ct, device=s.device)
+        for i in range(s.shape[0]):
+            out += _StreamOps._coef(w[i], dt, ct).unsqueeze(-1) * s[i].to(ct)
+        return out.to(dt)
+
+    @staticmethod
+    def streams_in_bwd(go, s, w):
+        dt, ct = s.dtype, _acc(s.dtype)
+        go = go.to(ct)
+        ds = (_StreamOps._coef(w, dt, ct).unsqueeze(-1) * go).to(dt)
+        dw = torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
+        return ds, dw
+
+    @staticmethod
+    def streams_out_fwd(s, y, mix, post):
+        dt, ct = s.dtype, _acc(s.dtype)
+        out = _StreamOps._coef(post, dt, ct).unsqueeze(-1) * y.to(ct)
+        for i in range(s.shape[0]):
+            out += _StreamOps._coef(mix[i], dt, ct).t().unsqueeze(-1) * s[i].to(ct)  # [n (to), N, d]
+        return out.to(dt)
+
+    @staticmethod
+    def streams_out_bwd(go, s, y, mix, post):
+        dt, ct = s.dtype, _acc(s.dtype)
+        go = go.to(ct)
+        dy = (_StreamOps._coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
+        dpost = (go * y.to(ct)).sum(-1)
+        ds, dmix = [], []
+        for i in range(s.shape[0]):
+            x = s[i].to(ct)
+            ds.append((_StreamOps._coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
+            dmix.append((go * x).sum(-1).t())  # [N, n (to)]
+        return torch.stack(ds), dy, torch.stack(dmix), dpost
+
+
+class _TorchOps(_StreamOps):
     """The kernels' computation in torch: one source in flight at a time, per-token scalars kept for the rest."""
 
     @staticmethod
@@ -455,56 +501,6 @@ class _TorchOps:
 # --------------------------------------------------------------------------------------------------------------
 # The autograd Functions
 # --------------------------------------------------------------------------------------------------------------
-
-
-class _StreamOps:
-    """Torch twins of the stream kernels: streams [n, N, d] (free strides), weights / post [n, N], mix [n, N, n];
-    a coefficient is rounded to the streams' dtype, then everything is summed in fp32 (as the kernels do)."""
-
-    @staticmethod
-    def _coef(c, dt, ct):
-        return c.to(dt).to(ct)
-
-    @staticmethod
-    def streams_in_fwd(s, w):
-        dt, ct = s.dtype, _acc(s.dtype)
-        out = torch.zeros(s.shape[1:], dtype=ct, device=s.device)
-        for i in range(s.shape[0]):
-            out += _StreamOps._coef(w[i], dt, ct).unsqueeze(-1) * s[i].to(ct)
-        return out.to(dt)
-
-    @staticmethod
-    def streams_in_bwd(go, s, w):
-        dt, ct = s.dtype, _acc(s.dtype)
-        go = go.to(ct)
-        ds = (_StreamOps._coef(w, dt, ct).unsqueeze(-1) * go).to(dt)
-        dw = torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
-        return ds, dw
-
-    @staticmethod
-    def streams_out_fwd(s, y, mix, post):
-        dt, ct = s.dtype, _acc(s.dtype)
-        out = _StreamOps._coef(post, dt, ct).unsqueeze(-1) * y.to(ct)
-        for i in range(s.shape[0]):
-            out += _StreamOps._coef(mix[i], dt, ct).t().unsqueeze(-1) * s[i].to(ct)  # [n (to), N, d]
-        return out.to(dt)
-
-    @staticmethod
-    def streams_out_bwd(go, s, y, mix, post):
-        dt, ct = s.dtype, _acc(s.dtype)
-        go = go.to(ct)
-        dy = (_StreamOps._coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
-        dpost = (go * y.to(ct)).sum(-1)
-        ds, dmix = [], []
-        for i in range(s.shape[0]):
-            x = s[i].to(ct)
-            ds.append((_StreamOps._coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
-            dmix.append((go * x).sum(-1).t())  # [N, n (to)]
-        return torch.stack(ds), dy, torch.stack(dmix), dpost
-
-
-for _name in ("streams_in_fwd", "streams_in_bwd", "streams_out_fwd", "streams_out_bwd"):
-    setattr(_TorchOps, _name, getattr(_StreamOps, _name))
 
 
 class _AttnResMix(torch.autograd.Function):
