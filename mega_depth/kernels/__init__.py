@@ -17,7 +17,7 @@ from mega_depth.model import mixing
 
 # The functions a mechanism may ask for by name (Mechanism.kernel(name, reference)).
 FAST_FUNCTIONS = ("attnres_mix_sources", "attnres_phase1_sources", "attnres_phase2", "grn_apply_sources",
-                  "depth_attention_mix", "streams_in", "streams_out")
+                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn")
 # the reference each name stands for, in mixing.py
 REFERENCES = {"attnres_phase2": "attnres_block_phase2"}
 

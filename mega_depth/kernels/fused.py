@@ -34,6 +34,9 @@ torch twins loop over it. A set may also be passed stacked ([K, *, d]): it is th
         saves: streams, output, mix, post (references). Forward reads each stream and the output once and writes
         the n new streams: (n + 1) d reads per token, where the reference's einsum and broadcast add make and
         re-read intermediates. Backward is one pass too.
+    sinkhorn(logits, iters, order="paper", eps_style="clamp", eps=1e-6) == mixing.sinkhorn(...)  (mHC's H_res)
+        saves: the logits (a reference). Forward runs every iteration in one kernel (eagerly, a few kernels per
+        iteration); backward recomputes each iteration's input from the logits, last iteration first.
 
 Dispatch: only the inner compute differs. Triton kernels (mega_depth/kernels/fused_triton.py) run for CUDA
 tensors, or for any tensor when FORCE_TRITON is set (env MEGA_DEPTH_KERNELS_FORCE_TRITON=1 at import, or assign
@@ -205,7 +208,21 @@ class _StreamOps:
         return torch.stack(ds), dy, torch.stack(dmix), dpost
 
 
-class _TorchOps(_StreamOps):
+class _SinkhornOps:
+    """Torch twin of the Sinkhorn kernels: the reference forward; backward recomputes it and differentiates."""
+
+    @staticmethod
+    def sinkhorn_fwd(r, iters, order, eps_style, eps):
+        return mixing.sinkhorn(r, iters, order, eps_style, eps)
+
+    @staticmethod
+    def sinkhorn_bwd(go, r, iters, order, eps_style, eps):
+        with torch.enable_grad():
+            r = r.detach().requires_grad_()
+            return torch.autograd.grad(mixing.sinkhorn(r, iters, order, eps_style, eps), r, go)[0]
+
+
+class _TorchOps(_StreamOps, _SinkhornOps):
     """The kernels' computation in torch: one source in flight at a time, per-token scalars kept for the rest."""
 
     @staticmethod
@@ -795,6 +812,34 @@ class _StreamsOut(torch.autograd.Function):
                 _cast(dmix.view(mix.shape), mix, need[2]), _cast(dpost.view(post.shape), post, need[3]))
 
 
+class _Sinkhorn(torch.autograd.Function):
+    """Saves: the logits (a reference). Backward recomputes the iterations."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, order, eps_style, eps):
+        r = logits.reshape(-1, *logits.shape[-2:]).contiguous()
+        out = _ops(r).sinkhorn_fwd(r, iters, order, eps_style, eps)
+        ctx.save_for_backward(logits)
+        ctx.cfg = (iters, order, eps_style, eps)
+        return out.view(logits.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        r = logits.reshape(-1, *logits.shape[-2:]).contiguous()
+        go = grad.reshape(r.shape).contiguous().float()
+        return _ops(r).sinkhorn_bwd(go, r, *ctx.cfg).view(logits.shape), None, None, None, None
+
+
+def sinkhorn(logits: Tensor, iters: int, order: str = "paper", eps_style: str = "clamp", eps: float = 1e-6) -> Tensor:
+    """== mixing.sinkhorn(...): logits [*, n, n] -> doubly stochastic [*, n, n], fp32."""
+    if order not in mixing.MHC_SK_ORDERS or eps_style not in mixing.MHC_EPS_STYLES:
+        raise ValueError(f"unknown Sinkhorn order {order!r} or epsilon style {eps_style!r}; choose from "
+                         f"{mixing.MHC_SK_ORDERS} and {mixing.MHC_EPS_STYLES}")
+    return _Sinkhorn.apply(logits.float(), int(iters), order, eps_style, float(eps))
+
+
 def streams_in(streams: Tensor, weights: Tensor) -> Tensor:
     """== mixing.streams_in(...): streams [n, *, d], weights [n, *] (or broadcastable, [n, 1...]) -> [*, d]."""
     return _StreamsIn.apply(streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
@@ -814,4 +859,4 @@ def fast_functions() -> SimpleNamespace:
     return SimpleNamespace(attnres_mix_sources=attnres_mix_sources, attnres_phase1_sources=attnres_phase1_sources,
                            attnres_phase2=attnres_phase2, grn_apply_sources=grn_apply_sources,
                            depth_attention_mix=depth_attention_mix, streams_in=streams_in,
-                           streams_out=streams_out)
+                           streams_out=streams_out, sinkhorn=sinkhorn)

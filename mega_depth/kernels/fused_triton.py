@@ -1043,3 +1043,117 @@ def streams_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor)
     _streams_out_bwd_kernel[(programs,)](s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0), s.stride(1),
                                          tok, NS=ns, BN=bn, BD=bd, num_warps=_warps(bn * bd, 2))
     return ds, dy, dmix, dpost
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mHC: Sinkhorn-Knopp over per-token [n, n] logits, all iterations in one kernel
+# --------------------------------------------------------------------------------------------------------------
+# A block of BT tokens is [BT, BN, BN] (token, row i, column j); padded lanes hold 0 after the exp, so sums are
+# unaffected. FIRST: the axis normalised first in an iteration (1 = column sums over i, the paper's order; 2 = row
+# sums). Backward keeps nothing from the forward: for each iteration, last to first, it recomputes that
+# iteration's input from the logits (O(iters^2) work on n^2 numbers per token, no memory traffic) and applies the
+# normalisations' gradients.
+
+
+@triton.jit
+def _sk_normalise(t, axis: tl.constexpr, eps, CLAMP: tl.constexpr):
+    total = tl.expand_dims(tl.sum(t, axis=axis), axis)
+    return t / (tl.maximum(total, eps) if CLAMP else total + eps)
+
+
+@triton.jit
+def _sk_normalise_bwd(t, g, axis: tl.constexpr, eps, CLAMP: tl.constexpr):
+    """The gradient w.r.t. t of t / s(t) (s: the sum along axis, clamped or shifted by eps) given g."""
+    total = tl.expand_dims(tl.sum(t, axis=axis), axis)
+    s = tl.maximum(total, eps) if CLAMP else total + eps
+    ds = -tl.expand_dims(tl.sum(g * t, axis=axis), axis) / (s * s)
+    if CLAMP:
+        ds = tl.where(total >= eps, ds, 0.)  # clamp(min=eps) passes the gradient where total >= eps
+    return g / s + ds
+
+
+@triton.jit
+def _sk_step(m, it, lanes, eps, FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr,
+             SHIFT_FIRST: tl.constexpr):
+    m = _sk_normalise(m, FIRST, eps, CLAMP)
+    if SHIFT_FIRST:  # deepseek: + eps after the first normalisation of the first iteration
+        m = tl.where(lanes & (it == 0), m + eps, m)
+    return _sk_normalise(m, SECOND, eps, CLAMP)
+
+
+@triton.jit
+def _sk_start(r_ptr, pid, N, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+    """(offsets, lanes, M0 = exp(R - max R)) of a block of tokens; M0 is 0 on padded lanes."""
+    ot = (pid * BT + tl.arange(0, BT)).to(tl.int64)
+    oi = tl.arange(0, BN)
+    lane = (oi[:, None] < NS) & (oi[None, :] < NS)
+    offs = ot[:, None, None] * NS * NS + oi[None, :, None] * NS + oi[None, None, :]
+    tokens = (ot < N)[:, None, None]
+    lanes = tokens & lane[None, :, :]
+    r = tl.load(r_ptr + offs, mask=lanes, other=0.).to(tl.float32)
+    r = tl.where(lane[None, :, :], r, -float("inf"))
+    peak = tl.max(tl.max(r, axis=2), axis=1)
+    m = tl.where(lanes, tl.exp(r - peak[:, None, None]), 0.)
+    return offs, lanes, m
+
+
+@triton.jit
+def _sinkhorn_fwd_kernel(r_ptr, out_ptr, N, ITERS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                         FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr, SHIFT_FIRST: tl.constexpr):
+    offs, lanes, m = _sk_start(r_ptr, tl.program_id(0), N, NS, BT, BN)
+    for it in range(ITERS):
+        m = _sk_step(m, it, lanes, eps, FIRST, SECOND, CLAMP, SHIFT_FIRST)
+    tl.store(out_ptr + offs, m, mask=lanes)
+
+
+@triton.jit
+def _sinkhorn_bwd_kernel(r_ptr, go_ptr, dr_ptr, N, ITERS, eps, NS: tl.constexpr, BT: tl.constexpr,
+                         BN: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr,
+                         SHIFT_FIRST: tl.constexpr):
+    offs, lanes, m0 = _sk_start(r_ptr, tl.program_id(0), N, NS, BT, BN)
+    g = tl.load(go_ptr + offs, mask=lanes, other=0.).to(tl.float32)
+    for back in range(ITERS):
+        it = ITERS - 1 - back
+        x = m0
+        for j in range(it):  # this iteration's input, recomputed
+            x = _sk_step(x, j, lanes, eps, FIRST, SECOND, CLAMP, SHIFT_FIRST)
+        a = _sk_normalise(x, FIRST, eps, CLAMP)
+        if SHIFT_FIRST:
+            a = tl.where(lanes & (it == 0), a + eps, a)
+        g = _sk_normalise_bwd(a, g, SECOND, eps, CLAMP)
+        g = _sk_normalise_bwd(x, g, FIRST, eps, CLAMP)
+    tl.store(dr_ptr + offs, g * m0, mask=lanes)  # through exp(R - max R), the max detached
+
+
+def _sk_args(order: str, eps_style: str) -> dict:
+    first = 1 if order == "paper" else 2  # axis 1: sums over rows i (column sums), the reference's dim -2
+    return dict(FIRST=first, SECOND=3 - first, CLAMP=eps_style == "clamp", SHIFT_FIRST=eps_style == "deepseek")
+
+
+def _sk_grid(n: int, tokens: int):
+    bn = _pow2(n)
+    bt = max(1, min(_pow2(tokens), 2048 // (bn * bn)))  # about 2k fp32 values a program
+    return (triton.cdiv(tokens, bt),), bt, bn
+
+
+def sinkhorn_fwd(r: Tensor, iters: int, order: str, eps_style: str, eps: float) -> Tensor:
+    """r: [N, n, n] fp32 logits -> [N, n, n] fp32."""
+    tokens, n = r.shape[0], r.shape[-1]
+    out = torch.empty_like(r)
+    if tokens == 0:
+        return out
+    grid, bt, bn = _sk_grid(n, tokens)
+    _sinkhorn_fwd_kernel[grid](r, out, tokens, iters, eps, NS=n, BT=bt, BN=bn, **_sk_args(order, eps_style),
+                               num_warps=4)
+    return out
+
+
+def sinkhorn_bwd(go: Tensor, r: Tensor, iters: int, order: str, eps_style: str, eps: float) -> Tensor:
+    tokens, n = r.shape[0], r.shape[-1]
+    dr = torch.empty_like(r)
+    if tokens == 0:
+        return dr
+    grid, bt, bn = _sk_grid(n, tokens)
+    _sinkhorn_bwd_kernel[grid](r, go, dr, tokens, iters, eps, NS=n, BT=bt, BN=bn, **_sk_args(order, eps_style),
+                               num_warps=4)
+    return dr

@@ -18,7 +18,7 @@ from torch import nn
 
 from .base import Option, sublayer_label
 from .hc import COLLAPSES, StreamMechanism
-from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_coefficients
+from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_maps, sinkhorn
 
 INITS = ("default", "megatron", "lumia")
 
@@ -91,10 +91,14 @@ class MHC(StreamMechanism):
 
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual
-        pre, post, res = self.coefficients(
-            lambda s: mhc_coefficients(s, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre, mixer.alpha_post,
-                                       mixer.alpha_res, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style),
-            streams)
+        project = self.kernel("sinkhorn", sinkhorn)  # the fast path: one kernel for all iterations
+
+        def compute(s):  # == mhc_coefficients(s, ...)
+            pre, post, res_logits = mhc_maps(s, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre,
+                                             mixer.alpha_post, mixer.alpha_res, r.mhc_eps_style)
+            return pre, post, project(res_logits, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style)
+
+        pre, post, res = self.coefficients(compute, streams)
         if self.recorder is not None:  # token means; H_res flattened row-major: entry i*n + j is stream j -> i
             order, label = sublayer_label(sublayer)
             self.recorder.add("mhc-H_pre", order, label, pre)

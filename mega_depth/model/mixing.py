@@ -327,6 +327,13 @@ def mhc_coefficients(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tens
 
     streams [n, *, d]; phi [n^2 + 2n, n*d] laid out [pre (n) | post (n) | res (n^2, row-major)]; bias [n^2 + 2n];
     alphas [1]. x~ = vec(X): the streams concatenated per token; r = RMS(x~) (+eps, or inside the root: deepseek)."""
+    pre, post, res_logits = mhc_maps(streams, phi, bias, alpha_pre, alpha_post, alpha_res, eps_style, eps)
+    return pre, post, sinkhorn(res_logits, iters, order, eps_style, eps)
+
+
+def mhc_maps(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor,
+             eps_style: str = "clamp", eps: float = 1e-6):
+    """mhc_coefficients before Sinkhorn: H_pre [n, *], H_post [n, *] and H_res's logits [*, n, n], fp32."""
     n = streams.shape[0]
     flat = fp32(streams).movedim(0, -2).flatten(-2)  # [*, n*d]
     if eps_style == "deepseek":
@@ -338,8 +345,7 @@ def mhc_coefficients(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tens
     coeff = proj * scale / r + fp32(bias)
     pre = torch.sigmoid(coeff[..., :n]) + (eps if eps_style == "deepseek" else 0.0)
     post = 2 * torch.sigmoid(coeff[..., n:2 * n])
-    res = sinkhorn(coeff[..., 2 * n:].unflatten(-1, (n, n)), iters, order, eps_style, eps)
-    return pre.movedim(-1, 0), post.movedim(-1, 0), res
+    return pre.movedim(-1, 0), post.movedim(-1, 0), coeff[..., 2 * n:].unflatten(-1, (n, n))
 
 
 def mhc_head_weights(streams: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, eps: float = 1e-6) -> Tensor:

@@ -248,7 +248,7 @@ def kv_of(f, r=2, hn=6):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# HC / mHC: the streams' read and write
+# HC / mHC: the streams' read and write, and mHC's Sinkhorn
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -289,6 +289,27 @@ def test_streams_read_an_expanded_embedding_and_a_pipeline_view(path):
         check(lambda x, y, m, p: fused.streams_out(make(x), y, m, p),
               lambda x, y, m, p: mixing.streams_out(make(x), y, m, p), [src, output, mix, post],
               f"streams_out {label}")
+
+
+@pytest.mark.parametrize("order", ["paper", "megatron"])
+@pytest.mark.parametrize("eps_style", ["clamp", "deepseek"])
+@pytest.mark.parametrize("n, iters", [(1, 3), (3, 6), (4, 20)])
+def test_sinkhorn(path, order, eps_style, n, iters):
+    """mHC's H_res: every iteration in one kernel; backward recomputes the iterations (n = 3: masked lanes)."""
+    logits = leaf(7, 2, n, n, scale=2.0)
+    check(lambda r: fused.sinkhorn(r, iters, order, eps_style), lambda r: mixing.sinkhorn(r, iters, order, eps_style),
+          [logits], f"sinkhorn n={n} {order} {eps_style}")
+
+
+def test_sinkhorn_clamp_stops_the_gradient_of_vanishing_sums(path):
+    """A row far below the others underflows after exp: its sums fall under eps, where the reference's
+    clamp(min=eps) passes no gradient through the sum; the kernel must agree (and deepseek's +eps always does)."""
+    logits = torch.randn(6, 4, 4) * 0.5
+    logits[:, 0, :] -= 16.0  # exp: ~1e-7 per entry, row sums just under eps = 1e-6
+    logits.requires_grad_()
+    for style in ("clamp", "deepseek"):
+        check(lambda r: fused.sinkhorn(r, 5, "paper", style), lambda r: mixing.sinkhorn(r, 5, "paper", style),
+              [logits], f"sinkhorn underflow {style}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -347,6 +368,7 @@ def test_other_functions_save_only_their_inputs(path):
                 leaf(n, 4, 3), leaf(n, 2, 3), leaf(n, 2, 3), *cands)
     streams = leaf(4, n, d)
     only_inputs(lambda x, w: fused.streams_in(x, w), streams, leaf(4, n))
+    only_inputs(lambda r: fused.sinkhorn(r, 20), leaf(n, 4, 4))
     only_inputs(lambda x, y, m, p: fused.streams_out(x, y, m, p), streams, leaf(n, d), leaf(4, n, 4), leaf(4, n))
 
 
