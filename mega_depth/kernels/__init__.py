@@ -4,8 +4,21 @@ and gradients to the reference.
 
     eager      the reference itself (mechanism.kernels = None); the CPU default
     compiled   torch.compile'd twins (fused elementwise kernels on a GPU)
-    triton     fused.py: autograd Functions that read each source in place and save no stacked copy; Triton
-               kernels on a GPU, the same Functions with torch inner compute on the CPU; the GPU default
+    triton     the fused ops below: torch.library custom ops that read each source in place and save no stacked
+               copy; Triton kernels on a GPU, their torch twins on a CPU; the GPU default
+
+One module per op (flash-linear-attention's layout): its Triton kernels, its torch twin, its custom op (fake
+implementation and autograd included) and its public function, which has its reference's signature.
+
+    attnres_mix.py      AttnRes's mix over K sources                 (mixing.attnres_mix)
+    attnres_block.py    Block AttnRes's phase 1 and phase 2          (mixing.attnres_block_phase1 / _phase2)
+    grn.py              DCA's GRNs over the stack                    (mixing.grn_apply)
+    depth_attention.py  Depth-Attention's value mix                  (mixing.depth_attention_mix)
+    streams.py          HC / mHC's stream read and write             (mixing.streams_in / streams_out)
+    sinkhorn.py         mHC's Sinkhorn-Knopp                         (mixing.sinkhorn)
+    common.py           dispatch, launch heuristics, pointer tables, shared jit helpers
+    aot.py              ahead-of-time compilation for GPU targets: the resource check of every launch
+    saved_bytes.py      activation memory as autograd sees it
 """
 
 from __future__ import annotations
@@ -35,10 +48,19 @@ def select(impl: str) -> Optional[SimpleNamespace]:
         return SimpleNamespace(**{name: torch.compile(getattr(mixing, REFERENCES.get(name, name)), dynamic=True)
                                   for name in FAST_FUNCTIONS})
     if impl == "triton":
-        from mega_depth.kernels import fused
-
-        return fused.fast_functions()
+        return fast_functions()
     raise ValueError(f"unknown --mixing-impl {impl!r}")
+
+
+def fast_functions() -> SimpleNamespace:
+    """The fused ops under the names mechanisms ask for (FAST_FUNCTIONS)."""
+    from mega_depth.kernels import attnres_block, attnres_mix, depth_attention, grn, sinkhorn, streams
+
+    return SimpleNamespace(attnres_mix_sources=attnres_mix.attnres_mix_sources,
+                           attnres_phase1_sources=attnres_block.attnres_phase1_sources,
+                           attnres_phase2=attnres_block.attnres_phase2, grn_apply_sources=grn.grn_apply_sources,
+                           depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
+                           streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn)
 
 
 def default_impl() -> str:

@@ -165,10 +165,10 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
         init_layout_independent(model, cfg, mechanism, geometry, vp_stage, pp_rank)
         chunks.append(model)
     if cfg.model.compile_layers:
-        count = compile_layers(chunks, cfg.model.num_layers)
+        count = compile_layers(chunks, mechanism, cfg.model.num_layers)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            print(f"--compile-layers: {count} sublayer modules of rank 0 compiled with torch.compile (the first steps "
-                  "pay the compilation)", flush=True)
+            print(f"--compile-layers: the {count} layers of rank 0 run compiled with torch.compile, each whole (norms, "
+                  "attention, MLP and the depth mixing; the first steps pay the compilation)", flush=True)
     return chunks
 
 

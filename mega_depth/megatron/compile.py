@@ -1,11 +1,15 @@
-"""--compile-layers: torch.compile (inductor) of every layer's norms, attention and MLP.
+"""--compile-layers: torch.compile (inductor) of every transformer layer, whole: norms, attention, MLP and the
+depth mixing between them.
 
-The small sizes are launch-bound on a GPU: RMSNorm, q/k-norm, RoPE and SwiGLU are chains of elementwise kernels
-around each GEMM. Compiling the sublayer modules fuses them. The unit is the same for every mechanism: the baseline's
-layer and a depth-mixing layer compile the same four Megatron modules (input_layernorm, self_attention,
-pre_mlp_layernorm, mlp). The mixing between them stays with --mixing-impl (its Triton kernels or compiled twins), so
-the ratio to the baseline compares like with like. Eager stays the reference: a layout test checks that losses and
-gradients equal the eager ones.
+The small sizes are launch-bound on a GPU: RMSNorm, q/k-norm, RoPE, SwiGLU and the mixing's elementwise glue are
+chains of small kernels around each GEMM. The compiled unit is the same for the baseline and every mechanism: one
+layer. The baseline compiles Megatron's TransformerLayer module; a depth-mixing mechanism compiles its
+`layer_forward` (mega_depth/model/base.py), which runs the layer's two sublayers on inputs it mixes from its
+cross-layer state. The fused mixing ops are torch.library custom ops (mega_depth/kernels), so Dynamo sees them whole:
+no graph break (tests/integration/test_layouts.py counts Dynamo's graph breaks and asserts none, for every
+mechanism). Cross-layer work that spans layers (Block AttnRes's phase 1 queries) is set up outside, in
+`Mechanism.prepare`. Recomputation inside a compiled layer uses non-reentrant activation checkpointing, which
+Dynamo traces. Eager stays the reference: a layout test checks that losses and gradients equal the eager ones.
 
 `nn.Module.compile` compiles a module's call in place, so parameter names, checkpoints, DDP and DeepSpeed see the
 same module tree.
@@ -18,29 +22,26 @@ from typing import Iterable
 
 import torch
 
-SUBLAYER_MODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")
 
-
-def compile_layers(chunks: Iterable[torch.nn.Module], num_layers: int) -> int:
-    """Compile the sublayer modules of every layer of these model chunks; returns how many modules it compiled."""
+def compile_layers(chunks: Iterable[torch.nn.Module], mechanism, num_layers: int) -> int:
+    """Compile every layer of these model chunks; returns how many layers this rank runs compiled."""
     import torch._dynamo
 
-    # megatron-core warns (rank 0 only) inside linear layers; a warning would split the graph, so Dynamo emits it
-    # after the graph instead of breaking there.
-    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
-    # Layers share compiled code where their guards agree; a layer that differs (Depth-Attention's value mixer,
+    # megatron-core warns inside its linear layers (a deprecation, on rank 0); warnings.warn with a warning class
+    # cannot be reordered after the graph, so inside a compiled layer warnings are dropped instead of splitting it.
+    torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    # Layers share compiled code where their guards agree; a layer that differs (its depth, its state's sources,
     # recompute's no-grad forward) compiles once more. Room for every layer, so none falls back to eager.
     limit = max(torch._dynamo.config.recompile_limit, 4 * num_layers)
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            16 * limit)
-    compiled = 0
-    for chunk in chunks:
-        for layer in chunk.decoder.layers:
-            for name in SUBLAYER_MODULES:
-                module = getattr(layer, name, None)
-                if module is None or not any(True for _ in module.parameters()):  # IdentityOp: nothing to fuse
-                    continue
-                module.compile()
-                compiled += 1
-    return compiled
+    layers = [layer for chunk in chunks for layer in chunk.decoder.layers]
+    if mechanism is not None and mechanism.mixes_depth:
+        mechanism.compiled_layer_forward = torch.compile(mechanism.layer_forward)
+    else:
+        for layer in layers:
+            layer.compile()
+    for layer in layers:
+        layer.compiled_whole = True  # what tests and the start-up line count
+    return len(layers)

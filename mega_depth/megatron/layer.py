@@ -76,17 +76,10 @@ class DepthMixingSelfAttention(SelfAttention):
         if hooks.value_mixer is not None:
             query_norm = self.q_layernorm if self.q_layernorm is not None else IdentityOp()
             key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
-            value = _mix_values(hooks.value_mixer, raw_query, raw_key, value, query_norm, key_norm)
+            value = hooks.value_mixer(raw_query, raw_key, value, query_norm, key_norm)
             if value.shape[-2] != key.shape[-2]:  # per-query-head values: the keys follow
                 key = expand_heads(key, value.shape[-2])
         return query, key, value
-
-
-@torch.compiler.disable
-def _mix_values(value_mixer, *args):
-    """Depth-Attention's value mixer runs eagerly under --compile-layers: it reads other layers' state and calls
-    the mixing's own fast path (Triton kernels), which Dynamo should not trace into the attention's graph."""
-    return value_mixer(*args)
 
 
 class DepthMixingLayer(TransformerLayer):
@@ -131,9 +124,27 @@ class _BoundLayer:
 
     def attention_sublayer_recomputed(self, make_inputs, sources):
         layer = self._layer
+        if torch.compiler.is_compiling():  # in a compiled layer: the same recomputation, as Dynamo traces it
+            return self._attention_recomputed_compiled(make_inputs, sources)
         lin = layer.self_attention.linear_qkv
         q_in, *qkv = RecomputedQKVProjection.apply(layer.self_attention, layer.input_layernorm, make_inputs,
                                                    lin.weight, getattr(lin, "bias", None), *sources)
+        return self._attention(q_in, AttentionHooks(qkv=tuple(qkv))), q_in
+
+    def _attention_recomputed_compiled(self, make_inputs, sources):
+        """attention_sublayer_recomputed inside a compiled layer: the inputs, their norms and the projection under
+        non-reentrant activation checkpointing (RecomputedQKVProjection's own backward is opaque to Dynamo).
+        AOTAutograd recomputes in backward what the projection's backward needs (the normalised inputs), not the
+        projection itself, whose output backward does not read."""
+        from torch.utils.checkpoint import checkpoint
+
+        attention, norm = self._layer.self_attention, self._layer.input_layernorm
+
+        def project(*tensors):
+            q_in, k_in, v_in = make_inputs(*tensors)
+            return (q_in, *project_separate(attention, norm, q_in, k_in, v_in))
+
+        q_in, *qkv = checkpoint(project, *sources, use_reentrant=False, preserve_rng_state=False)
         return self._attention(q_in, AttentionHooks(qkv=tuple(qkv))), q_in
 
     def _attention(self, hidden, hooks):

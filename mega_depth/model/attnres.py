@@ -75,7 +75,9 @@ class AttnResState:
     """Completed block sums (`blocks[0]` is the embedding b_0) and the running partial sum of the current block.
 
     `next_sublayer` is the 1-based sublayer that runs next. `phase1` caches the two-phase block's phase-1 results
-    for the sublayers still to come on this stage; it never leaves the stage (a later stage recomputes it)."""
+    for the sublayers still to come on this stage; it never leaves the stage (a later stage recomputes it).
+    `block_queries` holds, per block, the stacked queries of its sublayers in the layers that run next (AttnRes.
+    prepare), which phase 1 meets with the completed blocks at once."""
 
     def __init__(self, layout: AttnResLayout, blocks: List[Tensor], partial: Optional[Tensor], next_sublayer: int):
         self.layout = layout
@@ -83,6 +85,7 @@ class AttnResState:
         self.partial = partial
         self.next_sublayer = next_sublayer
         self.phase1: Dict[int, tuple] = {}  # sublayer -> (m, z, o)
+        self.block_queries: Dict[int, tuple] = {}  # block -> (sublayers, queries [S, d], gains [S, d] or None)
 
     def source_list(self) -> List[Tensor]:
         """The sources of the next sublayer (or of the final aggregation once all ran), in order."""
@@ -249,33 +252,37 @@ class AttnRes(Mechanism):
         logits = attnres_logits(sources, self._query(mixer, state), self._gain(mixer), self.eps, self.heads)
         return depth_weights(logits, self.weight)
 
-    def _phase1(self, state: AttnResState, layers) -> None:
-        """Phase 1 for the sublayers of the current block that run in `layers` (this stage or recompute chunk)."""
-        first = state.next_sublayer
-        block_end = self.attnres_layout.block_end(self.attnres_layout.block_of(first))
-        mixers = {}
+    def prepare(self, layers, state):
+        """Two-phase: per block, the sublayers it has in `layers` and their stacked queries (and key-norm gains)."""
+        if not self.two_phase:
+            return
+        members: Dict[int, list] = {}
         for layer in layers:
             for sub, name in ((2 * layer.layer_index + 1, "attn_mixer"), (2 * layer.layer_index + 2, "mlp_mixer")):
-                if first <= sub <= block_end:
-                    mixers[sub] = getattr(layer, name)
-        subs = sorted(mixers)
-        queries = torch.stack([mixers[s].query for s in subs])
-        gains = torch.stack([mixers[s].key_norm_weight for s in subs]) if self.key_norm else None
+                members.setdefault(self.attnres_layout.block_of(sub), []).append((sub, getattr(layer, name)))
+        state.block_queries = {
+            block: ([s for s, _ in subs], torch.stack([m.query for _, m in subs]),
+                    torch.stack([m.key_norm_weight for _, m in subs]) if self.key_norm else None)
+            for block, subs in members.items()}
+
+    def _phase1(self, state: AttnResState, layer) -> None:
+        """Phase 1 for the sublayers of the current block that run next (those `prepare` gathered; this layer's
+        alone where the host runs layers one by one without it)."""
+        block = self.attnres_layout.block_of(state.next_sublayer)
+        if block not in state.block_queries:
+            self.prepare([layer], state)
+        subs, queries, gains = state.block_queries[block]
         phase1 = self.kernel("attnres_phase1_sources", attnres_phase1_sources)
         m, z, o = phase1(state.blocks, queries, gains, self.eps, self.weight, self.heads)
         state.phase1 = {s: (m[i], z[i], o[i]) for i, s in enumerate(subs)}
 
-    def run_layers(self, layers, state):
-        for i, layer in enumerate(layers):
-            for name, run in (("attn_mixer", layer.attention_sublayer), ("mlp_mixer", layer.mlp_sublayer)):
-                sub = state.next_sublayer
-                if self.two_phase and sub not in state.phase1:
-                    self._phase1(state, layers[i:])
-                state.record(run(self._sublayer_input(getattr(layer, name), state, sub)))
-        return state
-
     def layer_forward(self, layer, state):
-        return self.run_layers([layer], state)
+        for name, run in (("attn_mixer", layer.attention_sublayer), ("mlp_mixer", layer.mlp_sublayer)):
+            sub = state.next_sublayer
+            if self.two_phase and sub not in state.phase1:
+                self._phase1(state, layer)
+            state.record(run(self._sublayer_input(getattr(layer, name), state, sub)))
+        return state
 
     def final_hidden(self, state, decoder):
         return self.mix(decoder.final_mixer, state, self.shape.num_sublayers + 1)

@@ -91,13 +91,17 @@ class Recorder:
 
 def recompute(fn: Callable, *tensors: Optional[Tensor]):
     """fn(*tensors), keeping only `tensors` for backward and running fn again there: reentrant activation
-    checkpointing, whose inputs are saved with save_for_backward (so saved-tensor accounting sees them). Parameters
-    that fn uses get their gradients in that backward re-run. Plain fn(*tensors) where no input needs a gradient."""
+    checkpointing, whose inputs are saved with save_for_backward (so saved-tensor accounting sees them); inside a
+    compiled layer the non-reentrant form. Parameters that fn uses get their gradients in that backward re-run.
+    Plain fn(*tensors) where no input needs a gradient."""
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return fn(*tensors)
     from torch.utils.checkpoint import checkpoint
 
-    return checkpoint(fn, *tensors, use_reentrant=True, preserve_rng_state=False)
+    # Inside a compiled layer Dynamo traces the non-reentrant form (a higher-order op whose region AOTAutograd
+    # recomputes in backward); the reentrant form would break the graph.
+    reentrant = not torch.compiler.is_compiling()
+    return checkpoint(fn, *tensors, use_reentrant=reentrant, preserve_rng_state=False)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class Mechanism:
         self.recorder: Optional[Recorder] = None
         self.kernels = None  # a fast-path namespace (mega_depth.kernels) or None: the eager math
         self.recompute_mixing = True  # with a fast path: see `recomputes`
+        self.compiled_layer_forward: Optional[Callable] = None  # --compile-layers: torch.compile(layer_forward)
 
     # --- config -------------------------------------------------------------------------------------------------
     @classmethod
@@ -216,10 +221,17 @@ class Mechanism:
         """One transformer layer on the state; returns the new state."""
         raise NotImplementedError
 
+    def prepare(self, layers: Sequence, state) -> None:
+        """Set up, outside any compiled layer, what spans the `layers` that run next (Block AttnRes: each block's
+        stacked queries for its phase 1)."""
+
     def run_layers(self, layers: Sequence, state):
-        """Consecutive layers of one stage (or one recompute chunk). Override to work across layers at once."""
+        """Consecutive layers of one stage (or one recompute chunk): `prepare`, then layer by layer, through the
+        compiled layer_forward where --compile-layers set one (not while recording: a probe reads weights out)."""
+        self.prepare(layers, state)
+        forward = self.compiled_layer_forward if self.recorder is None else None
         for layer in layers:
-            state = self.layer_forward(layer, state)
+            state = (forward or self.layer_forward)(layer, state)
         return state
 
     def final_hidden(self, state, decoder) -> Tensor:

@@ -51,6 +51,11 @@ class StreamMechanism(Mechanism):
     def collapse(self) -> str:
         return getattr(self.residual, self.collapse_option)
 
+    @property
+    def eps_style(self) -> str:
+        """Where the learned collapse head's RMS takes its eps (mixing.mhc_flat_rms); mHC follows --mhc-eps-style."""
+        return "clamp"
+
     def final_modules(self, dtype=None):
         if self.collapse() != "learned":
             return {}
@@ -67,7 +72,7 @@ class StreamMechanism(Mechanism):
         if kind == "mean":
             return x.mean(0)
         head = getattr(decoder, self.final_name)
-        return streams_in(x, mhc_head_weights(x, head.phi, head.bias, head.alpha))
+        return streams_in(x, mhc_head_weights(x, head.phi, head.bias, head.alpha, self.eps_style))
 
     def layer_forward(self, layer, state):
         for kind, run in (("attn", layer.attention_sublayer), ("mlp", layer.mlp_sublayer)):

@@ -52,8 +52,9 @@ class MHC(StreamMechanism):
         Option("mhc_sinkhorn_iters", int, 20, "mHC: Sinkhorn-Knopp iterations for H_res"),
         Option("mhc_sk_order", str, "paper", "mHC: per iteration normalise columns then rows (paper, DeepSeek: rows "
                "exact) or rows then columns (Megatron-LM)", MHC_SK_ORDERS),
-        Option("mhc_eps_style", str, "clamp", "mHC: clamp: divide by max(sum, 1e-6), r + 1e-6; deepseek: +1e-6 to "
-               "the Sinkhorn sums and after the first normalisation, sigmoid + 1e-6, epsilon inside the RMS",
+        Option("mhc_eps_style", str, "clamp", "mHC: clamp: Sinkhorn from exp(R - max R), divisions by max(sum, "
+               "1e-6), r + 1e-6; deepseek (DeepSeek-V4's code): Sinkhorn from an exact softmax + 1e-6, divisions by "
+               "sum + 1e-6, sigmoid + 1e-6 for H_pre, 1e-6 inside the RMS (also the learned collapse head's)",
                MHC_EPS_STYLES),
         Option("mhc_init", str, "default", "mHC: default (phi 0, LUMIA biases), megatron (xavier phi, zero "
                "biases), lumia (N(0, 0.01) phi, LUMIA biases)", INITS),
@@ -72,6 +73,10 @@ class MHC(StreamMechanism):
         r = cfg.residual
         fail(r.hc_expansion >= 1, "--hc-expansion must be >= 1 (mHC uses 4)")
         fail(r.mhc_sinkhorn_iters >= 1, "--mhc-sinkhorn-iters must be >= 1 (the paper uses 20)")
+
+    @property
+    def eps_style(self):
+        return self.residual.mhc_eps_style
 
     def layer_modules(self, layer, dtype=None):
         d, init = self.shape.hidden_size, self.residual.mhc_init

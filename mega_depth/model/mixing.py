@@ -302,21 +302,31 @@ MHC_EPS_STYLES = ("clamp", "deepseek")
 
 
 def sinkhorn(logits: Tensor, iters: int, order: str = "paper", eps_style: str = "clamp", eps: float = 1e-6) -> Tensor:
-    """Sinkhorn-Knopp on [*, n, n] logits (eq. 9), fp32: M0 = exp(R - max R), then `iters` times normalise columns
-    then rows ("paper": rows end exact) or rows then columns ("megatron"). clamp: divide by max(sum, eps);
-    deepseek: by sum + eps, and eps added after the first normalisation."""
-    m = torch.exp(fp32(logits) - fp32(logits).amax(dim=(-2, -1), keepdim=True).detach())
+    """Sinkhorn-Knopp on [*, n, n] logits (eq. 9), fp32. "paper": each iteration normalises the columns, then the
+    rows (rows end exact); "megatron": rows, then columns.
+
+    clamp (the paper's form, Megatron-LM's eps): M0 = exp(R - max R), then `iters` iterations, each division by
+    max(sum, eps). The max is not detached: once a clamp fires the result depends on the shift, so its gradient
+    flows through max R too (where no clamp fires that gradient is exactly zero).
+    deepseek (DeepSeek-V4's code, HF transformers' DeepseekV4HyperConnection): the first normalisation is an exact
+    softmax of R along the axis normalised first, plus eps; every later division is by sum + eps; the first
+    iteration counts as one of `iters`."""
+    if iters < 1:
+        raise ValueError(f"Sinkhorn needs at least one iteration, got {iters}")
+    r = fp32(logits)
+    first, second = (-2, -1) if order == "paper" else (-1, -2)  # -2: column sums (over rows i); -1: row sums
 
     def normalise(t: Tensor, dim: int) -> Tensor:
         total = t.sum(dim, keepdim=True)
         return t / (total.clamp(min=eps) if eps_style == "clamp" else total + eps)
 
-    dims = (-2, -1) if order == "paper" else (-1, -2)  # -2: column sums; -1: row sums
-    for it in range(iters):
-        m = normalise(m, dims[0])
-        if it == 0 and eps_style == "deepseek":
-            m = m + eps
-        m = normalise(m, dims[1])
+    if eps_style == "deepseek":
+        m = normalise(torch.softmax(r, dim=first) + eps, second)
+        iters -= 1
+    else:
+        m = torch.exp(r - r.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = normalise(normalise(m, first), second)
     return m
 
 
@@ -335,11 +345,7 @@ def mhc_maps(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tensor, alph
              eps_style: str = "clamp", eps: float = 1e-6):
     """mhc_coefficients before Sinkhorn: H_pre [n, *], H_post [n, *] and H_res's logits [*, n, n], fp32."""
     n = streams.shape[0]
-    flat = fp32(streams).movedim(0, -2).flatten(-2)  # [*, n*d]
-    if eps_style == "deepseek":
-        r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
-    else:
-        r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True)) + eps
+    flat, r = mhc_flat_rms(streams, eps_style, eps)
     proj = flat @ fp32(phi).T  # [*, n^2 + 2n]
     scale = torch.cat([fp32(alpha_pre).expand(n), fp32(alpha_post).expand(n), fp32(alpha_res).expand(n * n)])
     coeff = proj * scale / r + fp32(bias)
@@ -348,10 +354,20 @@ def mhc_maps(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tensor, alph
     return pre.movedim(-1, 0), post.movedim(-1, 0), coeff[..., 2 * n:].unflatten(-1, (n, n))
 
 
-def mhc_head_weights(streams: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, eps: float = 1e-6) -> Tensor:
-    """The learned collapse (DeepSeek-V4's hc_head): w_i = sigmoid(alpha (x~ phi)_i / r + b_i) + eps -> [n, *]."""
+def mhc_flat_rms(streams: Tensor, eps_style: str = "clamp", eps: float = 1e-6):
+    """(x~, r): the streams of each token concatenated [*, n*d] (fp32) and their gain-less RMS [*, 1], with eps
+    added to r (clamp) or inside the root (deepseek, as DeepSeek-V4's code)."""
     flat = fp32(streams).movedim(0, -2).flatten(-2)
-    r = torch.sqrt(flat.pow(2).mean(-1, keepdim=True)) + eps
+    mean_square = flat.pow(2).mean(-1, keepdim=True)
+    r = torch.sqrt(mean_square + eps) if eps_style == "deepseek" else torch.sqrt(mean_square) + eps
+    return flat, r
+
+
+def mhc_head_weights(streams: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, eps_style: str = "clamp",
+                     eps: float = 1e-6) -> Tensor:
+    """The learned collapse (DeepSeek-V4's hc_head): w_i = sigmoid(alpha (x~ phi)_i / r + b_i) + eps -> [n, *], with
+    r as mhc_maps computes it for the same eps style."""
+    flat, r = mhc_flat_rms(streams, eps_style, eps)
     return (torch.sigmoid(fp32(alpha) * (flat @ fp32(phi).T) / r + fp32(bias)) + eps).movedim(-1, 0)
 
 

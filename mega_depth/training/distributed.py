@@ -19,6 +19,15 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def to_device(batch: dict) -> dict:
+    """A micro-batch's host tensors on this rank's device without a host sync: through pinned memory on a GPU (a
+    non_blocking copy from pageable memory would wait for the GPU's queue)."""
+    dev = device()
+    if dev.type == "cpu":
+        return dict(batch)
+    return {k: v.pin_memory().to(dev, non_blocking=True) for k, v in batch.items()}
+
+
 def init_process_group() -> int:
     """NCCL on GPU, gloo on CPU; works under torchrun / the deepspeed launcher and as one plain process."""
     if not torch.distributed.is_initialized():

@@ -40,10 +40,10 @@ LAYOUTS = {
     # DCA's recomputed QKV projection under TP without SP (inputs copied to the TP region, input grads all-reduced):
     # the fused path's other TP branch.
     "tp2-fused": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca,dca-2"),
-    # --compile-layers (inductor on the norms, attention and MLP), with the fused mixing as on a GPU, and under TP
-    # (Megatron's TP linears and their collectives inside the compiled attention/MLP).
-    "single-compiled": (1, ["--compile-layers", "--mixing-impl", "triton"], True,
-                        "standard,attnres-block,dca,depth-attention"),
+    # --compile-layers (inductor on whole layers: norms, attention, MLP and the mixing's custom ops), every
+    # mechanism with the fused mixing as on a GPU; and under TP (Megatron's TP linears and their collectives inside
+    # the compiled layers).
+    "single-compiled": (1, ["--compile-layers", "--mixing-impl", "triton"], True, None),
     "tp2-compiled": (2, ["--tensor-model-parallel-size", "2", "--compile-layers"], True,
                      "standard,dca,depth-attention"),
 }
@@ -98,16 +98,20 @@ def test_layout_matches_single_process(runs, layout, mechanism):
 
 
 @pytest.mark.parametrize("layout", COMPILED)
-def test_compiled_layers_were_compiled(runs, layout):
-    """The compiled layouts above ran compiled code: every layer's four sublayer modules (norms, attention, MLP)
-    went through torch.compile and Dynamo captured graphs (an eager run writes 0 and 0)."""
-    for mechanism in LAYOUTS[layout][3].split(","):
+def test_compiled_layers_were_compiled_whole(runs, layout):
+    """The compiled layouts above ran compiled code: every layer went through torch.compile whole, mixing
+    included, and Dynamo captured graphs (an eager run writes zeros). In one process not one graph break, for
+    every mechanism: the mixing's custom ops, its recomputation and Depth-Attention's value mixer are traced."""
+    only = LAYOUTS[layout][3]
+    for mechanism in (only.split(",") if only else MECHANISMS):
         compiled = json.loads((runs / layout / mechanism / "compiled.json").read_text())
         # no pipeline split in these layouts: rank 0 holds every layer
-        assert compiled["modules"] == 4 * NUM_LAYERS, (layout, mechanism, compiled)
+        assert compiled["layers"] == NUM_LAYERS, (layout, mechanism, compiled)
         assert compiled["graphs_in_process"] > 0, (layout, mechanism, compiled)
+        if LAYOUTS[layout][0] == 1:
+            assert compiled["graph_breaks"] == 0, (layout, mechanism, compiled)
     eager = json.loads((runs / "single" / "standard" / "compiled.json").read_text())
-    assert eager == {"modules": 0, "graphs_in_process": 0}
+    assert eager == {"layers": 0, "graphs_in_process": 0, "graph_breaks": 0}
 
 
 def test_losses_fall_and_mechanisms_act(runs):

@@ -4,8 +4,9 @@ Run under torchrun (one launch per layout, all mechanisms inside it, so imports 
     torchrun --nproc-per-node N tests/scripts/run_layout.py OUT_DIR [layout flags...]
 Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (TP rank 0 and DP rank 0
 of each stage, full tensors under global names), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
-OUT_DIR/<mechanism>/compiled.json (rank 0: modules compiled by --compile-layers, graphs Dynamo has captured in the
-process so far: a later mechanism may reuse the graphs of an earlier one).
+OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
+the process so far (a later mechanism may reuse the graphs of an earlier one), and the graph breaks Dynamo met while
+this mechanism trained).
 MECHANISMS=a,b limits the mechanisms.
 """
 
@@ -53,11 +54,11 @@ def full_grads(modules) -> dict:
     return out
 
 
-def _dynamo_graphs() -> int:
-    """Graphs Dynamo has captured in this process so far."""
+def _dynamo_counts():
+    """(graphs Dynamo has captured in this process so far, graph breaks it has met so far)."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"]
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def main() -> None:
@@ -75,6 +76,7 @@ def main() -> None:
         if only and name not in only.split(","):
             continue
         cfg = parse_args(LAYOUT_MODEL + flags + layout).validate(world)
+        _, breaks_before = _dynamo_counts()
         backend = MegatronBackend(cfg)
         backend.build()
         mbs, nmb, dp, dp_rank = backend.sampler_shape
@@ -98,10 +100,11 @@ def main() -> None:
         if rank == 0:
             with open(os.path.join(run_dir, "losses.json"), "w") as f:
                 json.dump(losses, f)
+            graphs, breaks = _dynamo_counts()
             with open(os.path.join(run_dir, "compiled.json"), "w") as f:  # --compile-layers took effect
-                json.dump({"modules": sum(getattr(m, "_compiled_call_impl", None) is not None
-                                          for chunk in backend.modules for m in chunk.modules()),
-                           "graphs_in_process": _dynamo_graphs()}, f)
+                json.dump({"layers": sum(getattr(m, "compiled_whole", False)
+                                         for chunk in backend.modules for m in chunk.modules()),
+                           "graphs_in_process": graphs, "graph_breaks": breaks - breaks_before}, f)
         backend.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -23,7 +23,8 @@ from mega_depth.config import Config, ConfigError
 from mega_depth.init import padded_vocab_size, seed_everything
 from mega_depth.megatron import cpu_compat
 from mega_depth.training import rng
-from mega_depth.training.distributed import Collectives, device, init_process_group
+from mega_depth.training.distributed import Collectives, init_process_group, to_device
+from mega_depth.training.host_sync import intended
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
 
@@ -141,7 +142,7 @@ class DeepSpeedBackend(Collectives):
     def _losses(self, microbatches, poison: bool, train: bool) -> float:
         losses = []
         for i, batch in enumerate(microbatches):
-            batch = {k: v.to(device()) for k, v in batch.items()}
+            batch = to_device(batch)
             per_token = self.engine(batch["tokens"], batch["position_ids"], attention_mask=None,
                                     labels=batch["labels"])
             loss = token_mean_loss(per_token, batch["loss_mask"], poison)
@@ -150,9 +151,10 @@ class DeepSpeedBackend(Collectives):
                 if i < len(microbatches) - 1:
                     self.engine.step()  # inside the accumulation window: no update
             losses.append(loss.detach())
-        mean = torch.stack(losses).mean().reshape(1).to(device())
+        mean = torch.stack(losses).mean().reshape(1)
         torch.distributed.all_reduce(mean)
-        return float(mean.item()) / self.dp
+        with intended("the step's loss, for logging and the NaN policy"):  # the step's one host sync
+            return float(mean.item()) / self.dp
 
     def forward_backward(self, microbatches, poison: bool = False) -> float:
         return self._losses(microbatches, poison, train=True)  # the boundary step is update()'s or discard()'s

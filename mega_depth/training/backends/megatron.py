@@ -13,7 +13,8 @@ from mega_depth.config import Config
 from mega_depth.init import seed_everything
 from mega_depth.megatron import cpu_compat
 from mega_depth.training import rng
-from mega_depth.training.distributed import Collectives, device, init_process_group
+from mega_depth.training.distributed import Collectives, device, init_process_group, to_device
+from mega_depth.training.host_sync import intended
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
 
@@ -108,7 +109,7 @@ class MegatronBackend(Collectives):
 
         for pipe in pipelines_of(self.model):
             pipe.start_step()
-        batches = [{k: v.to(device(), non_blocking=True) for k, v in b.items()} for b in microbatches]
+        batches = [to_device(b) for b in microbatches]
 
         def loss_func(loss_mask, output_tensor):
             loss = token_mean_loss(output_tensor, loss_mask, poison)
@@ -129,12 +130,12 @@ class MegatronBackend(Collectives):
         # The step's mean loss on every rank: averaged over micro-batches on the last stage, then over DP.
         reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
             parallel_state.get_tensor_model_parallel_rank() == 0
-        value = torch.zeros(1, dtype=torch.float64)
+        value = torch.zeros(1, dtype=torch.float64, device=device())
         if reporter and losses:
-            value[0] = torch.stack([l["lm loss"].double().cpu() for l in losses]).mean()
-        value = value.to(device())
+            value = torch.stack([l["lm loss"].double() for l in losses]).mean().reshape(1)
         torch.distributed.all_reduce(value)
-        return float(value.item()) / parallel_state.get_data_parallel_world_size()
+        with intended("the step's loss, for logging and the NaN policy"):  # the step's one host sync
+            return float(value.item()) / parallel_state.get_data_parallel_world_size()
 
     @property
     def lr(self) -> float:

@@ -1,0 +1,579 @@
+"""Block AttnRes's exact two-phase computation, fused (references: mixing.attnres_block_phase1 / _phase2).
+
+    attnres_phase1_sources(completed, queries, key_norm_weights, eps, weight, heads) -> (m, z, o)
+        all S queries of a block against the n completed blocks in one pass over the blocks: per query the running
+        max m [S, *, H], the sum of exponentials z [S, *, H] (relative to m) and the unnormalised sum o [S, *, d].
+        Saves: queries, key-norm gains, the n blocks (references) and m itself. m is a detached stabiliser, so
+        p_sj = exp(l_sj - m_s) is local to block j and backward is one pass over the blocks. m (and z with sigmoid
+        weights, where m = 0 and z = 1) are non-differentiable outputs, as in the reference.
+    attnres_phase2(m, z, o, partial, query, key_norm_weight, eps, weight, heads) -> [*, d]
+        one sublayer's online-softmax merge of the block's partial sum into phase 1's (m, z, o). Saves its inputs
+        (references); backward recomputes the partial's logit. With sigmoid weights and no partial it returns o.
+
+The ops are `mega_depth::attnres_phase1` and `mega_depth::attnres_phase2` (each with a `_backward` op).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from mega_depth.kernels.attnres_mix import accumulate
+from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block,
+                                       check_heads, contiguous, depth_weight_is_sigmoid, folded_query,
+                                       folded_query_torch, jit, launch, nothing, pointer_at, pointer_table, pow2,
+                                       programs, rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton, warps)
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@jit
+def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, H, eps, TOK,
+                       BS: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr):
+    pid = tl.program_id(0)
+    os_ = tl.arange(0, BS)
+    oh, offs, cmask = channel_block(C, H, BH, BC)
+    smask = os_ < S
+    qoffs = os_[:, None, None] * D + offs[None, :, :]
+    f = folded_query(q_ptr, g_ptr, qoffs, smask[:, None, None] & cmask[None, :, :], o_ptr, NORM)  # [BS, BH, BC]
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        mask = cmask & (n < N)
+        acc = tl.zeros([BS, BH, BC], dtype=tl.float32)
+        m = tl.full([BS, BH], float("-inf"), tl.float32)
+        z = tl.zeros([BS, BH], dtype=tl.float32)
+        for k in range(K):  # each completed block read once for all S queries
+            v = tl.load(pointer_at(table, k, o_ptr) + n * D + offs, mask=mask, other=0.).to(tl.float32)
+            s = tl.sum(v[None, :, :] * f, axis=2)
+            if NORM:
+                s = s * rms_inverse(v, D, eps)
+            if SIGMOID:
+                acc += tl.sigmoid(s)[:, :, None] * v[None, :, :]
+            else:
+                m_new = tl.maximum(m, s)
+                scale = tl.exp(m - m_new)
+                p = tl.exp(s - m_new)
+                z = z * scale + p
+                acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+                m = m_new
+        omask = smask[:, None, None] & mask[None, :, :]
+        orow = os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :]
+        tl.store(o_ptr + orow, acc.to(o_ptr.dtype.element_ty), mask=omask)
+        if not SIGMOID:
+            soffs = os_[:, None].to(tl.int64) * N * H + n * H + oh[None, :]
+            smask2 = smask[:, None] & (oh < H)[None, :] & (n < N)
+            tl.store(m_ptr + soffs, m, mask=smask2)
+            tl.store(z_ptr + soffs, z, mask=smask2)
+
+
+@jit
+def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, df_ptr, K, N, S, D, C, H, eps, TOK,
+                       BS: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
+    """One pass per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its
+    gradient are local to block j (no normalisation couples the blocks)."""
+    pid = tl.program_id(0)
+    os_ = tl.arange(0, BS)
+    oh, offs, cmask = channel_block(C, H, BH, BC)
+    smask = os_ < S
+    qoffs = os_[:, None, None] * D + offs[None, :, :]
+    qmask = smask[:, None, None] & cmask[None, :, :]
+    f = folded_query(q_ptr, g_ptr, qoffs, qmask, go_ptr, NORM)
+    total = tl.zeros([BS, BH, BC], dtype=tl.float32)  # dL/d(folded queries), summed over tokens
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        mask = cmask & (n < N)
+        omask = smask[:, None, None] & mask[None, :, :]
+        go = tl.load(go_ptr + os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :], mask=omask,
+                     other=0.).to(tl.float32)
+        if not SIGMOID:
+            soffs = os_[:, None].to(tl.int64) * N * H + n * H + oh[None, :]
+            smask2 = smask[:, None] & (oh < H)[None, :] & (n < N)
+            m = tl.load(m_ptr + soffs, mask=smask2, other=0.)
+            if HAS_GZ:
+                gz = tl.load(gz_ptr + soffs, mask=smask2, other=0.)
+        for k in range(K):
+            v = tl.load(pointer_at(table, k, go_ptr) + n * D + offs, mask=mask, other=0.).to(tl.float32)
+            dot = tl.sum(v[None, :, :] * f, axis=2)  # [BS, BH]
+            l = dot
+            if NORM:
+                r = rms_inverse(v, D, eps)
+                l = dot * r
+            gov = tl.sum(go * v[None, :, :], axis=2)
+            if SIGMOID:
+                p = tl.sigmoid(l)
+                dl = gov * p * (1. - p)
+            else:
+                p = tl.exp(l - m)
+                if HAS_GZ:
+                    gov = gov + gz
+                dl = gov * p
+            dl = tl.where(smask[:, None], dl, 0.)
+            p = tl.where(smask[:, None], p, 0.)
+            dv = tl.sum(p[:, :, None] * go, axis=0)
+            if NORM:
+                dr = tl.sum(tl.sum(dl * dot, axis=1), axis=0)
+                dl = dl * r
+                dv += tl.sum(dl[:, :, None] * f, axis=0) - (dr * r * r * r / D) * v
+            else:
+                dv += tl.sum(dl[:, :, None] * f, axis=0)
+            total += dl[:, :, None] * v[None, :, :]
+            tl.store(pointer_at(gtable, k, go_ptr) + n * D + offs, dv.to(go_ptr.dtype.element_ty), mask=mask)
+    tl.atomic_add(df_ptr + qoffs, total, mask=qmask)
+
+
+@jit
+def _partial_logit(x_ptr, f, row, mask, D, eps, NORM: tl.constexpr):
+    """(x, its dot with the folded query per head, its logit, 1 / RMS(x) or 0) of the partial sum's row."""
+    x = tl.load(x_ptr + row, mask=mask, other=0.).to(tl.float32)
+    dot = tl.sum(x * f, axis=1)
+    r = 0.
+    l = dot
+    if NORM:
+        r = rms_inverse(x, D, eps)
+        l = dot * r
+    return x, dot, l, r
+
+
+@jit
+def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, out_ptr, N, D, C, H, eps, TOK,
+                       BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr):
+    pid = tl.program_id(0)
+    oh, offs, cmask = channel_block(C, H, BH, BC)
+    hmask = oh < H
+    if HAS_PARTIAL:
+        f = folded_query(q_ptr, g_ptr, offs, cmask, x_ptr, NORM)
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        mask = cmask & (n < N)
+        row = n * D + offs
+        o = tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32)
+        if HAS_PARTIAL:
+            x, _, l, _ = _partial_logit(x_ptr, f, row, mask, D, eps, NORM)
+            if SIGMOID:
+                out = o + tl.sigmoid(l)[:, None] * x
+            else:
+                m = tl.load(m_ptr + n * H + oh, mask=hmask & (n < N), other=0.)
+                z = tl.load(z_ptr + n * H + oh, mask=hmask & (n < N), other=1.)
+                m_new = tl.maximum(m, l)
+                a = tl.exp(m - m_new)
+                b = tl.exp(l - m_new)
+                out = (o * a[:, None] + x * b[:, None]) / (z * a + b)[:, None]
+        else:
+            z = tl.load(z_ptr + n * H + oh, mask=hmask & (n < N), other=1.)
+            out = o / z[:, None]
+        tl.store(out_ptr + row, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr, dz_ptr, do_ptr, dx_ptr, df_ptr,
+                       N, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr,
+                       NORM: tl.constexpr, SIGMOID: tl.constexpr):
+    """With a = exp(m - M), b = exp(l - M), den = z a + b (M = max(m, l), a constant) and A = a / den,
+    B = b / den: out = o A + x B, so do = go A, dx = go B (+ the logit's path), dz = -A (go . out),
+    dm = A (go . (o - z out)), dl = B (go . (x - out)) per head. Sigmoid: do = go (left to the host)."""
+    pid = tl.program_id(0)
+    oh, offs, cmask = channel_block(C, H, BH, BC)
+    hmask = oh < H
+    if HAS_PARTIAL:
+        f = folded_query(q_ptr, g_ptr, offs, cmask, x_ptr, NORM)
+    total = tl.zeros([BH, BC], dtype=tl.float32)
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        mask = cmask & (n < N)
+        hm = hmask & (n < N)
+        row = n * D + offs
+        go = tl.load(go_ptr + row, mask=mask, other=0.).to(tl.float32)
+        if HAS_PARTIAL:
+            x, dot, l, r = _partial_logit(x_ptr, f, row, mask, D, eps, NORM)
+            if SIGMOID:
+                sg = tl.sigmoid(l)
+                dx = go * sg[:, None]
+                dl = tl.sum(go * x, axis=1) * sg * (1. - sg)
+            else:
+                o = tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32)
+                m = tl.load(m_ptr + n * H + oh, mask=hm, other=0.)
+                z = tl.load(z_ptr + n * H + oh, mask=hm, other=1.)
+                m_new = tl.maximum(m, l)
+                a = tl.exp(m - m_new)
+                b = tl.exp(l - m_new)
+                den = z * a + b
+                aa = a / den
+                bb = b / den
+                out = o * aa[:, None] + x * bb[:, None]
+                tl.store(do_ptr + row, (go * aa[:, None]).to(go_ptr.dtype.element_ty), mask=mask)
+                tl.store(dz_ptr + n * H + oh, -aa * tl.sum(go * out, axis=1), mask=hm)
+                tl.store(dm_ptr + n * H + oh, aa * tl.sum(go * (o - z[:, None] * out), axis=1), mask=hm)
+                dx = go * bb[:, None]
+                dl = bb * tl.sum(go * (x - out), axis=1)
+            if NORM:
+                dr = tl.sum(dl * dot, axis=0)
+                dl = dl * r
+                dx += dl[:, None] * f - (dr * r * r * r / D) * x
+            else:
+                dx += dl[:, None] * f
+            total += dl[:, None] * x
+            tl.store(dx_ptr + row, dx.to(x_ptr.dtype.element_ty), mask=mask)
+        else:  # softmax without a partial: out = o / z
+            o = tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32)
+            z = tl.load(z_ptr + n * H + oh, mask=hm, other=1.)
+            tl.store(do_ptr + row, (go / z[:, None]).to(go_ptr.dtype.element_ty), mask=mask)
+            tl.store(dz_ptr + n * H + oh, -tl.sum(go * o, axis=1) / (z * z), mask=hm)
+    if HAS_PARTIAL:
+        tl.atomic_add(df_ptr + offs, total, mask=cmask)
+
+
+def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
+    """-> m [S, N, H] fp32, z [S, N, H] fp32, o [S, N, d] in the source dtype."""
+    (n, d), s = srcs[0].shape, q.shape[0]
+    o = torch.empty((s, n, d), dtype=srcs[0].dtype, device=srcs[0].device)
+    m = (torch.zeros if sigmoid else torch.empty)((s, n, heads), dtype=F32, device=o.device)  # sigmoid: m = 0
+    z = (torch.ones if sigmoid else torch.empty)((s, n, heads), dtype=F32, device=o.device)  # and z = 1
+    if n == 0:
+        return m, z, o
+    bs, bh, bc = pow2(s), pow2(heads), pow2(d // heads)
+    count, tok = programs(n, o.device, reduces=False)
+    launch(_phase1_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs), n, s,
+                                          d, d // heads, heads, eps, tok),
+           warps(bs * bh * bc, 2), BS=bs, BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid)
+    return m, z, o
+
+
+def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[Tensor], q: Tensor,
+                       g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
+    """-> (block gradients, dq [S, d] fp32, dg [S, d] fp32 or None)."""
+    (n, d), s = srcs[0].shape, q.shape[0]
+    grads = [torch.empty_like(x) for x in srcs]
+    df = torch.zeros((s, d), dtype=F32, device=go.device)
+    if n > 0:
+        bs, bh, bc = pow2(s), pow2(heads), pow2(d // heads)
+        count, tok = programs(n, go.device, reduces=True)
+        launch(_phase1_bwd_kernel, (count,), (pointer_table(srcs), pointer_table(grads), q, q if g is None else g, m,
+                                              go, m if gz is None else gz, df, len(srcs), n, s, d, d // heads, heads,
+                                              eps, tok),
+               warps(bs * bh * bc, 3), BS=bs, BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid,
+               HAS_GZ=gz is not None)
+    if g is None:
+        return grads, df, None
+    return grads, df * g.float(), df * q.float()
+
+
+def _triton_phase2_fwd(m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor, g: Optional[Tensor],
+                       eps: float, sigmoid: bool, heads: int) -> Tensor:
+    n, d = o.shape
+    out = torch.empty_like(o)
+    if n == 0:
+        return out
+    bh, bc = pow2(heads), pow2(d // heads)
+    count, tok = programs(n, o.device, reduces=False)
+    launch(_phase2_fwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, out, n, d,
+                                          d // heads, heads, eps, tok),
+           warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
+    return out
+
+
+def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor,
+                       g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
+    """-> (dm, dz, do, dx, dq, dg): dm/dz fp32 [N, H] or None (sigmoid), do None with sigmoid (it is go), dq/dg
+    fp32 or None (no partial)."""
+    n, d = o.shape
+    dev = go.device
+    dm = torch.zeros_like(m, dtype=F32) if x is not None and not sigmoid else None
+    dz = torch.zeros_like(z, dtype=F32) if not sigmoid else None
+    do = None if sigmoid else torch.empty_like(o)
+    dx = torch.empty_like(x) if x is not None else None
+    df = torch.zeros(d, dtype=F32, device=dev) if x is not None else None
+    if n > 0 and (x is not None or not sigmoid):
+        bh, bc = pow2(heads), pow2(d // heads)
+        count, tok = programs(n, dev, reduces=x is not None)
+        launch(_phase2_bwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, go,
+                                              go if dm is None else dm, go if dz is None else dz,
+                                              go if do is None else do, go if dx is None else dx,
+                                              go if df is None else df, n, d, d // heads, heads, eps, tok),
+               warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
+    if df is None:
+        return dm, dz, do, dx, None, None
+    if g is None:
+        return dm, dz, do, dx, df, None
+    return dm, dz, do, dx, df * g.float(), df * q.float()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The torch twins
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _torch_phase1_fwd(srcs, q, g, eps, sigmoid, heads):
+    (n, d), dt, s_ = srcs[0].shape, srcs[0].dtype, q.shape[0]
+    ct, c = accumulation_dtype(dt), d // heads
+    f = folded_query_torch(q, g, dt, ct).view(s_, 1, heads, c)
+    acc, m, z = accumulate(srcs, f, (1, n, heads, c), (s_, n, heads, c), ct, g, eps, sigmoid)
+    if sigmoid:
+        m, z = torch.zeros_like(m), torch.ones_like(z)
+    return m.to(ct), z.to(ct), acc.view(s_, n, d).to(dt)
+
+
+def _torch_phase1_bwd(go, gz, m, srcs, q, g, eps, sigmoid, heads):
+    (n, d), dt, s_ = srcs[0].shape, srcs[0].dtype, q.shape[0]
+    ct, c = accumulation_dtype(dt), d // heads
+    f = folded_query_torch(q, g, dt, ct).view(s_, 1, heads, c)
+    go = go.to(ct).view(s_, n, heads, c)
+    df = torch.zeros(s_, n, heads, c, dtype=ct, device=go.device)
+    grads = []
+    for src in srcs:  # one pass: m is a constant, so every block's weight is local to it
+        v = src.to(ct).view(1, n, heads, c)
+        dot = (v * f).sum(-1)
+        logit = dot
+        if g is not None:
+            r = rms_inverse_torch(v, eps)  # [1, N]
+            logit = dot * r.unsqueeze(-1)
+        gov = (go * v).sum(-1)
+        if sigmoid:
+            p = torch.sigmoid(logit)
+            dl = gov * p * (1 - p)
+        else:
+            p = torch.exp(logit - m.to(ct))
+            dl = (gov if gz is None else gov + gz.to(ct)) * p
+        dv = (p.unsqueeze(-1) * go).sum(0)
+        if g is not None:
+            dr = (dl * dot).sum((0, 2))  # [N]
+            dl = dl * r.unsqueeze(-1)
+            dv = dv - (dr * r[0].pow(3) / d).view(n, 1, 1) * v[0]
+        dv = dv + (dl.unsqueeze(-1) * f).sum(0)
+        df += dl.unsqueeze(-1) * v
+        grads.append(dv.view(n, d).to(dt))
+    df = df.sum(1).view(s_, d)
+    if g is None:
+        return grads, df, None
+    return grads, df * g.to(ct), df * q.to(ct)
+
+
+def _phase2_logit(x, q, g, eps, heads):
+    n, d = x.shape
+    ct = accumulation_dtype(x.dtype)
+    f = folded_query_torch(q, g, x.dtype, ct).view(heads, d // heads)
+    xv = x.to(ct).view(n, heads, d // heads)
+    dot = (xv * f).sum(-1)
+    r = rms_inverse_torch(xv, eps) if g is not None else None
+    return xv, f, dot, (dot if r is None else dot * r.unsqueeze(-1)), r
+
+
+def _torch_phase2_fwd(m, z, o, x, q, g, eps, sigmoid, heads):
+    n, d = o.shape
+    ct = accumulation_dtype(o.dtype)
+    ov = o.to(ct).view(n, heads, d // heads)
+    if x is None:
+        return (ov / z.to(ct).unsqueeze(-1)).view(n, d).to(o.dtype)
+    xv, _, _, logit, _ = _phase2_logit(x, q, g, eps, heads)
+    if sigmoid:
+        out = ov + torch.sigmoid(logit).unsqueeze(-1) * xv
+    else:
+        m, z = m.to(ct), z.to(ct)
+        m_new = torch.maximum(m, logit)
+        a, b = torch.exp(m - m_new), torch.exp(logit - m_new)
+        out = (ov * a.unsqueeze(-1) + xv * b.unsqueeze(-1)) / (z * a + b).unsqueeze(-1)
+    return out.view(n, d).to(o.dtype)
+
+
+def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads):
+    n, d = o.shape
+    ct, c = accumulation_dtype(o.dtype), d // heads
+    gov = go.to(ct).view(n, heads, c)
+    ov = o.to(ct).view(n, heads, c)
+    if x is None:  # softmax: out = o / z
+        zz = z.to(ct)
+        return None, -(gov * ov).sum(-1) / zz.pow(2), (gov / zz.unsqueeze(-1)).view(n, d).to(o.dtype), \
+            None, None, None
+    xv, f, dot, logit, r = _phase2_logit(x, q, g, eps, heads)
+    if sigmoid:
+        sg = torch.sigmoid(logit)
+        dm = dz = do = None
+        dx = gov * sg.unsqueeze(-1)
+        dl = (gov * xv).sum(-1) * sg * (1 - sg)
+    else:
+        m, z = m.to(ct), z.to(ct)
+        m_new = torch.maximum(m, logit)
+        a, b = torch.exp(m - m_new), torch.exp(logit - m_new)
+        den = z * a + b
+        aa, bb = a / den, b / den
+        out = ov * aa.unsqueeze(-1) + xv * bb.unsqueeze(-1)
+        do = (gov * aa.unsqueeze(-1)).view(n, d).to(o.dtype)
+        dz = -aa * (gov * out).sum(-1)
+        dm = aa * (gov * (ov - z.unsqueeze(-1) * out)).sum(-1)
+        dx = gov * bb.unsqueeze(-1)
+        dl = bb * (gov * (xv - out)).sum(-1)
+    if r is not None:
+        dr = (dl * dot).sum(-1)
+        dl = dl * r.unsqueeze(-1)
+        dx = dx - (dr * r.pow(3) / d).view(n, 1, 1) * xv
+    dx = dx + dl.unsqueeze(-1) * f
+    df = (dl.unsqueeze(-1) * xv).sum(0).view(d)
+    dq, dg = (df, None) if g is None else (df * g.to(ct), df * q.to(ct))
+    return dm, dz, do, dx.view(n, d).to(x.dtype), dq, dg
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mega_depth::attnres_phase1", mutates_args=())
+def phase1_op(completed: List[Tensor], queries: Tensor, key_norm_weights: Optional[Tensor], eps: float,
+              sigmoid: bool, heads: int) -> List[Tensor]:
+    """n blocks [*, d]; queries / key_norm_weights [S, d] -> [m [S, *, H] fp32, z [S, *, H] fp32, o [S, *, d]]."""
+    lead, d = completed[0].shape[:-1], completed[0].shape[-1]
+    srcs = [rows(b, d) for b in completed]
+    fwd = _triton_phase1_fwd if uses_triton(srcs[0]) else _torch_phase1_fwd
+    m, z, o = fwd(srcs, queries.contiguous(), contiguous(key_norm_weights), eps, sigmoid, heads)
+    s = queries.shape[0]
+    return [m.view(s, *lead, heads), z.view(s, *lead, heads), o.view(s, *lead, d)]
+
+
+@phase1_op.register_fake
+def _(completed, queries, key_norm_weights, eps, sigmoid, heads):
+    s, lead, ct = queries.shape[0], completed[0].shape[:-1], accumulation_dtype(completed[0].dtype)
+    new = completed[0].new_empty
+    return [new((s, *lead, heads), dtype=ct), new((s, *lead, heads), dtype=ct), new((s, *completed[0].shape))]
+
+
+@torch.library.custom_op("mega_depth::attnres_phase1_backward", mutates_args=())
+def phase1_backward_op(go: Tensor, gz: Optional[Tensor], m: Tensor, completed: List[Tensor], queries: Tensor,
+                       key_norm_weights: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
+    """-> [block gradients..., dq [S, d] fp32, dg [S, d] fp32 (or empty)]."""
+    d, s = completed[0].shape[-1], queries.shape[0]
+    srcs = [rows(b, d) for b in completed]
+    bwd = _triton_phase1_bwd if uses_triton(srcs[0]) else _torch_phase1_bwd
+    gz = None if gz is None else gz.reshape(s, -1, heads).to(m.dtype).contiguous()
+    grads, dq, dg = bwd(go.reshape(s, -1, d).contiguous(), gz, m.reshape(s, -1, heads), srcs, queries.contiguous(),
+                        contiguous(key_norm_weights), eps, sigmoid, heads)
+    return [gr.view(b.shape) for gr, b in zip(grads, completed)] + [dq, nothing(go) if dg is None else dg]
+
+
+@phase1_backward_op.register_fake
+def _(go, gz, m, completed, queries, key_norm_weights, eps, sigmoid, heads):
+    ct = accumulation_dtype(completed[0].dtype)
+    dg = queries.new_empty(queries.shape, dtype=ct) if key_norm_weights is not None else nothing(go)
+    return [b.new_empty(b.shape) for b in completed] + [queries.new_empty(queries.shape, dtype=ct), dg]
+
+
+def _phase1_setup(ctx, inputs, output):
+    completed, queries, gains, eps, sigmoid, heads = inputs
+    m, z, _ = output
+    ctx.save_for_backward(queries, gains, None if sigmoid else m, *completed)
+    ctx.cfg = (eps, sigmoid, heads)
+    ctx.set_materialize_grads(False)
+
+
+def _phase1_backward(ctx, grads):
+    queries, gains, m, *completed = ctx.saved_tensors
+    eps, sigmoid, heads = ctx.cfg
+    _, gz, go = grads
+    need = ctx.needs_input_grad
+    if go is None and (gz is None or sigmoid):
+        return [None] * len(completed), None, None, None, None, None
+    if go is None:
+        go = completed[0].new_zeros((queries.shape[0], *completed[0].shape))
+    out = phase1_backward_op(go, None if sigmoid else gz, completed[0].new_zeros(0) if m is None else m,
+                             completed, queries, gains, eps, sigmoid, heads)
+    return (list(out[:-2]), cast_grad(out[-2], queries, need[1]), cast_grad(out[-1], gains, need[2]), None, None,
+            None)
+
+
+phase1_op.register_autograd(_phase1_backward, setup_context=_phase1_setup)
+
+
+@torch.library.custom_op("mega_depth::attnres_phase2", mutates_args=())
+def phase2_op(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query: Tensor,
+              key_norm_weight: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> Tensor:
+    """m, z [*, H]; o and partial [*, d] -> [*, d]."""
+    d = o.shape[-1]
+    ro = rows(o, d)
+    fwd = _triton_phase2_fwd if uses_triton(ro) else _torch_phase2_fwd
+    x = rows(partial, d) if partial is not None else None
+    ct = accumulation_dtype(o.dtype)
+    out = fwd(rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(), contiguous(key_norm_weight),
+              eps, sigmoid, heads)
+    return out.view(o.shape)
+
+
+@phase2_op.register_fake
+def _(m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
+    return o.new_empty(o.shape)
+
+
+@torch.library.custom_op("mega_depth::attnres_phase2_backward", mutates_args=())
+def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query: Tensor,
+                       key_norm_weight: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
+    """-> [dm, dz, do, dx, dq, dg]; empty where there is no gradient (do with sigmoid weights: it is grad)."""
+    d = o.shape[-1]
+    ro = rows(o, d)
+    bwd = _triton_phase2_bwd if uses_triton(ro) else _torch_phase2_bwd
+    x = rows(partial, d) if partial is not None else None
+    ct = accumulation_dtype(o.dtype)
+    grads = bwd(rows(grad, d), rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(),
+                contiguous(key_norm_weight), eps, sigmoid, heads)
+    return [nothing(grad) if t is None else t for t in grads]
+
+
+@phase2_backward_op.register_fake
+def _(grad, m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
+    n, d, ct = o.numel() // o.shape[-1], o.shape[-1], accumulation_dtype(o.dtype)
+    has_x = partial is not None
+    shapes = [((n, heads), ct, has_x and not sigmoid), ((n, heads), ct, not sigmoid), ((n, d), o.dtype, not sigmoid),
+              ((n, d), o.dtype, has_x), ((d,), ct, has_x), ((d,), ct, has_x and key_norm_weight is not None)]
+    return [o.new_empty(shape, dtype=dtype) if present else nothing(o) for shape, dtype, present in shapes]
+
+
+def _phase2_setup(ctx, inputs, output):
+    m, z, o, partial, query, gain, eps, sigmoid, heads = inputs
+    ctx.save_for_backward(m, z, o, partial, query, gain)
+    ctx.cfg = (eps, sigmoid, heads)
+
+
+def _phase2_backward(ctx, grad):
+    m, z, o, partial, query, gain = ctx.saved_tensors
+    dm, dz, do, dx, dq, dg = phase2_backward_op(grad, m, z, o, partial, query, gain, *ctx.cfg)
+    need = ctx.needs_input_grad
+    do = grad if ctx.cfg[1] else do  # sigmoid: out = o + sigmoid(l) x
+    return (cast_grad(dm, m, need[0]), cast_grad(dz, z, need[1]), cast_grad(do, o, need[2]),
+            cast_grad(dx, partial, need[3]), cast_grad(dq, query, need[4]), cast_grad(dg, gain, need[5]),
+            None, None, None)
+
+
+phase2_op.register_autograd(_phase2_backward, setup_context=_phase2_setup)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Public functions (the references' semantics)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def attnres_phase1_sources(completed: Sources, queries: Tensor, key_norm_weights: Optional[Tensor], eps: float,
+                           weight: str = "softmax", heads: int = 1):
+    """== mixing.attnres_block_phase1(torch.stack(completed), ...): n blocks [*, d], queries / key_norm_weights
+    [S, d]. -> (m [S, *, H], z [S, *, H], o [S, *, d]); m is a detached stabiliser (and z a constant with
+    sigmoid weights)."""
+    completed = as_list(completed)
+    heads = check_heads(completed[0].shape[-1], heads)
+    sigmoid = depth_weight_is_sigmoid(weight)
+    m, z, o = phase1_op(completed, queries, key_norm_weights, float(eps), sigmoid, heads)
+    return m.detach(), (z.detach() if sigmoid else z), o
+
+
+def attnres_phase2(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query: Tensor,
+                   key_norm_weight: Optional[Tensor], eps: float, weight: str = "softmax", heads: int = 1) -> Tensor:
+    """== mixing.attnres_block_phase2(...): merges the partial sum [*, d] (or None) into phase 1's (m, z, o)."""
+    sigmoid = depth_weight_is_sigmoid(weight)
+    heads = check_heads(o.shape[-1], heads)
+    if sigmoid and partial is None:
+        return o  # the reference returns o itself
+    if partial is not None and partial.shape != o.shape:
+        partial = partial.expand(o.shape)
+    m, z = m.expand(*o.shape[:-1], heads), z.expand(*o.shape[:-1], heads)
+    return phase2_op(m, z, o, partial, query, key_norm_weight, float(eps), sigmoid, heads)

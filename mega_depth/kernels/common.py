@@ -1,0 +1,301 @@
+"""What every op module of mega_depth/kernels shares.
+
+- The optional triton import: without triton (a CPU install without the test extra) the op modules still import;
+  `jit` then leaves a kernel undecorated and only the torch twins run.
+- Dispatch: the Triton kernels run for CUDA tensors, or for any tensor while FORCE_TRITON is set (env
+  MEGA_DEPTH_KERNELS_FORCE_TRITON=1 at import, or assign this module's attribute; with TRITON_INTERPRET=1 the
+  kernels then run on CPU tensors, as the tests do), or while launches are being recorded. Otherwise (CPU tensors,
+  fp64, no triton) the op's torch twin runs: the same computation, one source in flight at a time.
+- Launch heuristics (`pow2`, `warps`, `programs`) and `launch`, the one place a kernel is started. Under
+  `recording(sm_count)` nothing runs: each launch is recorded with its arguments, and the heuristics decide as
+  they would on a GPU with that many SMs. Meta tensors go through the launchers this way, so the ahead-of-time
+  compile check (kernels/aot.py) compiles exactly what a configuration launches.
+- `pointer_table`: how a kernel reads a set of tensors without stacking them, copied to the device from pinned
+  memory without a host sync.
+- Shape helpers of the autograd glue, the twins' numeric helpers, and the jit helpers the kernels share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+try:  # triton is optional: without it every device runs the torch twins
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    triton = tl = None
+    TRITON_IMPORT_ERROR = exc
+
+FORCE_TRITON = os.environ.get("MEGA_DEPTH_KERNELS_FORCE_TRITON", "0") == "1"
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+F32 = torch.float32
+
+Sources = Union[Tensor, Sequence[Tensor]]
+
+
+def jit(fn):
+    """triton.jit where triton is installed; the plain function otherwise (never launched: the twins run)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Recording launches (the ahead-of-time compile check) and launching
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the JIT function, its grid, its runtime arguments (tensors, ints, floats) in order, its
+    constexpr keyword arguments and its warps."""
+
+    kernel: Any
+    grid: Tuple[int, ...]
+    args: Tuple[Any, ...]
+    constexprs: Dict[str, Any]
+    num_warps: int
+
+
+@dataclass
+class _Recorder:
+    sm_count: int
+    launches: List[Launch] = field(default_factory=list)
+
+
+_RECORDER: Optional[_Recorder] = None
+
+
+@contextlib.contextmanager
+def recording(sm_count: int) -> Iterator[List[Launch]]:
+    """Record launches instead of running them, deciding grids as a GPU with `sm_count` SMs would."""
+    global _RECORDER
+    previous, _RECORDER = _RECORDER, _Recorder(sm_count)
+    try:
+        yield _RECORDER.launches
+    finally:
+        _RECORDER = previous
+
+
+def is_recording() -> bool:
+    return _RECORDER is not None
+
+
+def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, **constexprs) -> None:
+    if _RECORDER is not None:
+        _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
+        return
+    kernel[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+
+
+def uses_triton(t: Tensor) -> bool:
+    """Whether an op runs its Triton kernels for inputs like `t` (else its torch twin)."""
+    return triton is not None and t.dtype in TRITON_DTYPES and (t.is_cuda or FORCE_TRITON or _RECORDER is not None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launch heuristics
+# --------------------------------------------------------------------------------------------------------------
+
+
+def pow2(n: int) -> int:
+    """The next power of two (a block dim), at least 1."""
+    n = max(int(n), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def warps(elements: int, live: int) -> int:
+    """Warps for a program holding `live` fp32 tensors of `elements` values each (whole rows in registers): about
+    64 values a thread, 4 to 16 warps. kernels/aot.py checks the result against ptxas for sm_80/90/100."""
+    return min(16, max(4, pow2(cdiv(elements * live, 32 * 64))))
+
+
+def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
+    """(programs, tokens per program). Kernels that reduce parameter gradients over tokens use a few programs per
+    SM (fewer atomics); the rest one token per program. Under the interpreter a handful of programs of several
+    tokens each, so that the tests walk the token loop, its masked tail and the cross-program reduction."""
+    if _RECORDER is not None:
+        count = min(n, 8 * _RECORDER.sm_count) if reduces else n
+    elif interpreting() or device.type != "cuda":
+        count = min(n, 3)
+    elif reduces:
+        count = min(n, 8 * torch.cuda.get_device_properties(device).multi_processor_count)
+    else:
+        count = n
+    tok = cdiv(n, max(count, 1))
+    return cdiv(n, tok), tok
+
+
+def pointer_table(tensors: Sequence[Tensor]) -> Tensor:
+    """The data pointers of `tensors` as an int64 tensor on their device: how a kernel reads a set unstacked.
+
+    Built on the host and copied from pinned memory with non_blocking=True, so the host does not wait for the GPU
+    (a plain torch.tensor(list, device=cuda) copies from pageable memory, which synchronises the stream: once per
+    mixing call, forward, backward and recompute). The caching host allocator keeps the pinned block until the
+    copy has run."""
+    device = tensors[0].device
+    host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shapes (the autograd glue)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def as_list(sources: Sources) -> List[Tensor]:
+    """A stacked [K, *, d] tensor is taken as its K views (no copy), so the ops also replace the references'
+    stacked signatures; a sequence must hold tensors of one shape, dtype and device."""
+    out = list(sources.unbind(0)) if isinstance(sources, Tensor) else list(sources)
+    if not out:
+        raise ValueError("at least one source is needed")
+    first = out[0]
+    for s in out[1:]:
+        if s.shape != first.shape or s.dtype != first.dtype or s.device != first.device:
+            raise ValueError(f"sources differ: {tuple(s.shape)} {s.dtype} {s.device} vs "
+                             f"{tuple(first.shape)} {first.dtype} {first.device}")
+    return out
+
+
+def rows(t: Tensor, d: int) -> Tensor:
+    """[*, d] as contiguous token rows [N, d]: a view when the layout allows, else a transient copy."""
+    t = t.reshape(-1, d)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def depth_weight_is_sigmoid(weight: str) -> bool:
+    if weight not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown depth weight {weight!r}; choose softmax or sigmoid")
+    return weight == "sigmoid"
+
+
+def check_heads(d: int, heads: int) -> int:
+    if heads < 1 or d % heads:
+        raise ValueError(f"hidden size {d} does not split into {heads} heads")
+    return int(heads)
+
+
+def cast_grad(grad: Optional[Tensor], like: Optional[Tensor], needed: bool) -> Optional[Tensor]:
+    """A kernel's gradient (often fp32, in rows) as the gradient of `like`: its shape and dtype."""
+    if grad is None or like is None or not needed or grad.numel() == 0:
+        return None
+    return grad.reshape(like.shape).to(like.dtype)
+
+
+def nothing(like: Tensor) -> Tensor:
+    """What an op returns where it has no output (an op's schema cannot return None): an empty fp32 tensor."""
+    return like.new_empty(0, dtype=F32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The twins' numeric helpers (torch)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32 (fp64 stays fp64, like the reference's fp32())."""
+    return torch.promote_types(dtype, F32)
+
+
+def folded_query_torch(q: Tensor, g: Optional[Tensor], dtype: torch.dtype, ct: torch.dtype) -> Tensor:
+    """gain * query, rounded to the source dtype like the reference's folded query."""
+    f = q.to(ct) if g is None else g.to(ct) * q.to(ct)
+    return f.to(dtype).to(ct)
+
+
+def rms_inverse_torch(v: Tensor, eps: float) -> Tensor:
+    """1 / RMS over the whole row of v [..., H, C] -> [...]."""
+    return torch.rsqrt(v.pow(2).mean((-2, -1)) + eps)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# jit helpers shared by the kernels
+# --------------------------------------------------------------------------------------------------------------
+# A token row of d = H * C channels is held as a [BH, BC] block (head, column): per-head reductions are then plain
+# tl.sum calls. Offsets of whole rows are int64 (`token`).
+
+
+@jit
+def token(pid, t, TOK):
+    """The int64 row index of the t-th token of program pid."""
+    return (pid * TOK + t).to(tl.int64)
+
+
+@jit
+def channel_block(C, H, BH: tl.constexpr, BC: tl.constexpr):
+    """(head index [BH], channel offset h * C + c [BH, BC], its mask [BH, BC]) of one token row."""
+    oh = tl.arange(0, BH)
+    oc = tl.arange(0, BC)
+    return oh, oh[:, None] * C + oc[None, :], (oh < H)[:, None] & (oc < C)[None, :]
+
+
+@jit
+def folded_query(q_ptr, g_ptr, offs, mask, like_ptr, NORM: tl.constexpr):
+    """gain * query in fp32, rounded to like_ptr's dtype as the reference folds it (NORM: a key-norm gain)."""
+    f = tl.load(q_ptr + offs, mask=mask, other=0.).to(tl.float32)
+    if NORM:
+        f = f * tl.load(g_ptr + offs, mask=mask, other=0.).to(tl.float32)
+    return f.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@jit
+def rms_inverse(v, D, eps):
+    """1 / RMS of a whole row held as [BH, BC] (masked lanes are 0)."""
+    return tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)
+
+
+@jit
+def pointer_at(table, k, like_ptr):
+    """The k-th pointer of a pointer table, typed like like_ptr."""
+    return tl.load(table + k).to(tl.pointer_type(like_ptr.dtype.element_ty))
+
+
+def _patch_interpreter_index() -> None:
+    """TRITON_INTERPRET only: triton 3.6's interpreter turns a scalar into a Python int (`range(K)` over a
+    runtime argument) with int() of a 1-element numpy array, which numpy >= 2.3 rejects. Wrap its tensor patch
+    so that __index__ takes the element instead. A no-op where numpy still accepts it or the hook is gone."""
+    import numpy as np
+
+    try:
+        int(np.array([1]))
+        return
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_mega_depth", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._mega_depth = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton is not None and interpreting():
+    _patch_interpreter_index()

@@ -1,0 +1,386 @@
+"""Depth-Attention's value mix, fused: `depth_attention_mix` (reference: mixing.depth_attention_mix).
+
+    v~ = sum_j alpha_j v_j over [candidates..., self],  alpha = softmax_j(q . k_j / sqrt(hn))   per head and token
+
+Contract: query, key and value are read in place (a key and value split off a fused QKV projection are strided
+views); the C candidate keys and values are a list, never stacked. Forward saves references to its inputs;
+backward recomputes the scores and the depth softmax (two passes over the candidates). GQA: "query" mode mixes per
+query head (R = hq / hkv heads per key-value group), "group" mode once per group with the group's mean query.
+C = 0 returns the value expanded, without an op. The op is `mega_depth::depth_attention_mix`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from mega_depth.kernels.common import (Sources, accumulation_dtype, jit, launch, pointer_at, pointer_table, pow2,
+                                       programs, tl, token, uses_triton, warps)
+from mega_depth.model import mixing
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
+# Head tensors are [BKV, BR, BN]: key-value group, head within the group, channel (output head = kv * R + r).
+# "query" mode: R = hq / hkv; "group" mode: R = 1 and the query is the mean of each group's RQ query heads.
+
+
+@jit
+def _heads(HKV, R, HN, BKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """(kv groups [BKV], heads in a group [BR], channels [BN], their masks: channel [BN], head [BKV, BR],
+    key row [BKV, BN], and the output head of [BKV, BR])."""
+    okv = tl.arange(0, BKV)
+    orr = tl.arange(0, BR)
+    on = tl.arange(0, BN)
+    nmask = on < HN
+    hmask = (okv < HKV)[:, None] & (orr < R)[None, :]
+    kvmask = (okv < HKV)[:, None] & nmask[None, :]
+    return okv, orr, on, nmask, hmask, kvmask, okv[:, None] * R + orr[None, :]
+
+
+@jit
+def _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP: tl.constexpr,
+           BRQ: tl.constexpr):
+    """The query of a token as [BKV, BR, BN] fp32 (group mode: the mean query of each group, [BKV, 1, BN],
+    rounded to the input dtype like the reference's mean)."""
+    if GROUP:
+        oq = tl.arange(0, BRQ)
+        heads = okv[:, None] * RQ + oq[None, :]
+        qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
+        qq = tl.load(q_ptr + n * sq_n + heads[:, :, None] * sq_h + on[None, None, :], mask=qmask, other=0.)
+        q = (tl.sum(qq.to(tl.float32), axis=1) / RQ).to(q_ptr.dtype.element_ty).to(tl.float32)
+        return q[:, None, :]
+    else:
+        heads = okv[:, None] * R + orr[None, :]
+        return tl.load(q_ptr + n * sq_n + heads[:, :, None] * sq_h + on[None, None, :],
+                       mask=hmask[:, :, None] & nmask[None, None, :] & valid, other=0.).to(tl.float32)
+
+
+@jit
+def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask):
+    """Key [BKV, BN] (fp32) of entry j: candidate j < C (contiguous [N, hkv, hn]) or this layer's own (strided)."""
+    if j < C:
+        key = tl.load(pointer_at(ktab, j, k_ptr) + n * HKV * HN + okv[:, None] * HN + on[None, :],
+                      mask=kvmask & valid, other=0.)
+    else:
+        key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid, other=0.)
+    return key.to(tl.float32)
+
+
+@jit
+def _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
+           BKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+    """Value [BKV, BR, BN] (fp32) of entry j: a candidate's (per head or per group), or this layer's own."""
+    if j < C:
+        vp = pointer_at(vtab, j, v_ptr)
+        if CV_PER_HEAD:
+            val = tl.load(vp + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
+                          mask=hmask[:, :, None] & nmask[None, None, :] & valid, other=0.)
+        else:
+            val = tl.load(vp + n * HKV * HN + okv[:, None, None] * HN + on[None, None, :],
+                          mask=kvmask[:, None, :] & valid, other=0.)
+    else:
+        val = tl.load(v_ptr + n * sv_n + okv[:, None, None] * sv_h + on[None, None, :], mask=kvmask[:, None, :] & valid,
+                      other=0.)
+    return val.to(tl.float32) + tl.zeros([BKV, BR, BN], dtype=tl.float32)
+
+
+@jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, scale, TOK,
+                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+                BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
+                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+    pid = tl.program_id(0)
+    okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        acc = tl.zeros([BKV, BR, BN], dtype=tl.float32)
+        m = tl.full([BKV, BR], float("-inf"), tl.float32)
+        z = tl.zeros([BKV, BR], dtype=tl.float32)
+        for j in range(C + 1):  # candidates, then this layer's own key and value (j == C)
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
+            val = _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
+                         BKV, BR, BN, CV_PER_HEAD)
+            s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
+            m_new = tl.maximum(m, s)
+            a = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            z = z * a + p
+            acc = acc * a[:, :, None] + p[:, :, None] * val
+            m = m_new
+        out = acc / z[:, :, None]
+        tl.store(out_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, :, None] & nmask[None, None, :] & valid)
+
+
+@jit
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab,
+                N, C, HKV, R, RQ, HN, scale, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+                BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
+                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+    """Pass 1: scores and go . value of every [candidate..., self] (the softmax gradient needs their weighted
+    mean); pass 2: key, value and query gradients. Values shared by the R heads of a group get their sum."""
+    pid = tl.program_id(0)
+    kdt = k_ptr.dtype.element_ty
+    vdt = v_ptr.dtype.element_ty
+    oj = tl.arange(0, BJ)
+    okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
+    m3 = hmask[:, :, None] & nmask[None, None, :]
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        go = tl.load(go_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], mask=m3 & valid,
+                     other=0.).to(tl.float32)
+        scores = tl.zeros([BJ, BKV, BR], dtype=tl.float32)
+        gv = tl.zeros([BJ, BKV, BR], dtype=tl.float32)
+        for j in range(C + 1):
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
+            val = _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
+                         BKV, BR, BN, CV_PER_HEAD)
+            sel = (oj == j)[:, None, None]
+            scores = tl.where(sel, (tl.sum(q * key[:, None, :], axis=2) * scale)[None, :, :], scores)
+            gv = tl.where(sel, tl.sum(go * val, axis=2)[None, :, :], gv)
+        scores = tl.where((oj <= C)[:, None, None], scores, float("-inf"))
+        e = tl.exp(scores - tl.max(scores, axis=0)[None, :, :])
+        alpha = e / tl.sum(e, axis=0)[None, :, :]
+        ds = alpha * (gv - tl.sum(alpha * gv, axis=0)[None, :, :]) * scale
+        dq = tl.zeros([BKV, BR, BN], dtype=tl.float32)
+        for j in range(C + 1):
+            sel = (oj == j)[:, None, None]
+            a = tl.sum(tl.where(sel, alpha, 0.), axis=0)
+            dsj = tl.sum(tl.where(sel, ds, 0.), axis=0)
+            dkey = tl.sum(dsj[:, :, None] * q, axis=1)  # [BKV, BN]
+            dval = a[:, :, None] * go
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
+            if j < C:
+                tl.store(pointer_at(dktab, j, k_ptr) + n * HKV * HN + okv[:, None] * HN + on[None, :], dkey.to(kdt),
+                         mask=kvmask & valid)
+                dvp = pointer_at(dvtab, j, v_ptr)
+                if CV_PER_HEAD:
+                    tl.store(dvp + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], dval.to(vdt),
+                             mask=m3 & valid)
+                else:
+                    tl.store(dvp + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
+                             mask=kvmask & valid)
+            else:
+                tl.store(dk_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], dkey.to(kdt), mask=kvmask & valid)
+                tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
+                         mask=kvmask & valid)
+            dq += dsj[:, :, None] * key[:, None, :]
+        if GROUP:  # the mean query: each of the RQ query heads of a group gets 1 / RQ of its gradient
+            oq = tl.arange(0, BRQ)
+            qh = okv[:, None] * RQ + oq[None, :]
+            qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
+            grad = tl.sum(dq, axis=1)[:, None, :] / RQ + tl.zeros([BKV, BRQ, BN], dtype=tl.float32)
+            tl.store(dq_ptr + n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :],
+                     grad.to(dq_ptr.dtype.element_ty), mask=qmask)
+        else:
+            tl.store(dq_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
+                     dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, cv: List[Tensor], group: bool):
+    hq, hkv, hn = q.shape[1], k.shape[1], k.shape[2]
+    r = 1 if group else hq // hkv
+    per_head = bool(cv) and cv[0].shape[1] != hkv
+    consts = dict(BKV=pow2(hkv), BR=pow2(r), BRQ=pow2(hq // hkv), BN=pow2(hn), GROUP=group, CV_PER_HEAD=per_head)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    return hkv, r, hq // hkv, hn, consts, strides
+
+
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool) -> Tensor:
+    """q [N, hq, hn], k / v [N, hkv, hn] (token and head strides free, channels contiguous); ck [N, hkv, hn] and
+    cv [N, hv, hn] contiguous, C >= 1 of each. -> [N, heads, hn] in the value dtype."""
+    n = q.shape[0]
+    hkv, r, rq, hn, consts, strides = _launch_args(q, k, v, cv, group)
+    out = torch.empty((n, hkv * r, hn), dtype=v.dtype, device=v.device)
+    if n == 0:
+        return out
+    count, tok = programs(n, v.device, reduces=False)
+    launch(_fwd_kernel, (count,), (q, k, v, pointer_table(ck), pointer_table(cv), out, n, len(ck), hkv, r, rq, hn,
+                                   hn ** -0.5, tok, *strides),
+           warps(consts["BKV"] * consts["BR"] * consts["BN"], 3), **consts)
+    return out
+
+
+def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool):
+    """-> (dq, dk, dv, candidate key gradients, candidate value gradients), each in its input's dtype."""
+    n = q.shape[0]
+    hkv, r, rq, hn, consts, strides = _launch_args(q, k, v, cv, group)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dck = [torch.empty_like(x) for x in ck]
+    dcv = [torch.empty_like(x) for x in cv]
+    if n == 0:
+        return dq, dk, dv, dck, dcv
+    count, tok = programs(n, go.device, reduces=False)
+    launch(_bwd_kernel, (count,), (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv, pointer_table(dck),
+                                   pointer_table(dcv), n, len(ck), hkv, r, rq, hn, hn ** -0.5, tok, *strides),
+           warps(consts["BKV"] * consts["BR"] * consts["BN"], 4), BJ=pow2(len(ck) + 1), **consts)
+    return dq, dk, dv, dck, dcv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The torch twin
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _query_layout(q, k, group):
+    """The query as [N, hkv, R, hn] (group: its mean over each group, [N, hkv, 1, hn]), in fp32."""
+    n, hq, hn = q.shape
+    hkv = k.shape[1]
+    ct = accumulation_dtype(q.dtype)
+    q4 = q.reshape(n, hkv, hq // hkv, hn)
+    if group:
+        return q4.mean(2, keepdim=True).to(ct)  # the mean in the input dtype, like the reference
+    return q4.to(ct)
+
+
+def _torch_fwd(q, k, v, ck, cv, group):
+    n, hkv, hn = k.shape
+    q4 = _query_layout(q, k, group)
+    ct, r = q4.dtype, q4.shape[2]
+    acc = torch.zeros(n, hkv, r, hn, dtype=ct, device=v.device)
+    m = torch.full((n, hkv, r), -math.inf, dtype=ct, device=v.device)
+    z = torch.zeros((n, hkv, r), dtype=ct, device=v.device)
+    for key, val in zip(list(ck) + [k], list(cv) + [v]):
+        s = (q4 * key.to(ct).unsqueeze(2)).sum(-1) / math.sqrt(hn)
+        val = val.to(ct).reshape(n, hkv, -1, hn)  # [N, hkv, 1 or R, hn]: shared or per-head values
+        m_new = torch.maximum(m, s)
+        a, p = torch.exp(m - m_new), torch.exp(s - m_new)
+        z = z * a + p
+        acc = acc * a.unsqueeze(-1) + p.unsqueeze(-1) * val
+        m = m_new
+    return (acc / z.unsqueeze(-1)).view(n, hkv * r, hn).to(v.dtype)
+
+
+def _torch_bwd(go, q, k, v, ck, cv, group):
+    n, hkv, hn = k.shape
+    q4 = _query_layout(q, k, group)
+    ct, r = q4.dtype, q4.shape[2]
+    go = go.to(ct).view(n, hkv, r, hn)
+    keys, vals = list(ck) + [k], list(cv) + [v]
+    scores, gvs = [], []
+    for key, val in zip(keys, vals):  # pass 1
+        scores.append((q4 * key.to(ct).unsqueeze(2)).sum(-1) / math.sqrt(hn))
+        gvs.append((go * val.to(ct).reshape(n, hkv, -1, hn)).sum(-1))
+    alpha = torch.softmax(torch.stack(scores), 0)  # [C + 1, N, hkv, R]
+    gv = torch.stack(gvs)
+    ds = alpha * (gv - (alpha * gv).sum(0)) / math.sqrt(hn)
+    dq = torch.zeros_like(q4)
+    dkeys, dvals = [], []
+    for j, (key, val) in enumerate(zip(keys, vals)):  # pass 2
+        dkeys.append((ds[j].unsqueeze(-1) * q4).sum(2).to(key.dtype))
+        dval = alpha[j].unsqueeze(-1) * go
+        if val.shape[1] == hkv:  # a value shared by the R heads of its group: their sum
+            dval = dval.sum(2)
+        dvals.append(dval.reshape(val.shape).to(val.dtype))
+        dq += ds[j].unsqueeze(-1) * key.to(ct).unsqueeze(2)
+    if group:
+        rq = q.shape[1] // hkv
+        dq = (dq / rq).expand(n, hkv, rq, hn)
+    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1], dkeys[:-1], dvals[:-1]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The op
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _head_rows(t: Tensor) -> Tensor:
+    """[*, h, hn] as [N, h, hn] with contiguous channels (token and head strides stay free: a key split off a
+    fused QKV projection is read in place)."""
+    t = t.reshape(-1, *t.shape[-2:])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _operands(query, key, value, cand_keys, cand_values):
+    ck = [_head_rows(c).contiguous() for c in cand_keys]
+    cv = [_head_rows(c).contiguous() for c in cand_values]
+    return _head_rows(query), _head_rows(key), _head_rows(value), ck, cv
+
+
+@torch.library.custom_op("mega_depth::depth_attention_mix", mutates_args=())
+def depth_attention_op(query: Tensor, key: Tensor, value: Tensor, cand_keys: List[Tensor],
+                       cand_values: List[Tensor], group: bool) -> Tensor:
+    """query [*, hq, hn]; key / value [*, hkv, hn]; C >= 1 candidate keys [*, hkv, hn] and values [*, hv, hn]
+    -> [*, heads, hn] (heads: hq, or hkv in group mode)."""
+    q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
+    out = (_triton_fwd if uses_triton(v) else _torch_fwd)(q, k, v, ck, cv, group)
+    return out.view(*value.shape[:-2], out.shape[-2], out.shape[-1])
+
+
+@depth_attention_op.register_fake
+def _(query, key, value, cand_keys, cand_values, group):
+    heads = key.shape[-2] if group else query.shape[-2]
+    return value.new_empty((*value.shape[:-2], heads, value.shape[-1]))
+
+
+@torch.library.custom_op("mega_depth::depth_attention_mix_backward", mutates_args=())
+def depth_attention_backward_op(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cand_keys: List[Tensor],
+                                cand_values: List[Tensor], group: bool) -> List[Tensor]:
+    """-> [dq, dk, dv, candidate key gradients..., candidate value gradients...]."""
+    q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
+    go = grad.reshape(-1, *grad.shape[-2:]).contiguous()
+    dq, dk, dv, dck, dcv = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group)
+    return [dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)] + \
+        [g.view(c.shape) for g, c in zip(dck + dcv, list(cand_keys) + list(cand_values))]
+
+
+@depth_attention_backward_op.register_fake
+def _(grad, query, key, value, cand_keys, cand_values, group):
+    return [t.new_empty(t.shape) for t in (query, key, value, *cand_keys, *cand_values)]
+
+
+def _setup(ctx, inputs, output):
+    query, key, value, cand_keys, cand_values, group = inputs
+    ctx.save_for_backward(query, key, value, *cand_keys, *cand_values)
+    ctx.cfg = (group, len(cand_keys))
+
+
+def _backward(ctx, grad):
+    query, key, value, *cands = ctx.saved_tensors
+    group, c = ctx.cfg
+    dq, dk, dv, *dc = depth_attention_backward_op(grad, query, key, value, cands[:c], cands[c:], group)
+    need = ctx.needs_input_grad
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:], None)
+
+
+depth_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Optional[Sources],
+                        cand_values: Optional[Sources], gqa_mode: str = "query") -> Tensor:
+    """== mixing.depth_attention_mix(...): query [*, hq, hn]; key / value [*, hkv, hn]; cand_keys [C, *, hkv, hn]
+    and cand_values [C, *, hv, hn] (or sequences of C tensors, or None). -> [*, heads, hn]."""
+    if gqa_mode not in mixing.DEPTH_ATTN_GQA_MODES:
+        raise ValueError(f"unknown depth-attention GQA mode {gqa_mode!r}; choose one of "
+                         f"{mixing.DEPTH_ATTN_GQA_MODES}")
+    hq, hkv = query.shape[-2], key.shape[-2]
+    heads = hq if gqa_mode == "query" else hkv
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group into {hkv} key-value heads")
+    ck = [] if cand_keys is None else (list(cand_keys.unbind(0)) if isinstance(cand_keys, Tensor)
+                                       else list(cand_keys))
+    if not ck:
+        return mixing.expand_heads(value, heads)
+    cv = list(cand_values.unbind(0)) if isinstance(cand_values, Tensor) else list(cand_values)
+    if len(cv) != len(ck):
+        raise ValueError(f"{len(ck)} candidate keys but {len(cv)} candidate values")
+    hv = cv[0].shape[-2]
+    if hv not in (heads, hkv):
+        raise ValueError(f"candidate values with {hv} heads mix into {heads} heads")
+    for c in ck:
+        if c.dtype != key.dtype or c.shape != key.shape:
+            raise ValueError("candidate keys must match the key's shape and dtype")
+    for c in cv:
+        if c.dtype != value.dtype or c.shape != cv[0].shape or c.shape[:-2] != value.shape[:-2]:
+            raise ValueError("candidate values must match the value's leading shape and dtype")
+    return depth_attention_op(query, key, value, ck, cv, gqa_mode == "group")

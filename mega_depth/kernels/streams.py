@@ -1,0 +1,333 @@
+"""HC / mHC's n residual streams, fused: their read `streams_in` (HC's A_m X, mHC's H_pre X) and their write
+`streams_out` (the residual merge); references: mixing.streams_in / mixing.streams_out.
+
+    streams_in:  x = sum_i w_i X_i                              reads each stream once, writes d
+    streams_out: X'_j = post_j y + sum_i mix[i, j] X_i           reads each stream and y once, writes the n streams
+
+Streams come as [n, *, d] with free stream and token strides (an expanded embedding, a pipeline tensor's view: read
+in place); coefficients [n, *] and [n, *, n] may broadcast over the tokens. A coefficient is rounded to the
+streams' dtype first, as the reference multiplies in that dtype; sums are fp32. Forward saves references to its
+inputs. The ops are `mega_depth::hc_streams_in` and `mega_depth::hc_streams_out`.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import Tensor
+
+from mega_depth.kernels.common import F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, rows, tl, \
+    token, uses_triton, warps
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
+# Streams [n, N, d] (stream stride SN, token stride ST); weights / post [n, N]; mix [n, N, n] (from i to j). Offsets
+# of whole [N, d] planes are int64 (r = n * 0 + i: the stream index as an int64 scalar).
+
+
+@jit
+def _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, like_ptr):
+    """(the coefficient of stream i at token n, rounded like the streams; its row [BD] in fp32)."""
+    r = n * 0 + i
+    w = tl.load(w_ptr + r * N + n, mask=valid, other=0.).to(like_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+    return w, x
+
+
+@jit
+def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    od = tl.arange(0, BD)
+    dmask = od < D
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        acc = tl.zeros([BD], dtype=tl.float32)
+        for i in tl.static_range(NS):
+            w, x = _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, out_ptr)
+            acc += w * x
+        tl.store(out_ptr + n * D + od, acc.to(out_ptr.dtype.element_ty), mask=dmask & valid)
+
+
+@jit
+def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    od = tl.arange(0, BD)
+    dmask = od < D
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        go = tl.load(go_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+        for i in tl.static_range(NS):
+            w, x = _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, go_ptr)
+            r = n * 0 + i
+            tl.store(ds_ptr + (r * N + n) * D + od, (w * go).to(go_ptr.dtype.element_ty), mask=dmask & valid)
+            tl.store(dw_ptr + r * N + n, tl.sum(x * go, axis=0), mask=valid)
+
+
+@jit
+def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BN: tl.constexpr,
+                    BD: tl.constexpr):
+    """out[j] = post[j] y + sum_i mix[i, j] x[i]: each input stream row read once, the n outputs in registers."""
+    pid = tl.program_id(0)
+    dt = out_ptr.dtype.element_ty
+    oj = tl.arange(0, BN)
+    od = tl.arange(0, BD)
+    jmask = oj < NS
+    dmask = od < D
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+        post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+        acc = post[:, None] * y[None, :]
+        for i in tl.static_range(NS):
+            r = n * 0 + i
+            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+            mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+            acc += mix[:, None] * x[None, :]
+        orow = oj[:, None].to(tl.int64) * N * D + n * D + od[None, :]
+        tl.store(out_ptr + orow, acc.to(dt), mask=jmask[:, None] & dmask[None, :] & valid)
+
+
+@jit
+def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, TOK,
+                    NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """One pass: the n output gradients of a token stay in registers while each input stream is read once."""
+    pid = tl.program_id(0)
+    dt = go_ptr.dtype.element_ty
+    oj = tl.arange(0, BN)
+    od = tl.arange(0, BD)
+    jmask = oj < NS
+    dmask = od < D
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        mask2 = jmask[:, None] & dmask[None, :] & valid
+        go = tl.load(go_ptr + oj[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2,
+                     other=0.).to(tl.float32)
+        y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+        post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+        tl.store(dy_ptr + n * D + od, tl.sum(post[:, None] * go, axis=0).to(dt), mask=dmask & valid)
+        tl.store(dpost_ptr + oj * N + n, tl.sum(go * y[None, :], axis=1), mask=jmask & valid)
+        for i in tl.static_range(NS):
+            r = n * 0 + i
+            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+            mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+            tl.store(ds_ptr + (r * N + n) * D + od, tl.sum(mix[:, None] * go, axis=0).to(dt), mask=dmask & valid)
+            tl.store(dmix_ptr + (r * N + n) * NS + oj, tl.sum(go * x[None, :], axis=1), mask=jmask & valid)
+
+
+def _launch(kernel, n: int, device, args, live: int, **constexprs) -> None:
+    """One program per token (no parameter gradient is reduced over tokens here)."""
+    count, tok = programs(n, device, reduces=False)
+    elements = constexprs.get("BN", 1) * constexprs["BD"]
+    launch(kernel, (count,), (*args, tok), warps(elements, live), **constexprs)
+
+
+def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
+    ns, n, d = s.shape
+    out = torch.empty((n, d), dtype=s.dtype, device=s.device)
+    if n:
+        _launch(_in_fwd_kernel, n, s.device, (s, w, out, n, d, s.stride(0), s.stride(1)), 2, NS=ns, BD=pow2(d))
+    return out
+
+
+def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor):
+    """-> (stream gradients [n, N, d], weight gradients fp32 [n, N])."""
+    ns, n, d = s.shape
+    ds = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
+    dw = torch.empty((ns, n), dtype=F32, device=s.device)
+    if n:
+        _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, NS=ns,
+                BD=pow2(d))
+    return ds, dw
+
+
+def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
+    ns, n, d = s.shape
+    out = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
+    if n:
+        _launch(_out_fwd_kernel, n, s.device, (s, y, mix, post, out, n, d, s.stride(0), s.stride(1)), 2, NS=ns,
+                BN=pow2(ns), BD=pow2(d))
+    return out
+
+
+def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor):
+    """-> (stream gradients [n, N, d], output gradient [N, d], mix gradient fp32 [n, N, n], post gradient fp32
+    [n, N])."""
+    ns, n, d = s.shape
+    ds = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
+    dy = torch.empty((n, d), dtype=s.dtype, device=s.device)
+    dmix = torch.empty((ns, n, ns), dtype=F32, device=s.device)
+    dpost = torch.empty((ns, n), dtype=F32, device=s.device)
+    if n:
+        _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
+                                               s.stride(1)), 2, NS=ns, BN=pow2(ns), BD=pow2(d))
+    return ds, dy, dmix, dpost
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The torch twins: streams [n, N, d] (free strides), weights / post [n, N], mix [n, N, n]
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _coef(c, dt, ct):
+    return c.to(dt).to(ct)
+
+
+def _torch_in_fwd(s, w):
+    dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    out = torch.zeros(s.shape[1:], dtype=ct, device=s.device)
+    for i in range(s.shape[0]):
+        out += _coef(w[i], dt, ct).unsqueeze(-1) * s[i].to(ct)
+    return out.to(dt)
+
+
+def _torch_in_bwd(go, s, w):
+    dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    go = go.to(ct)
+    ds = (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt)
+    dw = torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
+    return ds, dw
+
+
+def _torch_out_fwd(s, y, mix, post):
+    dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    out = _coef(post, dt, ct).unsqueeze(-1) * y.to(ct)
+    for i in range(s.shape[0]):
+        out += _coef(mix[i], dt, ct).t().unsqueeze(-1) * s[i].to(ct)  # [n (to), N, d]
+    return out.to(dt)
+
+
+def _torch_out_bwd(go, s, y, mix, post):
+    dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    go = go.to(ct)
+    dy = (_coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
+    dpost = (go * y.to(ct)).sum(-1)
+    ds, dmix = [], []
+    for i in range(s.shape[0]):
+        x = s[i].to(ct)
+        ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
+        dmix.append((go * x).sum(-1).t())  # [N, n (to)]
+    return torch.stack(ds), dy, torch.stack(dmix), dpost
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------------------------
+
+
+def stream_rows(streams: Tensor) -> Tensor:
+    """[n, *, d] as [n, N, d] with unit channel stride; the stream and token strides stay free (no copy of an
+    expanded embedding or of a pipeline tensor's view where the layout allows)."""
+    t = streams.reshape(streams.shape[0], -1, streams.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _coef_rows(coef: Tensor, n: int, tail: int = 0) -> Tensor:
+    """A coefficient [n, *] (or [n, *, n] with tail=1) as contiguous [n, N] ([n, N, n]): a small copy."""
+    return coef.reshape((n, -1) + tuple(coef.shape[coef.dim() - tail:])).contiguous()
+
+
+@torch.library.custom_op("mega_depth::hc_streams_in", mutates_args=())
+def streams_in_op(streams: Tensor, weights: Tensor) -> Tensor:
+    """streams [n, *, d], weights [n, *] -> [*, d]."""
+    s = stream_rows(streams)
+    out = (_triton_in_fwd if uses_triton(s) else _torch_in_fwd)(s, _coef_rows(weights, s.shape[0]))
+    return out.view(streams.shape[1:])
+
+
+@streams_in_op.register_fake
+def _(streams, weights):
+    return streams.new_empty(streams.shape[1:])
+
+
+@torch.library.custom_op("mega_depth::hc_streams_in_backward", mutates_args=())
+def streams_in_backward_op(grad: Tensor, streams: Tensor, weights: Tensor) -> List[Tensor]:
+    """-> [stream gradients [n, *, d], weight gradients [n, *] (fp32 at least)]."""
+    s = stream_rows(streams)
+    ds, dw = (_triton_in_bwd if uses_triton(s) else _torch_in_bwd)(rows(grad, s.shape[-1]), s,
+                                                                   _coef_rows(weights, s.shape[0]))
+    return [ds.view(streams.shape), dw.view(weights.shape)]
+
+
+@streams_in_backward_op.register_fake
+def _(grad, streams, weights):
+    return [streams.new_empty(streams.shape),
+            weights.new_empty(weights.shape, dtype=accumulation_dtype(streams.dtype))]
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _in_backward(ctx, grad):
+    streams, weights = ctx.saved_tensors
+    ds, dw = streams_in_backward_op(grad, streams, weights)
+    need = ctx.needs_input_grad
+    return ds if need[0] else None, cast_grad(dw, weights, need[1])
+
+
+streams_in_op.register_autograd(_in_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op("mega_depth::hc_streams_out", mutates_args=())
+def streams_out_op(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> Tensor:
+    """streams [n, *, d], output [*, d], mix [n, *, n], post [n, *] -> [n, *, d]."""
+    s = stream_rows(streams)
+    n, d = s.shape[0], s.shape[-1]
+    out = (_triton_out_fwd if uses_triton(s) else _torch_out_fwd)(s, rows(output, d), _coef_rows(mix, n, 1),
+                                                                  _coef_rows(post, n))
+    return out.view(n, *output.shape)
+
+
+@streams_out_op.register_fake
+def _(streams, output, mix, post):
+    return streams.new_empty((streams.shape[0], *output.shape))
+
+
+@torch.library.custom_op("mega_depth::hc_streams_out_backward", mutates_args=())
+def streams_out_backward_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor,
+                            post: Tensor) -> List[Tensor]:
+    """-> [stream gradients, output gradient, mix gradient, post gradient] (coefficients in fp32 at least)."""
+    s = stream_rows(streams)
+    n, d = s.shape[0], s.shape[-1]
+    go = grad.reshape(n, -1, d).contiguous()
+    ds, dy, dmix, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
+        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n))
+    return [ds.view(streams.shape), dy.view(output.shape), dmix.view(mix.shape), dpost.view(post.shape)]
+
+
+@streams_out_backward_op.register_fake
+def _(grad, streams, output, mix, post):
+    ct = accumulation_dtype(streams.dtype)
+    return [streams.new_empty(streams.shape), output.new_empty(output.shape), mix.new_empty(mix.shape, dtype=ct),
+            post.new_empty(post.shape, dtype=ct)]
+
+
+def _out_backward(ctx, grad):
+    streams, output, mix, post = ctx.saved_tensors
+    ds, dy, dmix, dpost = streams_out_backward_op(grad, streams, output, mix, post)
+    need = ctx.needs_input_grad
+    return (ds if need[0] else None, dy if need[1] else None, cast_grad(dmix, mix, need[2]),
+            cast_grad(dpost, post, need[3]))
+
+
+streams_out_op.register_autograd(_out_backward, setup_context=_save_inputs)
+
+
+def streams_in(streams: Tensor, weights: Tensor) -> Tensor:
+    """== mixing.streams_in(...): streams [n, *, d], weights [n, *] (or broadcastable, [n, 1...]) -> [*, d]."""
+    return streams_in_op(streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
+
+
+def streams_out(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> Tensor:
+    """== mixing.streams_out(...): streams [n, *, d], output [*, d], mix [n, *, n] (from i to j), post [n, *]
+    (both may broadcast over the tokens) -> [n, *, d]."""
+    n, lead = streams.shape[0], streams.shape[1:-1]
+    if output.shape != streams.shape[1:]:
+        output = output.expand(streams.shape[1:])
+    return streams_out_op(streams, output, mix.expand(n, *lead, n), post.expand(n, *lead))

@@ -1,0 +1,81 @@
+"""mega_depth/kernels/attnres_mix.py: AttnRes's mix over K sources against mixing.attnres_mix."""
+
+import pytest
+import torch
+from kernel_checks import (EPS, SCALES, bf16_matches_fp32, check, close, detached, gradcheck, leaf, opcheck,
+                           saved_storages, sources_of)
+
+from mega_depth.kernels.attnres_mix import attnres_mix_backward_op, attnres_mix_op, attnres_mix_sources
+from mega_depth.model import mixing
+
+
+@pytest.mark.parametrize("k, lead, d, heads, weight, norm, per_token", [
+    (1, (5,), 12, 1, "softmax", True, False),
+    (3, (2, 3), 12, 1, "softmax", True, False),
+    (4, (7,), 24, 2, "softmax", True, False),
+    (3, (3, 2), 12, 1, "sigmoid", True, False),
+    (3, (5,), 12, 2, "sigmoid", True, False),
+    (3, (5,), 12, 2, "softmax", False, False),
+    (3, (2, 3), 12, 1, "softmax", True, True),
+    (2, (5,), 24, 2, "softmax", False, True),
+])
+def test_values_and_gradients(path, k, lead, d, heads, weight, norm, per_token):
+    sources = sources_of(k, *lead, d)
+    query = leaf(*lead, d) if per_token else leaf(d)
+    gain = leaf(d, scale=0.3, shift=1.0) if norm else None
+    check(lambda q, g, *s: attnres_mix_sources(list(s), q, g, EPS, weight, heads),
+          lambda q, g, *s: mixing.attnres_mix(torch.stack(s), q, g, EPS, weight, heads),
+          [query, gain, *sources], f"attnres_mix k={k} heads={heads} {weight} norm={norm} per_token={per_token}")
+
+
+def test_a_stacked_tensor_and_views(path):
+    stacked = leaf(3, 4, 12)
+    query, gain = leaf(12), leaf(12, scale=0.3, shift=1.0)
+    close(attnres_mix_sources(stacked, query, gain, EPS), mixing.attnres_mix(stacked, query, gain, EPS), "stacked")
+    sources = [stacked[i, :, 1:9] for i in range(3)]  # non-contiguous views
+    close(attnres_mix_sources(sources, query[:8], gain[:8], EPS),
+          mixing.attnres_mix(torch.stack(sources), query[:8], gain[:8], EPS), "views")
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("weight, heads, per_token", [("softmax", 1, False), ("softmax", 2, True),
+                                                       ("sigmoid", 2, False)])
+def test_gradcheck(twin, scale, weight, heads, per_token):
+    sources = sources_of(3, 2, 8, dtype=torch.float64)
+    sources = [(s * scale).detach().requires_grad_() for s in sources]
+    query = leaf(2, 8, scale=scale, dtype=torch.float64) if per_token else leaf(8, scale=scale, dtype=torch.float64)
+    gain = leaf(8, scale=0.3, shift=1.0, dtype=torch.float64)
+    gradcheck(lambda q, g, *s: attnres_mix_sources(list(s), q, g, EPS, weight, heads), [query, gain, *sources],
+              f"attnres_mix scale={scale} {weight}")
+
+
+def test_opcheck(twin):
+    sources = sources_of(3, 2, 3, 8)
+    for query, gain in ((leaf(8), leaf(8)), (leaf(2, 3, 8), None)):
+        opcheck(attnres_mix_op, (sources, query, gain, EPS, False, 2))
+        grad = torch.randn(2, 3, 8)
+        opcheck(attnres_mix_backward_op, (grad, detached(sources), query.detach(), None if gain is None else
+                                          gain.detach(), EPS, True, 1))
+
+
+def test_saves_no_stacked_copy(path):
+    k, lead, d = 4, (3, 5), 16
+    n = 15
+    sources = sources_of(k, *lead, d)
+    query, gain = leaf(d), leaf(d, scale=0.3, shift=1.0)
+    saved, out = saved_storages(lambda: attnres_mix_sources(sources, query, gain, EPS, heads=2))
+    assert k * n * d not in saved.values(), saved
+    assert max(saved.values()) <= n * d
+    assert {s.untyped_storage().data_ptr() for s in sources} <= set(saved)  # the sources by reference
+    out.sum().backward()
+    assert all(s.grad is not None and s.grad.shape == s.shape for s in sources)
+    # The eager reference does save a stacked copy: the check above would see one.
+    ref, _ = saved_storages(lambda: mixing.attnres_mix(torch.stack(sources), query, gain, EPS, heads=2))
+    assert k * n * d in ref.values()
+
+
+def test_bf16(path):
+    src = [torch.randn(6, 24) * (1 + i) for i in range(3)]
+    bf16_matches_fp32(lambda q, g, *s: attnres_mix_sources(s, q, g, EPS, heads=2),
+                      lambda q, g, *s: mixing.attnres_mix(torch.stack(s), q, g, EPS, heads=2),
+                      torch.randn(24), torch.rand(24) + 0.5, *src)

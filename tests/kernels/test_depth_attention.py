@@ -1,0 +1,76 @@
+"""mega_depth/kernels/depth_attention.py: Depth-Attention's value mix against mixing.depth_attention_mix."""
+
+import pytest
+import torch
+from kernel_checks import SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, saves_only_inputs
+
+from mega_depth.kernels.depth_attention import depth_attention_backward_op, depth_attention_mix, depth_attention_op
+from mega_depth.model import mixing
+
+
+@pytest.mark.parametrize("mode, hv", [("query", 4), ("query", 2), ("group", 2)])
+@pytest.mark.parametrize("c", [0, 1, 2])
+def test_values_and_gradients(path, mode, hv, c):
+    """GQA 4 query heads / 2 key-value heads; candidate values with hq heads ("query" mode stores mixed values
+    per query head) or hkv heads; C = 0 returns the value expanded like the reference."""
+    lead, hq, hkv, hn = (3, 2), 4, 2, 6
+    query, key, value = leaf(*lead, hq, hn), leaf(*lead, hkv, hn), leaf(*lead, hkv, hn)
+    cand_keys = leaf(c, *lead, hkv, hn) if c else None
+    cand_values = leaf(c, *lead, hv, hn, scale=2.0) if c else None
+    check(lambda *a: depth_attention_mix(*a, gqa_mode=mode), lambda *a: mixing.depth_attention_mix(*a, gqa_mode=mode),
+          [query, key, value, cand_keys, cand_values], f"depth attention {mode} hv={hv} C={c}")
+
+
+def query_of(f, r=2, hn=6):
+    return f[..., :r * hn].reshape(*f.shape[:-2], f.shape[-2] * r, hn)
+
+
+def kv_of(f, r=2, hn=6):
+    return f[..., r * hn:(r + 1) * hn], f[..., (r + 1) * hn:]
+
+
+def test_reads_strided_keys_and_values(path):
+    """A key and value split off a fused projection are strided views: read in place, gradients land in the
+    fused tensor; candidates given as a list."""
+    lead, hkv, r, hn = (3, 2), 2, 2, 6
+    fused_kv = leaf(*lead, hkv, (r + 2) * hn)
+    key, value = kv_of(fused_kv)
+    cands_k, cands_v = [leaf(*lead, hkv, hn) for _ in range(2)], [leaf(*lead, hkv * r, hn) for _ in range(2)]
+    check(lambda f, *c: depth_attention_mix(query_of(f), *kv_of(f), list(c[:2]), list(c[2:]), "query"),
+          lambda f, *c: mixing.depth_attention_mix(query_of(f), *kv_of(f), torch.stack(c[:2]), torch.stack(c[2:]),
+                                                   "query"),
+          [fused_kv, *cands_k, *cands_v], "depth attention strided")
+    assert key.stride(-2) != hn and value.stride(-2) != hn  # really strided
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("mode, hv", [("query", 4), ("group", 2)])
+def test_gradcheck(twin, scale, mode, hv):
+    f64 = torch.float64
+    inputs = [leaf(3, 4, 4, scale=scale, dtype=f64), leaf(3, 2, 4, scale=scale, dtype=f64),
+              leaf(3, 2, 4, scale=scale, dtype=f64), leaf(2, 3, 2, 4, scale=scale, dtype=f64),
+              leaf(2, 3, hv, 4, scale=scale, dtype=f64)]
+    gradcheck(lambda *a: depth_attention_mix(*a, gqa_mode=mode), inputs, f"depth attention {mode} scale={scale}")
+
+
+def test_opcheck(twin):
+    q, k, v = leaf(3, 4, 6), leaf(3, 2, 6), leaf(3, 2, 6)
+    ck, cv = [leaf(3, 2, 6) for _ in range(2)], [leaf(3, 4, 6) for _ in range(2)]
+    for group in (False, True):
+        values = cv if not group else [leaf(3, 2, 6) for _ in range(2)]
+        opcheck(depth_attention_op, (q, k, v, ck, values, group))
+        grad = torch.randn(3, 2 if group else 4, 6)
+        opcheck(depth_attention_backward_op, (grad, *detached([q, k, v]), detached(ck), detached(values), group))
+
+
+def test_saves_only_its_inputs(path):
+    n = 6
+    cands = [leaf(n, 2, 3) for _ in range(6)]
+    saves_only_inputs(lambda q, key, v, *c: depth_attention_mix(q, key, v, list(c[:3]), list(c[3:]), "query"),
+                      [leaf(n, 4, 3), leaf(n, 2, 3), leaf(n, 2, 3), *cands])
+
+
+def test_bf16(path):
+    bf16_matches_fp32(lambda *a: depth_attention_mix(*a, "query"), lambda *a: mixing.depth_attention_mix(*a, "query"),
+                      torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(2, 6, 2, 8),
+                      torch.randn(2, 6, 4, 8))

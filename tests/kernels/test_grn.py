@@ -1,0 +1,69 @@
+"""mega_depth/kernels/grn.py: DCA's GRNs over the stack against mixing.grn_apply."""
+
+import pytest
+import torch
+from kernel_checks import (SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, saves_only_inputs,
+                           sources_of)
+
+from mega_depth.kernels.grn import grn_apply_sources, grn_backward_op, grn_op
+from mega_depth.model import mixing
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_values_and_gradients(path, version, k):
+    """g = 3 instances (q, k, v); K = 4 is k-DCA's stack [x, sum, f_{t-1}, f_t]."""
+    g, lead, d = 3, (5,), 12
+    sources = sources_of(k, *lead, d)
+    bias = leaf(g, k) if version == "v1" else leaf(g, d, k)
+    proj = leaf(g, d) if version == "v3" else None
+    check(lambda b, p, *s: grn_apply_sources(list(s), b, p, version),
+          lambda b, p, *s: mixing.grn_apply(torch.stack(s), b, p, version),
+          [bias, proj, *sources], f"grn {version} k={k}")
+
+
+def test_v3_gate_has_subgradient_one_at_zero(path):
+    """proj starts at exactly zero: every gate sits on the kink, where clamp's subgradient (1) must be kept."""
+    sources = sources_of(3, 2, 3, 12)
+    bias, proj = leaf(3, 12, 3), torch.zeros(3, 12, requires_grad=True)
+    check(lambda b, p, *s: grn_apply_sources(list(s), b, p, "v3"),
+          lambda b, p, *s: mixing.grn_apply(torch.stack(s), b, p, "v3"),
+          [bias, proj, *sources], "grn v3 at zero proj")
+    (grad,) = torch.autograd.grad(grn_apply_sources(sources, bias, proj, "v3").sum(), [proj])
+    assert grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_gradcheck(twin, scale, version):
+    """v3 at input scales 1, 3, 10 with gates on both sides of the ReLU (the clamp fires for about half of them):
+    finite differences stay away from the kink."""
+    f64 = torch.float64
+    sources = [(s * scale).detach().requires_grad_() for s in sources_of(3, 4, 6, dtype=f64)]
+    bias = leaf(2, 3, dtype=f64) if version == "v1" else leaf(2, 6, 3, dtype=f64)
+    proj = leaf(2, 6, dtype=f64) if version == "v3" else None
+    if proj is not None:
+        pre = torch.einsum("knd,gd->gkn", torch.stack(sources), proj)
+        assert (pre < 0).any() and (pre > 0).any() and pre.abs().min() > 1e-4
+    gradcheck(lambda b, p, *s: grn_apply_sources(list(s), b, p, version), [bias, proj, *sources],
+              f"grn {version} scale={scale}")
+
+
+def test_opcheck(twin):
+    sources = sources_of(3, 2, 3, 8)
+    for bias, proj, version in ((leaf(3, 8, 3), leaf(3, 8), 3), (leaf(3, 3), None, 1)):
+        opcheck(grn_op, (sources, bias, proj, version))
+        opcheck(grn_backward_op, (torch.randn(3, 2, 3, 8), detached(sources), bias.detach(),
+                                  None if proj is None else proj.detach(), version))
+
+
+def test_saves_only_its_inputs(path):
+    sources = sources_of(4, 6, 12)
+    saves_only_inputs(lambda b, p, *s: grn_apply_sources(s, b, p, "v3"), [leaf(3, 12, 4), leaf(3, 12), *sources])
+
+
+def test_bf16(path):
+    src = [torch.randn(6, 24) * (1 + i) for i in range(3)]
+    bf16_matches_fp32(lambda b, p, *s: grn_apply_sources(s, b, p, "v3"),
+                      lambda b, p, *s: mixing.grn_apply(torch.stack(s), b, p, "v3"), torch.randn(3, 24, 3),
+                      torch.randn(3, 24), *src)

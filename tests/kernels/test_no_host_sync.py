@@ -1,0 +1,65 @@
+"""No op makes a host-device sync: every op's forward and backward run under mega_depth.training.host_sync's
+detector (the CPU stand-in for torch.cuda.set_sync_debug_mode("error")), through the Triton launchers and the
+twins. The detector itself catches the pattern that made one sync per mixing call before: a pointer table built
+with torch.tensor(list, device=...) (a blocking copy from pageable memory)."""
+
+import os
+
+import torch
+from kernel_checks import EPS, leaf, sources_of
+
+from mega_depth.kernels import common, fast_functions
+from mega_depth.training.host_sync import PACKAGE, SyncDetector, intended
+
+
+def run_every_op():
+    f = fast_functions()
+    sources, q, g = sources_of(3, 5, 8), leaf(8), leaf(8, shift=1.0)
+    outs = [f.attnres_mix_sources(sources, q, g, EPS, heads=2),
+            f.attnres_mix_sources(sources, leaf(5, 8), None, EPS, weight="sigmoid")]
+    m, z, o = f.attnres_phase1_sources(sources, leaf(2, 8), leaf(2, 8), EPS)
+    outs += [f.attnres_phase2(m[1], z[1], o[1], leaf(5, 8), q, g, EPS), f.attnres_phase2(m[0], z[0], o[0], None, q, g,
+                                                                                         EPS)]
+    outs.append(f.grn_apply_sources(sources, leaf(3, 8, 3), leaf(3, 8), "v3"))
+    outs.append(f.depth_attention_mix(leaf(5, 4, 6), leaf(5, 2, 6), leaf(5, 2, 6), [leaf(5, 2, 6)], [leaf(5, 4, 6)]))
+    streams = leaf(4, 5, 8)
+    outs += [f.streams_in(streams, leaf(4, 5)), f.streams_out(streams, leaf(5, 8), leaf(4, 5, 4), leaf(4, 5))]
+    outs.append(f.sinkhorn(leaf(5, 4, 4), 20, "paper", "deepseek"))
+    sum(o.float().sum() for o in outs).backward()
+
+
+def test_no_op_makes_a_host_sync(path):
+    with SyncDetector() as found:
+        run_every_op()
+    assert not found, "\n".join(map(str, found))
+
+
+def test_pointer_tables_reach_a_device_without_a_sync():
+    """Off the CPU the table goes host -> device with non_blocking=True (the meta device stands in for a GPU)."""
+    with SyncDetector() as found:
+        table = common.pointer_table([torch.empty(4, device="meta") for _ in range(3)])
+    assert table.device.type == "meta" and table.dtype == torch.int64 and table.shape == (3,)
+    assert not found, "\n".join(map(str, found))
+
+
+def old_table(tensors):
+    """The pointer table as it was built before: one blocking copy per mixing call on a GPU."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+
+
+def test_the_detector_catches_a_blocking_table_and_host_reads(monkeypatch):
+    here = (os.path.dirname(os.path.abspath(__file__)), PACKAGE)
+    tensors = [torch.zeros(3) for _ in range(2)]
+    with SyncDetector(here) as found:
+        old_table(tensors)
+        tensors[0].sum().item()
+        with intended("a read the caller means"):
+            tensors[1].sum().item()
+    assert [s.what.split("(")[0] for s in found] == ["torch.tensor", "Tensor.item"], found
+    monkeypatch.setattr(common, "pointer_table", old_table)
+    for module in ("attnres_mix", "attnres_block", "grn", "depth_attention"):
+        monkeypatch.setattr(f"mega_depth.kernels.{module}.pointer_table", old_table)
+    monkeypatch.setattr(common, "FORCE_TRITON", True)
+    with SyncDetector(here) as found:
+        run_every_op()
+    assert found and all("torch.tensor" in s.what for s in found)

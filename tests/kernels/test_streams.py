@@ -1,0 +1,77 @@
+"""mega_depth/kernels/streams.py: HC / mHC's stream read and write against mixing.streams_in / streams_out."""
+
+import pytest
+import torch
+from kernel_checks import SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, saves_only_inputs
+
+from mega_depth.kernels.streams import (stream_rows, streams_in, streams_in_backward_op, streams_in_op, streams_out,
+                                        streams_out_backward_op, streams_out_op)
+from mega_depth.model import mixing
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_values_and_gradients(path, n, per_token):
+    """mHC's per-token coefficients, and HC's static ones broadcast over the tokens ([n, 1, 1], [n, 1, 1, n]);
+    n = 3 is not a power of two (masked stream lanes)."""
+    lead, d = (5, 2), 24
+    streams, output = leaf(n, *lead, d), leaf(*lead, d, scale=2.0)
+    coef = lead if per_token else (1,) * len(lead)
+    weights, post = leaf(n, *coef), leaf(n, *coef, shift=1.0)
+    mix = leaf(n, *coef, n, scale=0.5)
+    check(streams_in, mixing.streams_in, [streams, weights], f"streams_in n={n}")
+    check(streams_out, mixing.streams_out, [streams, output, mix, post], f"streams_out n={n}")
+
+
+def test_read_an_expanded_embedding_and_a_pipeline_view(path):
+    """The first layer's streams are the embedding expanded n times (stream stride 0) and a received pipeline
+    tensor is viewed [s, b, n*d] -> [n, s, b, d] (permuted strides): both read in place, gradients flow back."""
+    n, (s_, b), d = 4, (5, 2), 16
+    embedding = leaf(s_, b, d)
+    payload = leaf(s_, b, n * d)
+    weights, mix, post = leaf(n, s_, b), leaf(n, s_, b, n, scale=0.5), leaf(n, s_, b)
+    output = leaf(s_, b, d)
+
+    def expanded(e):
+        return e.unsqueeze(0).expand(n, *e.shape)
+
+    def viewed(p):
+        return p.unflatten(2, (n, d)).permute(2, 0, 1, 3)
+
+    for make, label in ((expanded, "expanded"), (viewed, "pipeline view")):
+        src = embedding if make is expanded else payload
+        assert stream_rows(make(src)).data_ptr() == src.data_ptr()  # no copy
+        check(lambda x, w: streams_in(make(x), w), lambda x, w: mixing.streams_in(make(x), w), [src, weights],
+              f"streams_in {label}")
+        check(lambda x, y, m, p: streams_out(make(x), y, m, p), lambda x, y, m, p: mixing.streams_out(make(x), y, m, p),
+              [src, output, mix, post], f"streams_out {label}")
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_gradcheck(twin, scale):
+    f64 = torch.float64
+    streams, output = leaf(3, 4, 6, scale=scale, dtype=f64), leaf(4, 6, scale=scale, dtype=f64)
+    weights, mix, post = leaf(3, 4, dtype=f64), leaf(3, 4, 3, dtype=f64), leaf(3, 4, dtype=f64)
+    gradcheck(streams_in, [streams, weights], f"streams_in scale={scale}")
+    gradcheck(streams_out, [streams, output, mix, post], f"streams_out scale={scale}")
+
+
+def test_opcheck(twin):
+    streams, output, weights, mix, post = leaf(3, 4, 6), leaf(4, 6), leaf(3, 4), leaf(3, 4, 3), leaf(3, 4)
+    opcheck(streams_in_op, (streams, weights))
+    opcheck(streams_in_backward_op, (torch.randn(4, 6), *detached([streams, weights])))
+    opcheck(streams_out_op, (streams, output, mix, post))
+    opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, mix, post])))
+
+
+def test_save_only_their_inputs(path):
+    n, d = 6, 12
+    streams = leaf(4, n, d)
+    saves_only_inputs(streams_in, [streams, leaf(4, n)])
+    saves_only_inputs(streams_out, [streams, leaf(n, d), leaf(4, n, 4), leaf(4, n)])
+
+
+def test_bf16(path):
+    bf16_matches_fp32(streams_in, mixing.streams_in, torch.randn(4, 6, 24), torch.rand(4, 6))
+    bf16_matches_fp32(streams_out, mixing.streams_out, torch.randn(4, 6, 24), torch.randn(6, 24), torch.rand(4, 6, 4),
+                      torch.rand(4, 6) * 2)
