@@ -21,10 +21,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels.attnres_mix import accumulate
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block,
-                                       check_heads, contiguous, depth_weight_is_sigmoid, folded_query,
-                                       folded_query_torch, jit, launch, nothing, pointer_at, pointer_table, pow2,
-                                       programs, rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, channel_block,
+                                       check_heads, chunk, chunk_block, contiguous, depth_weight_is_sigmoid,
+                                       folded_query, folded_query_torch, jit, launch, nothing, pick, pointer_at,
+                                       pointer_table, pow2, programs, reduction_grid, register_fake, rms_inverse,
+                                       rms_inverse_torch, rows, tl, token, uses_triton, warps)
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -32,99 +33,147 @@ from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list
 
 
 @jit
-def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, H, eps, TOK,
-                       BS: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
-                       SIGMOID: tl.constexpr):
-    pid = tl.program_id(0)
+def _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, like_ptr, BK: tl.constexpr,
+                  BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr, GO: tl.constexpr):
+    """Pass 1 over a token's K blocks, chunk by chunk (each chunk of the queries loaded once for all blocks): the
+    dot products of every (block, query, head) with the folded queries [BK, BS, BH], 1 / RMS of every block [BK]
+    (1 without a key norm) and, with GO, go_s . v_k [BK, BS, BH] (go_ptr: [S, N, d])."""
+    ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
-    oh, offs, cmask = channel_block(C, H, BH, BC)
     smask = os_ < S
-    qoffs = os_[:, None, None] * D + offs[None, :, :]
-    f = folded_query(q_ptr, g_ptr, qoffs, smask[:, None, None] & cmask[None, :, :], o_ptr, NORM)  # [BS, BH, BC]
-    for t in range(TOK):
-        n = token(pid, t, TOK)
-        mask = cmask & (n < N)
-        acc = tl.zeros([BS, BH, BC], dtype=tl.float32)
-        m = tl.full([BS, BH], float("-inf"), tl.float32)
-        z = tl.zeros([BS, BH], dtype=tl.float32)
-        for k in range(K):  # each completed block read once for all S queries
-            v = tl.load(pointer_at(table, k, o_ptr) + n * D + offs, mask=mask, other=0.).to(tl.float32)
-            s = tl.sum(v[None, :, :] * f, axis=2)
+    dots = tl.zeros([BK, BS, BH], dtype=tl.float32)
+    gov = tl.zeros([BK, BS, BH], dtype=tl.float32)
+    squares = tl.zeros([BK], dtype=tl.float32)
+    for c0 in range(0, C, BCH):
+        offs, cmask = chunk_block(c0, C, H, BH, BCH)
+        qmask = smask[:, None, None] & cmask[None, :, :]
+        f = folded_query(q_ptr, g_ptr, os_[:, None, None] * D + offs[None, :, :], qmask, like_ptr, NORM)
+        if GO:
+            go = tl.load(go_ptr + os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :],
+                         mask=qmask & valid, other=0.).to(tl.float32)
+        for k in range(K):
+            v = tl.load(pointer_at(table, k, like_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+            sel = (ok == k)[:, None, None]
+            dots = tl.where(sel, dots + tl.sum(v[None, :, :] * f, axis=2)[None, :, :], dots)
+            if GO:
+                gov = tl.where(sel, gov + tl.sum(v[None, :, :] * go, axis=2)[None, :, :], gov)
             if NORM:
-                s = s * rms_inverse(v, D, eps)
-            if SIGMOID:
-                acc += tl.sigmoid(s)[:, :, None] * v[None, :, :]
-            else:
-                m_new = tl.maximum(m, s)
-                scale = tl.exp(m - m_new)
-                p = tl.exp(s - m_new)
-                z = z * scale + p
-                acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
-                m = m_new
-        omask = smask[:, None, None] & mask[None, :, :]
-        orow = os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :]
-        tl.store(o_ptr + orow, acc.to(o_ptr.dtype.element_ty), mask=omask)
-        if not SIGMOID:
-            soffs = os_[:, None].to(tl.int64) * N * H + n * H + oh[None, :]
-            smask2 = smask[:, None] & (oh < H)[None, :] & (n < N)
-            tl.store(m_ptr + soffs, m, mask=smask2)
-            tl.store(z_ptr + soffs, z, mask=smask2)
+                squares = tl.where(ok == k, squares + tl.sum(tl.sum(v * v, axis=1), axis=0), squares)
+    if NORM:
+        rinv = tl.rsqrt(squares / D + eps)
+    else:
+        rinv = tl.full([BK], 1., tl.float32)
+    return dots, gov, rinv
 
 
 @jit
-def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, df_ptr, K, N, S, D, C, H, eps, TOK,
-                       BS: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
-                       SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
-    """One pass per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its
-    gradient are local to block j (no normalisation couples the blocks)."""
+def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, H, eps, TOK,
+                       BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr):
+    """Per token: pass 1 finds the logits of every (block, query, head), pass 2 walks the chunks again and sums
+    the blocks weighted by exp(l - m) (or sigmoid(l)); the second read of a token's blocks comes from cache."""
     pid = tl.program_id(0)
+    ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
-    oh, offs, cmask = channel_block(C, H, BH, BC)
+    oh = tl.arange(0, BH)
     smask = os_ < S
-    qoffs = os_[:, None, None] * D + offs[None, :, :]
-    qmask = smask[:, None, None] & cmask[None, :, :]
-    f = folded_query(q_ptr, g_ptr, qoffs, qmask, go_ptr, NORM)
-    total = tl.zeros([BS, BH, BC], dtype=tl.float32)  # dL/d(folded queries), summed over tokens
+    kmask = (ok < K)[:, None, None]
     for t in range(TOK):
         n = token(pid, t, TOK)
-        mask = cmask & (n < N)
-        omask = smask[:, None, None] & mask[None, :, :]
-        go = tl.load(go_ptr + os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :], mask=omask,
-                     other=0.).to(tl.float32)
-        if not SIGMOID:
+        valid = n < N
+        dots, _, rinv = _phase1_pass1(table, q_ptr, g_ptr, o_ptr, n, valid, K, N, S, D, C, H, eps, o_ptr, BK, BS,
+                                      BH, BCH, NORM, False)
+        logit = dots * rinv[:, None, None]
+        if SIGMOID:
+            p = tl.where(kmask, tl.sigmoid(logit), 0.)
+        else:
+            logit = tl.where(kmask, logit, float("-inf"))
+            m = tl.max(logit, axis=0)
+            p = tl.where(kmask, tl.exp(logit - m[None, :, :]), 0.)
             soffs = os_[:, None].to(tl.int64) * N * H + n * H + oh[None, :]
-            smask2 = smask[:, None] & (oh < H)[None, :] & (n < N)
+            smask2 = smask[:, None] & (oh < H)[None, :] & valid
+            tl.store(m_ptr + soffs, m, mask=smask2)
+            tl.store(z_ptr + soffs, tl.sum(p, axis=0), mask=smask2)
+        for c0 in range(0, C, BCH):
+            offs, cmask = chunk_block(c0, C, H, BH, BCH)
+            acc = tl.zeros([BS, BH, BCH], dtype=tl.float32)
+            for k in range(K):
+                v = tl.load(pointer_at(table, k, o_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+                acc += pick(p, ok, k)[:, :, None] * v[None, :, :]
+            orow = os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :]
+            tl.store(o_ptr + orow, acc.to(o_ptr.dtype.element_ty), mask=smask[:, None, None] & cmask[None, :, :] & valid)
+
+
+@jit
+def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr, K, N, S, D, C, H, eps, TOK,
+                       BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
+    """Per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its gradient are local
+    to block j. Pass 1: logits and go . v of every block; pass 2: the block gradients, chunk by chunk. The logit
+    gradients (times 1 / RMS) go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
+    pid = tl.program_id(0)
+    ok = tl.arange(0, BK)
+    os_ = tl.arange(0, BS)
+    oh = tl.arange(0, BH)
+    smask = os_ < S
+    live = (ok < K)[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        dots, gov, rinv = _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, go_ptr, BK, BS,
+                                        BH, BCH, NORM, True)
+        logit = dots * rinv[:, None, None]
+        if SIGMOID:
+            p = tl.sigmoid(logit)
+            dl = gov * p * (1. - p)
+        else:
+            soffs = os_[:, None].to(tl.int64) * N * H + n * H + oh[None, :]
+            smask2 = smask[:, None] & (oh < H)[None, :] & valid
             m = tl.load(m_ptr + soffs, mask=smask2, other=0.)
+            p = tl.exp(logit - m[None, :, :])
             if HAS_GZ:
-                gz = tl.load(gz_ptr + soffs, mask=smask2, other=0.)
+                gov = gov + tl.load(gz_ptr + soffs, mask=smask2, other=0.)[None, :, :]
+            dl = gov * p
+        p = tl.where(live, p, 0.)
+        dl = tl.where(live, dl, 0.)
+        dr = tl.sum(tl.sum(dl * dots, axis=2), axis=1)  # dL/d(1 / RMS) per block (0 without a key norm)
+        dl = dl * rinv[:, None, None]
+        woffs = ((n * K + ok[:, None, None]) * S + os_[None, :, None]) * H + oh[None, None, :]
+        tl.store(w_ptr + woffs, dl, mask=live & valid)
+        for c0 in range(0, C, BCH):
+            offs, cmask = chunk_block(c0, C, H, BH, BCH)
+            qmask = smask[:, None, None] & cmask[None, :, :]
+            f = folded_query(q_ptr, g_ptr, os_[:, None, None] * D + offs[None, :, :], qmask, go_ptr, NORM)
+            go = tl.load(go_ptr + os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :],
+                         mask=qmask & valid, other=0.).to(tl.float32)
+            for k in range(K):
+                v = tl.load(pointer_at(table, k, go_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+                dv = tl.sum(pick(p, ok, k)[:, :, None] * go + pick(dl, ok, k)[:, :, None] * f, axis=0)
+                if NORM:
+                    r = tl.sum(tl.where(ok == k, rinv, 0.), axis=0)
+                    dv -= (tl.sum(tl.where(ok == k, dr, 0.), axis=0) * r * r * r / D) * v
+                tl.store(pointer_at(gtable, k, go_ptr) + n * D + offs, dv.to(go_ptr.dtype.element_ty),
+                         mask=cmask & valid)
+
+
+@jit
+def _phase1_dq_kernel(table, like_ptr, w_ptr, df_ptr, K, N, S, D, C, H, TOK, BS: tl.constexpr, BH: tl.constexpr,
+                      BCH: tl.constexpr):
+    """dL/d(folded queries) [S, d] = sum over tokens and blocks of w[n, k, s, h] v_k[n, h-th channels]: one
+    program per (channel chunk, token split), one atomic add per program."""
+    os_ = tl.arange(0, BS)
+    oh = tl.arange(0, BH)
+    offs, cmask = chunk_block(tl.program_id(0) * BCH, C, H, BH, BCH)
+    wmask = (os_ < S)[:, None] & (oh < H)[None, :]
+    acc = tl.zeros([BS, BH, BCH], dtype=tl.float32)
+    for t in range(TOK):
+        n = token(tl.program_id(1), t, TOK)
+        valid = n < N
         for k in range(K):
-            v = tl.load(pointer_at(table, k, go_ptr) + n * D + offs, mask=mask, other=0.).to(tl.float32)
-            dot = tl.sum(v[None, :, :] * f, axis=2)  # [BS, BH]
-            l = dot
-            if NORM:
-                r = rms_inverse(v, D, eps)
-                l = dot * r
-            gov = tl.sum(go * v[None, :, :], axis=2)
-            if SIGMOID:
-                p = tl.sigmoid(l)
-                dl = gov * p * (1. - p)
-            else:
-                p = tl.exp(l - m)
-                if HAS_GZ:
-                    gov = gov + gz
-                dl = gov * p
-            dl = tl.where(smask[:, None], dl, 0.)
-            p = tl.where(smask[:, None], p, 0.)
-            dv = tl.sum(p[:, :, None] * go, axis=0)
-            if NORM:
-                dr = tl.sum(tl.sum(dl * dot, axis=1), axis=0)
-                dl = dl * r
-                dv += tl.sum(dl[:, :, None] * f, axis=0) - (dr * r * r * r / D) * v
-            else:
-                dv += tl.sum(dl[:, :, None] * f, axis=0)
-            total += dl[:, :, None] * v[None, :, :]
-            tl.store(pointer_at(gtable, k, go_ptr) + n * D + offs, dv.to(go_ptr.dtype.element_ty), mask=mask)
-    tl.atomic_add(df_ptr + qoffs, total, mask=qmask)
+            v = tl.load(pointer_at(table, k, like_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+            w = tl.load(w_ptr + ((n * K + k) * S + os_[:, None]) * H + oh[None, :], mask=wmask & valid, other=0.)
+            acc += w[:, :, None] * v[None, :, :]
+    tl.atomic_add(df_ptr + os_[:, None, None] * D + offs[None, :, :], acc, mask=(os_ < S)[:, None, None] & cmask[None])
 
 
 @jit
@@ -229,6 +278,13 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
         tl.atomic_add(df_ptr + offs, total, mask=cmask)
 
 
+def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
+    """Block dims of the phase-1 kernels: (BK, BS, BH, BCH) for K blocks, S queries, heads."""
+    d = srcs[0].shape[1]
+    bs, bh = pow2(s), pow2(heads)
+    return pow2(len(srcs)), bs, bh, chunk(d // heads, bs * bh)
+
+
 def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
     """-> m [S, N, H] fp32, z [S, N, H] fp32, o [S, N, d] in the source dtype."""
     (n, d), s = srcs[0].shape, q.shape[0]
@@ -237,11 +293,11 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
     z = (torch.ones if sigmoid else torch.empty)((s, n, heads), dtype=F32, device=o.device)  # and z = 1
     if n == 0:
         return m, z, o
-    bs, bh, bc = pow2(s), pow2(heads), pow2(d // heads)
+    bk, bs, bh, bch = _phase1_blocks(srcs, s, heads)
     count, tok = programs(n, o.device, reduces=False)
     launch(_phase1_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs), n, s,
                                           d, d // heads, heads, eps, tok),
-           warps(bs * bh * bc, 2), BS=bs, BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid)
+           4, BK=bk, BS=bs, BH=bh, BCH=bch, NORM=g is not None, SIGMOID=sigmoid)
     return m, z, o
 
 
@@ -252,13 +308,19 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
     grads = [torch.empty_like(x) for x in srcs]
     df = torch.zeros((s, d), dtype=F32, device=go.device)
     if n > 0:
-        bs, bh, bc = pow2(s), pow2(heads), pow2(d // heads)
-        count, tok = programs(n, go.device, reduces=True)
-        launch(_phase1_bwd_kernel, (count,), (pointer_table(srcs), pointer_table(grads), q, q if g is None else g, m,
-                                              go, m if gz is None else gz, df, len(srcs), n, s, d, d // heads, heads,
-                                              eps, tok),
-               warps(bs * bh * bc, 3), BS=bs, BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid,
-               HAS_GZ=gz is not None)
+        bk, bs, bh, bch = _phase1_blocks(srcs, s, heads)
+        w = torch.empty((n, len(srcs), s, heads), dtype=F32, device=go.device)  # the logits' gradients
+        table = pointer_table(srcs)
+        count, tok = programs(n, go.device, reduces=False)
+        launch(_phase1_bwd_kernel, (count,), (table, pointer_table(grads), q, q if g is None else g, m, go,
+                                              m if gz is None else gz, w, len(srcs), n, s, d, d // heads, heads, eps,
+                                              tok),
+               4, BK=bk, BS=bs, BH=bh, BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+        chunks = cdiv(d // heads, bch)
+        splits, tok = reduction_grid(n, chunks, go.device)
+        launch(_phase1_dq_kernel, (chunks, splits), (table, srcs[0], w, df, len(srcs), n, s, d, d // heads, heads,
+                                                     tok),
+               4, BS=bs, BH=bh, BCH=bch)
     if g is None:
         return grads, df, None
     return grads, df * g.float(), df * q.float()
@@ -435,7 +497,7 @@ def phase1_op(completed: List[Tensor], queries: Tensor, key_norm_weights: Option
     return [m.view(s, *lead, heads), z.view(s, *lead, heads), o.view(s, *lead, d)]
 
 
-@phase1_op.register_fake
+@register_fake(phase1_op)
 def _(completed, queries, key_norm_weights, eps, sigmoid, heads):
     s, lead, ct = queries.shape[0], completed[0].shape[:-1], accumulation_dtype(completed[0].dtype)
     new = completed[0].new_empty
@@ -455,7 +517,7 @@ def phase1_backward_op(go: Tensor, gz: Optional[Tensor], m: Tensor, completed: L
     return [gr.view(b.shape) for gr, b in zip(grads, completed)] + [dq, nothing(go) if dg is None else dg]
 
 
-@phase1_backward_op.register_fake
+@register_fake(phase1_backward_op)
 def _(go, gz, m, completed, queries, key_norm_weights, eps, sigmoid, heads):
     ct = accumulation_dtype(completed[0].dtype)
     dg = queries.new_empty(queries.shape, dtype=ct) if key_norm_weights is not None else nothing(go)
@@ -502,7 +564,7 @@ def phase2_op(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query:
     return out.view(o.shape)
 
 
-@phase2_op.register_fake
+@register_fake(phase2_op)
 def _(m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
     return o.new_empty(o.shape)
 
@@ -521,7 +583,7 @@ def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: O
     return [nothing(grad) if t is None else t for t in grads]
 
 
-@phase2_backward_op.register_fake
+@register_fake(phase2_backward_op)
 def _(grad, m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
     n, d, ct = o.numel() // o.shape[-1], o.shape[-1], accumulation_dtype(o.dtype)
     has_x = partial is not None

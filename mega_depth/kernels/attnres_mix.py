@@ -19,9 +19,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block,
-                                       check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch, jit,
-                                       launch, nothing, pointer_at, pointer_table, pow2, programs, rms_inverse,
+from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block, check_heads,
+                                       depth_weight_is_sigmoid, folded_query, folded_query_torch, jit, launch, nothing,
+                                       pointer_at, pointer_table, pow2, programs, register_fake, rms_inverse,
                                        rms_inverse_torch, rows, tl, token, uses_triton, warps)
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def attnres_mix_op(sources: List[Tensor], query: Tensor, key_norm_weight: Option
     return fwd(srcs, _query_rows(query, d), g, eps, sigmoid, heads).view(sources[0].shape)
 
 
-@attnres_mix_op.register_fake
+@register_fake(attnres_mix_op)
 def _(sources, query, key_norm_weight, eps, sigmoid, heads):
     return sources[0].new_empty(sources[0].shape)
 
@@ -297,7 +297,7 @@ def attnres_mix_backward_op(grad: Tensor, sources: List[Tensor], query: Tensor, 
                                                                   nothing(grad) if dg is None else dg]
 
 
-@attnres_mix_backward_op.register_fake
+@register_fake(attnres_mix_backward_op)
 def _(grad, sources, query, key_norm_weight, eps, sigmoid, heads):
     d, ct = sources[0].shape[-1], accumulation_dtype(sources[0].dtype)
     dg = grad.new_empty(d, dtype=ct) if key_norm_weight is not None else nothing(grad)

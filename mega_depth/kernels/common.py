@@ -99,7 +99,29 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, **c
     if _RECORDER is not None:
         _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
         return
-    kernel[tuple(grid)](*args, num_warps=num_warps, **constexprs)
+    kernel[tuple(grid)](*args, **constexprs, **options(num_warps))
+
+
+def options(num_warps: int) -> Dict[str, int]:
+    """Triton's launch options for a program of num_warps warps. maxnreg: the whole register file is the block's
+    (65536 / threads, at most 255 a thread); left to itself ptxas caps a 16-warp kernel at 64 registers, aiming at
+    two blocks an SM, and spills where the kernel holds whole rows."""
+    if interpreting():
+        return {"num_warps": num_warps}
+    return {"num_warps": num_warps, "maxnreg": min(255, 65536 // (32 * num_warps)) // 8 * 8}
+
+
+def register_fake(op):
+    """@register_fake(op) over a function that returns an op's output metadata: its fake implementation (for
+    torch.compile and meta tensors). While launches are recorded the op's own implementation runs instead: on meta
+    tensors its Triton launchers allocate the outputs and record what they would launch (kernels/aot.py)."""
+    def register(shapes):
+        def fake(*args, **kwargs):
+            return op._init_fn(*args, **kwargs) if _RECORDER is not None else shapes(*args, **kwargs)
+
+        op.register_fake(fake)
+        return shapes
+    return register
 
 
 def uses_triton(t: Tensor) -> bool:
@@ -124,8 +146,9 @@ def cdiv(a: int, b: int) -> int:
 
 def warps(elements: int, live: int) -> int:
     """Warps for a program holding `live` fp32 tensors of `elements` values each (whole rows in registers): about
-    64 values a thread, 4 to 16 warps. kernels/aot.py checks the result against ptxas for sm_80/90/100."""
-    return min(16, max(4, pow2(cdiv(elements * live, 32 * 64))))
+    32 values a thread, 4 to 16 warps (at 16 warps a thread has 128 registers). tests/unit/test_kernels_aot.py
+    checks the result with ptxas for sm_80/90/100 at the shipped configs' sizes: no spill."""
+    return min(16, max(4, pow2(cdiv(elements * live, 32 * 32))))
 
 
 def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
@@ -141,6 +164,31 @@ def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
     else:
         count = n
     tok = cdiv(n, max(count, 1))
+    return cdiv(n, tok), tok
+
+
+def chunk(c: int, rows: int = 1) -> int:
+    """Channels per step of a kernel that walks a row in chunks (a [rows, chunk] tile of about 1k values, so that
+    registers do not grow with d); 4 under the interpreter, so that tests walk several chunks and a masked tail."""
+    if interpreting():
+        return min(pow2(c), 4)
+    return min(pow2(c), max(16, 1024 // pow2(rows)))
+
+
+def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]:
+    """(token splits, tokens per split) for a kernel that reduces over tokens with one program per (channel chunk,
+    token split): enough programs to fill the GPU (8 per SM), each summing its tokens in registers before one
+    atomic add per chunk."""
+    if _RECORDER is not None:
+        sms = _RECORDER.sm_count
+    elif interpreting() or device.type != "cuda":
+        sms = 1
+    else:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(n, (8 * sms) // max(chunks, 1)))
+    if interpreting() or (device.type != "cuda" and _RECORDER is None):
+        splits = min(n, 2)
+    tok = cdiv(n, splits)
     return cdiv(n, tok), tok
 
 
@@ -241,6 +289,21 @@ def rms_inverse_torch(v: Tensor, eps: float) -> Tensor:
 def token(pid, t, TOK):
     """The int64 row index of the t-th token of program pid."""
     return (pid * TOK + t).to(tl.int64)
+
+
+@jit
+def chunk_block(c0, C, H, BH: tl.constexpr, BCH: tl.constexpr):
+    """(channel offsets h * C + c0 + j [BH, BCH], their mask) of the chunk c0 .. c0 + BCH of every head's C
+    channels."""
+    oh = tl.arange(0, BH)
+    oc = c0 + tl.arange(0, BCH)
+    return oh[:, None] * C + oc[None, :], (oh < H)[:, None] & (oc < C)[None, :]
+
+
+@jit
+def pick(tile, ok, k):
+    """tile[k] of a [BK, ...] tile indexed by a runtime k (ok = arange(BK)), as a [...] tile."""
+    return tl.sum(tl.where(ok[:, None, None] == k, tile, 0.), axis=0)
 
 
 @jit

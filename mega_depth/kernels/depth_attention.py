@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels.common import (Sources, accumulation_dtype, jit, launch, pointer_at, pointer_table, pow2,
-                                       programs, tl, token, uses_triton, warps)
+                                       programs, register_fake, tl, token, uses_triton, warps)
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -73,19 +73,22 @@ def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask):
 @jit
 def _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
            BKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, CV_PER_HEAD: tl.constexpr):
-    """Value [BKV, BR, BN] (fp32) of entry j: a candidate's (per head or per group), or this layer's own."""
+    """Value [BKV, BR, BN] (fp32) of entry j: a candidate's (per head or per group), or this layer's own. (Each
+    branch broadcasts to [BKV, BR, BN] itself: the compiler needs one type out of both; the interpreter would not
+    mind.)"""
+    full = tl.zeros([BKV, BR, BN], dtype=tl.float32)
     if j < C:
         vp = pointer_at(vtab, j, v_ptr)
         if CV_PER_HEAD:
             val = tl.load(vp + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
-                          mask=hmask[:, :, None] & nmask[None, None, :] & valid, other=0.)
+                          mask=hmask[:, :, None] & nmask[None, None, :] & valid, other=0.).to(tl.float32) + full
         else:
             val = tl.load(vp + n * HKV * HN + okv[:, None, None] * HN + on[None, None, :],
-                          mask=kvmask[:, None, :] & valid, other=0.)
+                          mask=kvmask[:, None, :] & valid, other=0.).to(tl.float32) + full
     else:
         val = tl.load(v_ptr + n * sv_n + okv[:, None, None] * sv_h + on[None, None, :], mask=kvmask[:, None, :] & valid,
-                      other=0.)
-    return val.to(tl.float32) + tl.zeros([BKV, BR, BN], dtype=tl.float32)
+                      other=0.).to(tl.float32) + full
+    return val
 
 
 @jit
@@ -317,7 +320,7 @@ def depth_attention_op(query: Tensor, key: Tensor, value: Tensor, cand_keys: Lis
     return out.view(*value.shape[:-2], out.shape[-2], out.shape[-1])
 
 
-@depth_attention_op.register_fake
+@register_fake(depth_attention_op)
 def _(query, key, value, cand_keys, cand_values, group):
     heads = key.shape[-2] if group else query.shape[-2]
     return value.new_empty((*value.shape[:-2], heads, value.shape[-1]))
@@ -334,7 +337,7 @@ def depth_attention_backward_op(grad: Tensor, query: Tensor, key: Tensor, value:
         [g.view(c.shape) for g, c in zip(dck + dcv, list(cand_keys) + list(cand_values))]
 
 
-@depth_attention_backward_op.register_fake
+@register_fake(depth_attention_backward_op)
 def _(grad, query, key, value, cand_keys, cand_values, group):
     return [t.new_empty(t.shape) for t in (query, key, value, *cand_keys, *cand_values)]
 

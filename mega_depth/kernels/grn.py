@@ -5,6 +5,11 @@
 for the g GRN instances of one call (DCA: 3 for q/k/v, 1 for the final mix). Contract: the K stack entries are
 read in place; forward reads each once for all instances; saves bias, proj and the entries (references); backward
 recomputes the v3 gates (clamp's subgradient 1 at 0, as the reference). The op is `mega_depth::dca_grn`.
+
+The Triton kernels walk a token's sources in chunks of channels, so registers do not grow with d: the v3 gates
+(full-row dot products) come from a first pass, the weighted sums from a second one, whose reads of the token's
+sources hit the cache. In backward, the parameter gradients (sums over tokens) are one more kernel, one program
+per channel chunk and token split, which reads the sources and the output gradients once more.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, contiguous, jit, launch,
-                                       nothing, pointer_at, pointer_table, pow2, programs, rows, tl, token,
-                                       uses_triton, warps)
+from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
+                                       jit, launch, nothing, pointer_at, pointer_table, pow2, programs, reduction_grid,
+                                       register_fake, rows, tl, token, uses_triton)
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -25,77 +30,142 @@ from mega_depth.model import mixing
 
 
 @jit
-def _coefficient(bias_ptr, og, od, gmask, mask2, k, K, D, like_ptr, VERSION: tl.constexpr):
-    """bias of source k for every instance (rounded to the sources' dtype), [BG, 1] (v1) or [BG, BD]."""
+def _rounded(x, like_ptr):
+    """A parameter rounded to the sources' dtype, as the reference multiplies in that dtype."""
+    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@jit
+def _bias(bias_ptr, og, od, gmask, mask2, k, K, D, like_ptr, VERSION: tl.constexpr):
+    """The bias of source k for every instance: [BG, 1] (v1: a scalar) or [BG, BCH] (a chunk of channels)."""
     if VERSION == 1:
         b = tl.load(bias_ptr + og * K + k, mask=gmask, other=0.)[:, None]
     else:
         b = tl.load(bias_ptr + og[:, None] * D * K + od[None, :] * K + k, mask=mask2, other=0.)
-    return b.to(like_ptr.dtype.element_ty).to(tl.float32)
+    return _rounded(b, like_ptr)
 
 
 @jit
-def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BG: tl.constexpr, BD: tl.constexpr,
-                VERSION: tl.constexpr):
-    pid = tl.program_id(0)
+def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, BK: tl.constexpr, BG: tl.constexpr,
+           BCH: tl.constexpr, GO: tl.constexpr):
+    """v3, pass 1 over a token's K sources in chunks: proj_g . v_k [BK, BG] and, with GO, go_g . v_k [BK, BG]
+    (go_ptr: [G, N, d])."""
+    ok = tl.arange(0, BK)
     og = tl.arange(0, BG)
-    od = tl.arange(0, BD)
     gmask = og < G
-    dmask = od < D
-    mask2 = gmask[:, None] & dmask[None, :]
-    if VERSION == 3:
-        proj = tl.load(proj_ptr + og[:, None] * D + od[None, :], mask=mask2, other=0.)
-        proj = proj.to(out_ptr.dtype.element_ty).to(tl.float32)
+    pre = tl.zeros([BK, BG], dtype=tl.float32)
+    gsum = tl.zeros([BK, BG], dtype=tl.float32)
+    for c0 in range(0, D, BCH):
+        od = c0 + tl.arange(0, BCH)
+        mask2 = gmask[:, None] & (od < D)[None, :]
+        proj = _rounded(tl.load(proj_ptr + og[:, None] * D + od[None, :], mask=mask2, other=0.), like_ptr)
+        if GO:
+            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & valid,
+                         other=0.).to(tl.float32)
+        for k in range(K):
+            v = tl.load(pointer_at(table, k, like_ptr) + n * D + od, mask=(od < D) & valid, other=0.).to(tl.float32)
+            sel = (ok == k)[:, None]
+            pre = tl.where(sel, pre + tl.sum(proj * v[None, :], axis=1)[None, :], pre)
+            if GO:
+                gsum = tl.where(sel, gsum + tl.sum(go * v[None, :], axis=1)[None, :], gsum)
+    return pre, gsum
+
+
+@jit
+def _at(tile, ok, k):
+    """Row k of a [BK, BG] tile as [BG]."""
+    return tl.sum(tl.where((ok == k)[:, None], tile, 0.), axis=0)
+
+
+@jit
+def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl.constexpr, BG: tl.constexpr,
+                BCH: tl.constexpr, VERSION: tl.constexpr):
+    """Per token: (v3) pass 1 finds the K x G gates, pass 2 sums the sources weighted by bias + gate, chunk by
+    chunk, for all G instances at once (the second read of a token's sources comes from cache)."""
+    pid = tl.program_id(0)
+    ok = tl.arange(0, BK)
+    og = tl.arange(0, BG)
+    gmask = og < G
     for t in range(TOK):
         n = token(pid, t, TOK)
-        acc = tl.zeros([BG, BD], dtype=tl.float32)
-        for k in range(K):  # each source read once for all G instances
-            v = tl.load(pointer_at(table, k, out_ptr) + n * D + od, mask=dmask & (n < N), other=0.).to(tl.float32)
-            coef = _coefficient(bias_ptr, og, od, gmask, mask2, k, K, D, out_ptr, VERSION)
-            if VERSION == 3:
-                coef = coef + tl.maximum(tl.sum(proj * v[None, :], axis=1), 0.)[:, None]
-            acc += coef * v[None, :]
-        orow = og[:, None].to(tl.int64) * N * D + n * D + od[None, :]
-        tl.store(out_ptr + orow, acc.to(out_ptr.dtype.element_ty), mask=mask2 & (n < N))
+        valid = n < N
+        if VERSION == 3:
+            pre, _ = _gates(table, proj_ptr, out_ptr, n, valid, K, N, D, G, out_ptr, BK, BG, BCH, False)
+            gate = tl.maximum(pre, 0.)
+        for c0 in range(0, D, BCH):
+            od = c0 + tl.arange(0, BCH)
+            mask2 = gmask[:, None] & (od < D)[None, :]
+            acc = tl.zeros([BG, BCH], dtype=tl.float32)
+            for k in range(K):
+                v = tl.load(pointer_at(table, k, out_ptr) + n * D + od, mask=(od < D) & valid,
+                            other=0.).to(tl.float32)
+                coef = _bias(bias_ptr, og, od, gmask, mask2, k, K, D, out_ptr, VERSION)
+                if VERSION == 3:
+                    coef = coef + _at(gate, ok, k)[:, None]
+                acc += coef * v[None, :]
+            tl.store(out_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask2 & valid)
 
 
 @jit
-def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, dbias_ptr, dproj_ptr, K, N, D, G, TOK,
-                BG: tl.constexpr, BD: tl.constexpr, VERSION: tl.constexpr):
-    """Sources outside, tokens inside: a source's gradient needs nothing from the other sources, and the bias
-    gradient of source k is then one register sum over the program's tokens (one atomic add per program)."""
+def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, BK: tl.constexpr,
+                BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
+    """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
+    (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 writes each source's
+    gradient chunk by chunk. The parameter gradients are _params_kernel's."""
     pid = tl.program_id(0)
+    ok = tl.arange(0, BK)
     og = tl.arange(0, BG)
-    od = tl.arange(0, BD)
     gmask = og < G
-    dmask = od < D
-    mask2 = gmask[:, None] & dmask[None, :]
-    if VERSION == 3:
-        proj = tl.load(proj_ptr + og[:, None] * D + od[None, :], mask=mask2, other=0.)
-        proj = proj.to(go_ptr.dtype.element_ty).to(tl.float32)
-        dproj = tl.zeros([BG, BD], dtype=tl.float32)
-    for k in range(K):
-        src = pointer_at(table, k, go_ptr)
-        dst = pointer_at(gtable, k, go_ptr)
-        bias = _coefficient(bias_ptr, og, od, gmask, mask2, k, K, D, go_ptr, VERSION)
-        dbias = tl.zeros([BG, BD], dtype=tl.float32)
-        for t in range(TOK):
-            n = token(pid, t, TOK)
-            v = tl.load(src + n * D + od, mask=dmask & (n < N), other=0.).to(tl.float32)
-            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & (n < N),
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        if VERSION == 3:
+            pre, gsum = _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, go_ptr, BK, BG, BCH, True)
+            gate = tl.maximum(pre, 0.)
+            dgate = tl.where(pre >= 0., gsum, 0.)  # clamp(min=0): subgradient 1 at 0
+            tl.store(w_ptr + (n * K + ok[:, None]) * G + og[None, :], dgate,
+                     mask=(ok < K)[:, None] & gmask[None, :] & valid)
+        for c0 in range(0, D, BCH):
+            od = c0 + tl.arange(0, BCH)
+            mask2 = gmask[:, None] & (od < D)[None, :]
+            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & valid,
                          other=0.).to(tl.float32)
-            gv = go * v[None, :]
-            dbias += gv
-            coef = bias
             if VERSION == 3:
-                pre = tl.sum(proj * v[None, :], axis=1)
-                coef = coef + tl.maximum(pre, 0.)[:, None]
-                dgate = tl.where(pre >= 0., tl.sum(gv, axis=1), 0.)  # clamp(min=0): subgradient 1 at 0
-                dv = tl.sum(coef * go + dgate[:, None] * proj, axis=0)
-                dproj += dgate[:, None] * v[None, :]
-            else:
-                dv = tl.sum(coef * go, axis=0)
-            tl.store(dst + n * D + od, dv.to(go_ptr.dtype.element_ty), mask=dmask & (n < N))
+                proj = _rounded(tl.load(proj_ptr + og[:, None] * D + od[None, :], mask=mask2, other=0.), go_ptr)
+            for k in range(K):
+                coef = _bias(bias_ptr, og, od, gmask, mask2, k, K, D, go_ptr, VERSION)
+                if VERSION == 3:
+                    coef = coef + _at(gate, ok, k)[:, None]
+                    dv = tl.sum(coef * go + _at(dgate, ok, k)[:, None] * proj, axis=0)
+                else:
+                    dv = tl.sum(coef * go, axis=0)
+                tl.store(pointer_at(gtable, k, go_ptr) + n * D + od, dv.to(go_ptr.dtype.element_ty),
+                         mask=(od < D) & valid)
+
+
+@jit
+def _params_kernel(table, like_ptr, go_ptr, w_ptr, dbias_ptr, dproj_ptr, K, N, D, G, TOK, BG: tl.constexpr,
+                   BCH: tl.constexpr, VERSION: tl.constexpr):
+    """dbias[g, c, k] = sum_n go[g, n, c] v_k[n, c] (v1: summed over c too) and (v3) dproj[g, c] =
+    sum_{n, k} dgate[n, k, g] v_k[n, c]: one program per (channel chunk, token split), sums in registers, one
+    atomic add per program and source."""
+    og = tl.arange(0, BG)
+    od = tl.program_id(0) * BCH + tl.arange(0, BCH)
+    gmask = og < G
+    mask2 = gmask[:, None] & (od < D)[None, :]
+    dproj = tl.zeros([BG, BCH], dtype=tl.float32)
+    for k in range(K):
+        dbias = tl.zeros([BG, BCH], dtype=tl.float32)
+        for t in range(TOK):
+            n = token(tl.program_id(1), t, TOK)
+            valid = n < N
+            v = tl.load(pointer_at(table, k, like_ptr) + n * D + od, mask=(od < D) & valid, other=0.).to(tl.float32)
+            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & valid,
+                         other=0.).to(tl.float32)
+            dbias += go * v[None, :]
+            if VERSION == 3:
+                dproj += tl.load(w_ptr + (n * K + k) * G + og, mask=gmask & valid, other=0.)[:, None] * v[None, :]
         if VERSION == 1:
             tl.atomic_add(dbias_ptr + og * K + k, tl.sum(dbias, axis=1), mask=gmask)
         else:
@@ -104,17 +174,22 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, dbias_ptr, dproj_ptr,
         tl.atomic_add(dproj_ptr + og[:, None] * D + od[None, :], dproj, mask=mask2)
 
 
+def _blocks(srcs: List[Tensor], bias: Tensor):
+    """(BK, BG, BCH) for K sources and G instances."""
+    bg = pow2(bias.shape[0])
+    return pow2(len(srcs)), bg, chunk(srcs[0].shape[1], bg)
+
+
 def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int) -> Tensor:
     n, d = srcs[0].shape
-    g = bias.shape[0]
-    out = torch.empty((g, n, d), dtype=srcs[0].dtype, device=srcs[0].device)
+    out = torch.empty((bias.shape[0], n, d), dtype=srcs[0].dtype, device=srcs[0].device)
     if n == 0:
         return out
-    bg, bd = pow2(g), pow2(d)
+    bk, bg, bch = _blocks(srcs, bias)
     count, tok = programs(n, out.device, reduces=False)
     launch(_fwd_kernel, (count,), (pointer_table(srcs), bias, bias if proj is None else proj, out, len(srcs), n, d,
-                                   g, tok),
-           warps(bg * bd, 3), BG=bg, BD=bd, VERSION=version)
+                                   bias.shape[0], tok),
+           4, BK=bk, BG=bg, BCH=bch, VERSION=version)
     return out
 
 
@@ -127,11 +202,18 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
     dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
     if n == 0:
         return grads, dbias, dproj
-    bg, bd = pow2(g), pow2(d)
-    count, tok = programs(n, go.device, reduces=True)
-    launch(_bwd_kernel, (count,), (pointer_table(srcs), pointer_table(grads), bias, bias if proj is None else proj,
-                                   go, dbias, dbias if dproj is None else dproj, len(srcs), n, d, g, tok),
-           warps(bg * bd, 5), BG=bg, BD=bd, VERSION=version)
+    bk, bg, bch = _blocks(srcs, bias)
+    w = torch.empty((n, len(srcs), g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
+    table = pointer_table(srcs)
+    count, tok = programs(n, go.device, reduces=False)
+    launch(_bwd_kernel, (count,), (table, pointer_table(grads), bias, bias if proj is None else proj, go, w, len(srcs),
+                                   n, d, g, tok),
+           4, BK=bk, BG=bg, BCH=bch, VERSION=version)
+    chunks = cdiv(d, bch)
+    splits, tok = reduction_grid(n, chunks, go.device)
+    launch(_params_kernel, (chunks, splits), (table, srcs[0], go, w, dbias, dbias if dproj is None else dproj, len(srcs),
+                                              n, d, g, tok),
+           4, BG=bg, BCH=bch, VERSION=version)
     return grads, dbias, dproj
 
 
@@ -197,7 +279,7 @@ def grn_op(sources: List[Tensor], bias: Tensor, proj: Optional[Tensor], version:
     return fwd(srcs, bias.contiguous(), contiguous(proj), version).view(bias.shape[0], *lead, d)
 
 
-@grn_op.register_fake
+@register_fake(grn_op)
 def _(sources, bias, proj, version):
     return sources[0].new_empty((bias.shape[0], *sources[0].shape))
 
@@ -214,7 +296,7 @@ def grn_backward_op(grad: Tensor, sources: List[Tensor], bias: Tensor, proj: Opt
     return [gr.view(s.shape) for gr, s in zip(grads, sources)] + [dbias, nothing(grad) if dproj is None else dproj]
 
 
-@grn_backward_op.register_fake
+@register_fake(grn_backward_op)
 def _(grad, sources, bias, proj, version):
     ct = accumulation_dtype(sources[0].dtype)
     dproj = proj.new_empty(proj.shape, dtype=ct) if proj is not None else nothing(grad)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import cdiv, jit, launch, pow2, tl, uses_triton
+from mega_depth.kernels.common import cdiv, jit, launch, pow2, register_fake, tl, uses_triton
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def sinkhorn_op(logits: Tensor, iters: int, order: str, eps_style: str, eps: flo
     return (_triton_fwd if uses_triton(r) else _torch_fwd)(r, iters, order, eps_style, eps).view(logits.shape)
 
 
-@sinkhorn_op.register_fake
+@register_fake(sinkhorn_op)
 def _(logits, iters, order, eps_style, eps):
     return logits.new_empty(logits.shape)
 
@@ -229,7 +229,7 @@ def sinkhorn_backward_op(grad: Tensor, logits: Tensor, iters: int, order: str, e
     return (_triton_bwd if uses_triton(r) else _torch_bwd)(go, r, iters, order, eps_style, eps).view(logits.shape)
 
 
-@sinkhorn_backward_op.register_fake
+@register_fake(sinkhorn_backward_op)
 def _(grad, logits, iters, order, eps_style, eps):
     return logits.new_empty(logits.shape)
 

@@ -17,8 +17,8 @@ from typing import List
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, rows, tl, \
-    token, uses_triton, warps
+from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
+                                       rows, tl, token, uses_triton, warps)
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -240,7 +240,7 @@ def streams_in_op(streams: Tensor, weights: Tensor) -> Tensor:
     return out.view(streams.shape[1:])
 
 
-@streams_in_op.register_fake
+@register_fake(streams_in_op)
 def _(streams, weights):
     return streams.new_empty(streams.shape[1:])
 
@@ -254,7 +254,7 @@ def streams_in_backward_op(grad: Tensor, streams: Tensor, weights: Tensor) -> Li
     return [ds.view(streams.shape), dw.view(weights.shape)]
 
 
-@streams_in_backward_op.register_fake
+@register_fake(streams_in_backward_op)
 def _(grad, streams, weights):
     return [streams.new_empty(streams.shape),
             weights.new_empty(weights.shape, dtype=accumulation_dtype(streams.dtype))]
@@ -284,7 +284,7 @@ def streams_out_op(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -
     return out.view(n, *output.shape)
 
 
-@streams_out_op.register_fake
+@register_fake(streams_out_op)
 def _(streams, output, mix, post):
     return streams.new_empty((streams.shape[0], *output.shape))
 
@@ -301,7 +301,7 @@ def streams_out_backward_op(grad: Tensor, streams: Tensor, output: Tensor, mix: 
     return [ds.view(streams.shape), dy.view(output.shape), dmix.view(mix.shape), dpost.view(post.shape)]
 
 
-@streams_out_backward_op.register_fake
+@register_fake(streams_out_backward_op)
 def _(grad, streams, output, mix, post):
     ct = accumulation_dtype(streams.dtype)
     return [streams.new_empty(streams.shape), output.new_empty(output.shape), mix.new_empty(mix.shape, dtype=ct),

@@ -1,0 +1,248 @@
+"""Ahead-of-time compilation of the Triton kernels for real GPU targets, on any machine.
+
+The Triton interpreter checks values only: it accepts code that the compiler rejects and says nothing about
+registers, spills or shared memory. Triton compiles for a GPU target without a GPU (`triton.compile` with a
+`GPUTarget`), and the wheel's own `cuobjdump --dump-resource-usage` reads the cubin's registers, stack, local
+memory (spills) and shared memory. This module compiles exactly what a training configuration launches:
+
+1. `config_launches(cfg, dtype, sm_count)`: the mechanism of a config runs one forward and backward per pipeline
+   chunk on meta tensors (no memory) at the config's real sizes and TP/SP split, on a stand-in host layer (the
+   attention and MLP are identities; Depth-Attention gets per-rank query/key/value heads), while common.recording
+   turns every Triton launch into a record (arguments, constexprs, warps, grids as a GPU with `sm_count` SMs).
+2. `compile_launch(launch, capability)`: the launch's specialisation, made by Triton's own argument binder for
+   that target (as the runtime would: pointer alignment, integer specialisation), compiled to a cubin.
+3. `resources(compiled)`: REG / STACK / SHARED / LOCAL from cuobjdump, and the occupancy they imply.
+
+tools/kernel_resources.py prints the table (docs/benchmarks.md keeps it); tests/unit/test_kernels_aot.py fails on
+a compile error or a spill, for sm_80, sm_90 and sm_100, bf16 and fp32, over the shipped 125M / 1B / 7B configs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from mega_depth.kernels import common
+from mega_depth.kernels.common import Launch
+
+# SMs, registers per SM, threads per SM and shared memory per SM (bytes) by compute capability (datasheets: A100,
+# H100 SXM, B200)
+TARGETS = {80: (108, 65536, 2048, 164 * 1024), 90: (132, 65536, 2048, 228 * 1024), 100: (148, 65536, 2048,
+                                                                                        228 * 1024)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. What a configuration launches
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _Host:
+    """A stand-in host layer (mega_depth/model/base.py's interface): identity attention and MLP on meta tensors,
+    so that only the mechanism's mixing launches kernels. Depth-Attention's value mixer gets per-rank heads over
+    the whole sequence (as attention sees them under SP), derived from the input so gradients flow."""
+
+    def __init__(self, index: int, modules: Dict[str, nn.Module], heads: Tuple[int, int, int], seq: int):
+        self.layer_index = index
+        self._heads, self._seq = heads, seq
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+    def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None):
+        out = x if k_in is None else x + k_in + v_in
+        if value_mixer is not None:
+            hq, hkv, hn = self._heads
+            lead = (self._seq, x.shape[1])
+            derived = x.sum() * 0  # keeps the graph connected to x
+            query = torch.zeros(*lead, hq, hn, dtype=x.dtype, device=x.device) + derived
+            key = torch.zeros(*lead, hkv, hn, dtype=x.dtype, device=x.device) + derived
+            value = torch.zeros(*lead, hkv, hn, dtype=x.dtype, device=x.device) + derived
+            mixed = value_mixer(query, key, value, lambda t: t, lambda t: t)
+            out = out + mixed.sum() * 0
+        return out
+
+    def mlp_sublayer(self, x):
+        return x * 1
+
+
+class _Final:
+    def __init__(self, modules: Dict[str, nn.Module]):
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+
+def _chunks(num_layers: int, pp: int, vpp: int, recompute_layers: Optional[int]) -> List[Tuple[int, int]]:
+    """The layer ranges the mechanism runs at once: pipeline chunks (StageGeometry's split), cut into recompute
+    chunks under full recomputation."""
+    per_stage = num_layers // (pp * vpp)
+    out = []
+    for start in range(0, num_layers, per_stage):
+        step = recompute_layers or per_stage
+        out += [(a, min(a + step, start + per_stage)) for a in range(start, start + per_stage, step)]
+    return out
+
+
+def config_launches(cfg, dtype: torch.dtype, sm_count: int) -> List[Launch]:
+    """Every Triton launch of one training step's mixing (forward and backward) under `cfg` (a validated
+    mega_depth.config.Config), with activations in `dtype`, on a GPU with `sm_count` SMs."""
+    from mega_depth.kernels import fast_functions
+    from mega_depth.model.registry import build
+
+    p, m = cfg.parallel, cfg.model
+    tp, sp = p.tensor_model_parallel_size, p.sequence_parallel
+    shape = cfg.decoder_config().shape
+    mechanism = build(cfg.residual, shape, tp, sp)
+    if not mechanism.mixes_depth:
+        return []
+    mechanism.kernels = fast_functions()
+    mechanism.recompute_mixing = False  # recomputation re-launches the same kernels
+    seq, batch = m.seq_length, cfg.training.micro_batch_size
+    local_seq = seq // tp if sp else seq
+    heads = (shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim)
+    recompute = p.recompute_num_layers if p.recompute_granularity == "full" else None
+    with torch.device("meta"):
+        hosts = [_Host(i, {k: v.to(dtype) for k, v in mechanism.layer_modules(i, dtype).items()}, heads, seq)
+                 for i in range(m.num_layers)]
+        final = _Final({k: v.to(dtype) for k, v in mechanism.final_modules(dtype).items()})
+    with common.recording(sm_count) as launches:
+        for first, end in _chunks(m.num_layers, p.pipeline_model_parallel_size, cfg.virtual_pipeline_size or 1,
+                                  recompute):
+            if first == 0:
+                x = torch.zeros(local_seq, batch, shape.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+                state = mechanism.initial_state(x)
+            else:
+                entries = {e.name: mechanism.unflat(e.name, torch.zeros(local_seq, batch, e.width, dtype=dtype,
+                                                                        device="meta", requires_grad=True))
+                           for e in mechanism.layout(first)}
+                state = mechanism.state_from(entries, first)
+            state = mechanism.run_layers(hosts[first:end], state)
+            outs = [mechanism.final_hidden(state, final)] if end == m.num_layers else \
+                list(mechanism.entries(state).values())
+            loss = sum(o.float().sum() for o in outs if o.requires_grad)
+            loss.backward()
+    return launches
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. Compilation for a target, as the runtime would specialise the launch
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Compiled:
+    name: str
+    key: str  # the specialisation: signature, constexprs and attributes (what the runtime caches on)
+    ptx: str
+    cubin: bytes
+    num_warps: int
+    shared: int
+
+
+def _bind(launch: Launch, capability: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.constexprs, **common.options(launch.num_warps))
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return target, options, signature, constexprs, attrs
+
+
+def specialisation(launch: Launch) -> str:
+    """What the Triton runtime would cache the launch's compiled kernel on (target aside)."""
+    _, options, signature, constexprs, attrs = _bind(launch, 90)
+    return repr((kernel_name(launch), sorted(signature.items()), sorted(constexprs.items()),
+                 sorted(attrs.items()), options.num_warps))
+
+
+def compile_launch(launch: Launch, capability: int) -> Compiled:
+    import triton
+    from triton.compiler import ASTSource
+
+    target, options, signature, constexprs, attrs = _bind(launch, capability)
+    kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                            options=options.__dict__)
+    return Compiled(kernel_name(launch), specialisation(launch), kernel.asm["ptx"], kernel.asm["cubin"],
+                    options.num_warps, kernel.metadata.shared)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 3. Resources
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _nvidia_tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
+    """{"registers", "stack" (bytes a thread), "shared" (bytes a block), "local" (bytes a thread), "spill_stores" /
+    "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds)} of a compiled kernel: the
+    cubin's resource usage as cuobjdump --dump-resource-usage reads it, and the spills ptxas -v reports for its
+    PTX (Triton runs ptxas with -v but keeps the report to itself; a spill goes to the stack frame, which cuobjdump
+    shows as STACK, not LOCAL)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(compiled.cubin)
+        with open(ptx, "w") as f:
+            f.write(compiled.ptx)
+        usage = subprocess.run([_nvidia_tool("cuobjdump"), "--dump-resource-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+        arch = sm_arch_from_capability(capability)
+        report = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v", f"--gpu-name={arch}", ptx, "-o",
+                                 os.path.join(tmp, "again.cubin")], capture_output=True, text=True, check=True).stderr
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    regs, shared = int(found["REG"]), max(int(found["SHARED"]), compiled.shared)
+    return {"registers": regs, "stack": int(found["STACK"]), "shared": shared, "local": int(found["LOCAL"]),
+            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
+            "occupancy": occupancy(regs, shared, compiled.num_warps, capability)}
+
+
+def occupancy(registers: int, shared: int, num_warps: int, capability: int) -> int:
+    """Resident warps per SM as a % of the 64 an SM can hold: blocks limited by registers (allocated per warp in
+    units of 256), threads and shared memory."""
+    _, regs_per_sm, threads_per_sm, smem_per_sm = TARGETS[capability]
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    blocks = min(regs_per_sm // (per_warp * num_warps), threads_per_sm // (32 * num_warps),
+                 smem_per_sm // shared if shared else 32, 32)
+    return round(100 * blocks * num_warps / 64)
+
+
+def unique(launches: Sequence[Launch]) -> List[Launch]:
+    """One launch per specialisation (a deep model launches the same compiled kernel many times)."""
+    seen, out = set(), []
+    for launch in launches:
+        key = specialisation(launch)
+        if key not in seen:
+            seen.add(key)
+            out.append(launch)
+    return out
+
+
+def describe(launch: Launch) -> str:
+    """The constexprs that set a kernel's shape, for tables (block dims, flags)."""
+    consts = ", ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in launch.constexprs.items())
+    return f"{kernel_name(launch)}({consts}) warps={launch.num_warps}"
+
+
+def kernel_name(launch: Launch) -> str:
+    """op module . kernel, e.g. attnres_mix._fwd_kernel."""
+    return f"{launch.kernel.fn.__module__.rsplit('.', 1)[-1]}.{launch.kernel.__name__}"
+

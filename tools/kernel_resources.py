@@ -1,0 +1,109 @@
+"""Resources of every Triton kernel the shipped configs launch, compiled ahead of time for real GPU targets.
+
+    python tools/kernel_resources.py [--configs 125m,1b,7b] [--targets 80,90,100] [--dtypes bf16,fp32]
+        [--out docs/kernel_resources.json] [--markdown]
+
+For each config launch/configs/<size>-<mechanism>.yaml the mechanism's mixing runs one training step on meta
+tensors at the config's sizes and TP/SP split, its Triton launches are recorded (mega_depth/kernels/aot.py), and
+each distinct specialisation is compiled for each target (sm_80 A100, sm_90 H100/H200, sm_100 B200) and dtype. No
+GPU is needed. Per kernel: registers, stack, shared memory, spill stores / loads (ptxas -v) and occupancy (resident
+warps per SM). Exits 1 on a compile error or a spill. --markdown prints the table docs/benchmarks.md keeps.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def config_paths(sizes):
+    return sorted(p for size in sizes for p in glob.glob(os.path.join(ROOT, "launch", "configs", f"{size}-*.yaml")))
+
+
+def load_config(path):
+    from mega_depth.config import parse_args
+
+    cfg = parse_args(["--config", path, "--mock-data"])
+    return cfg.validate(cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+
+
+def survey(sizes, targets, dtypes, log=print):
+    """[{configs, dtype, target, kernel, registers, ..., error}]: every distinct launch of the configs (a kernel
+    specialisation that several configs launch is compiled once per target and dtype)."""
+    import torch
+
+    from mega_depth.kernels import aot
+
+    configs = [(os.path.basename(p)[:-5], load_config(p)) for p in config_paths(sizes)]
+    rows = []
+    for dtype in dtypes:
+        for target in targets:
+            start, seen = time.time(), {}
+            for name, cfg in configs:
+                for launch in aot.config_launches(cfg, getattr(torch, DTYPES[dtype]), aot.TARGETS[target][0]):
+                    seen.setdefault(aot.specialisation(launch), (launch, set()))[1].add(name)
+            for launch, names in seen.values():
+                row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}",
+                       "kernel": aot.describe(launch)}
+                try:
+                    row.update(aot.resources(aot.compile_launch(launch, target), target))
+                except Exception as exc:  # a compile error is a result here, not a crash
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                rows.append(row)
+            log(f"{dtype} sm_{target}: {len(seen)} distinct kernels in {time.time() - start:.1f} s")
+    return rows
+
+
+def failures(rows):
+    return [r for r in rows if r.get("error") or r.get("spill_stores") or r.get("local")]
+
+
+def markdown(rows):
+    """One line per kernel (constexprs, warps), target and dtype: the specialisation that uses most registers."""
+    merged = {}
+    for r in rows:
+        key = (r["kernel"], r["target"], r["dtype"])
+        if key not in merged or r.get("registers", 0) > merged[key].get("registers", 0):
+            merged[key] = r
+    lines = ["| kernel (constexprs, warps) | target | dtype | regs | stack B | shared B | spills B | occupancy |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for (kernel, target, dtype), r in sorted(merged.items()):
+        if r.get("error"):
+            lines.append(f"| `{kernel}` | {target} | {dtype} | error: {r['error']} | | | | |")
+            continue
+        lines.append(f"| `{kernel}` | {target} | {dtype} | {r['registers']} | {r['stack']} | {r['shared']} | "
+                     f"{r['spill_stores']} | {r['occupancy']} % |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--configs", default="125m,1b,7b", help="config sizes (launch/configs/<size>-*.yaml)")
+    parser.add_argument("--targets", default="80,90,100", help="compute capabilities")
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--out", default=None, help="write every row as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the markdown table")
+    args = parser.parse_args(argv)
+    rows = survey(args.configs.split(","), [int(t) for t in args.targets.split(",")], args.dtypes.split(","))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.markdown:
+        print(markdown(rows))
+    bad = failures(rows)
+    for r in bad:
+        why = r.get("error") or f"{r['spill_stores']} B spill stores, {r['local']} B local"
+        print(f"FAIL {','.join(r['configs'])} {r['dtype']} {r['target']} {r['kernel']}: {why}")
+    print(f"{len(rows)} compiled kernels, {len(bad)} with a compile error or a spill")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
