@@ -18,7 +18,7 @@ Per mechanism it reports:
   the chip's HBM bandwidth against the baseline at --bound-mfu of its peak (--bound-device's numbers on a CPU):
       ratio >= 1 + 3 * extra_units * d * bytes_per_element / bandwidth / (FLOPs per token / (mfu * peak))
   extra_units: the forward I/O per token (units of d) the mixing adds over the plain residual's 3 per sublayer
-  (io_units below, from SPEC's per-sublayer I/O; training is ~3x the forward).
+  (each mechanism's io_units, from SPEC's per-sublayer I/O; training is ~3x the forward).
 One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout.
 With --resident pair the --out JSON is rewritten after every pair ("complete": false until the last), so a run cut
 short by a time box keeps the pairs it finished.
@@ -47,53 +47,13 @@ def flops_per_token(L, d, heads, groups, ffn, vocab, seq) -> float:
 
 
 def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
-    """Forward memory traffic of the depth mixing per token, in units of d, summed over the model. fused: the fast
-    path's (--mixing-impl triton) where it differs from the unfused reference's (HC / mHC's stream kernels)."""
-    kind, S = settings["mechanism"], 2 * L
-    if kind == "standard":
-        return 3.0 * S
-    if kind == "attnres":
-        blocks = settings.get("attnres_num_blocks") or S
-        size = S // blocks
-        if size == 1 or settings.get("attnres_query", "static") == "input":  # sublayer by sublayer
-            extra = 1.0 if settings.get("attnres_query") == "input" else 0.0  # the query reads the newest source
-            return sum(l + 1 + extra for l in range(1, S + 1)) + (S + 2)
-        total = 0.0  # two-phase: per sublayer n/S (phase 1's read of the completed blocks, shared) + 5
-        for b in range(1, blocks + 1):
-            members = size if b < blocks else S - size * (blocks - 1)
-            total += members * (b / members + 5)
-        return total + (blocks + 2)  # the output aggregation
-    if kind == "dca":
-        k = settings.get("dca_last_k")
-        total = 0.0
-        for t in range(1, L + 2):
-            sources = t if k is None else min(t, k + 2)
-            total += sources + (3 if t <= L else 1)  # read the stack, write q/k/v inputs (final: one output)
-            if t <= L:
-                total += 6 + (3 if k is not None and t > k + 1 else 0)  # a + q_in, f = a + m; k-DCA's running sum
-        return total
-    if kind == "depth-attention":
-        from mega_depth.model.mixing import depth_attention_candidates
+    """Forward memory traffic of the depth mixing per token, in units of d: the mechanism's own model
+    (Mechanism.io_units in its file), so a new mechanism brings its own."""
+    from mega_depth.model.base import ModelShape
+    from mega_depth.model.config import residual_config
+    from mega_depth.model.registry import build
 
-        stride = settings.get("depth_attn_stride") or max(1, L // 2)
-        window = settings.get("depth_attn_window", 0)
-        kv, v = groups / heads, (heads if settings.get("depth_attn_gqa", "query") == "query" else groups) / heads
-        cands = sum(len(depth_attention_candidates(l, stride, window)) for l in range(L))
-        return 3.0 * S + cands * (kv + v) + L * (v - kv)
-    if kind in ("hc", "mhc"):
-        n = settings.get("hc_expansion", 4)
-        # unfused, per sublayer: reads (5n+1)d, writes (3n+1)d (mHC paper Table 2, HC row); fused: the coefficients
-        # read the n streams, the read kernel reads them again and writes the input, the write kernel reads the
-        # streams and the output once and writes the n new streams: reads (3n+1)d, writes (n+1)d
-        per_sublayer = 4 * n + 2 if fused else 8 * n + 2
-        return S * per_sublayer + (n + 1)  # + the collapse before the final norm
-    if kind == "denseformer":  # per DWA after unit i: reads |S_i| d, writes Y_i, stores X_i (SPEC-more §8)
-        from mega_depth.model.mixing import dwa_sources, dwa_units
-
-        k, p = settings.get("denseformer_dilation", 1), settings.get("denseformer_period", 1)
-        units = S if settings.get("denseformer_granularity") == "sublayer" else L
-        return 3.0 * S + sum(len(dwa_sources(i, k)) + 2 for i in dwa_units(units, p))
-    raise ValueError(f"no I/O model for {kind}")
+    return build(residual_config(settings), ModelShape(L, d, heads, groups)).io_units(fused)
 
 
 def mixing_impl(flags) -> str:

@@ -29,9 +29,9 @@ class SDPAttention(DotProductAttention):
             raise NotImplementedError(f"SDPA core attention without a mask handles causal or no masks, not "
                                       f"{mask_type}")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # GQA: each key/value group serves `groups` consecutive query heads (Megatron's order)
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # GQA natively: each key/value group serves consecutive query heads (Megatron's order, SDPA's too), with
+        # no repeated copy of K and V
+        gqa = q.shape[1] != k.shape[1]
         dropout = self.attention_dropout.p if self.training else 0.0
         # attention_mask (Megatron's convention): True where a position is masked out
         mask = None if attention_mask is None else ~attention_mask
@@ -40,5 +40,5 @@ class SDPAttention(DotProductAttention):
             else contextlib.nullcontext()
         with rng:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)

@@ -287,6 +287,17 @@ class AttnRes(Mechanism):
     def final_hidden(self, state, decoder):
         return self.mix(decoder.final_mixer, state, self.shape.num_sublayers + 1)
 
+    def io_units(self, fused=True):
+        S, lay = self.shape.num_sublayers, self.attnres_layout
+        if not self.two_phase:  # sublayer by sublayer: sublayer l reads its l sources, writes its input
+            extra = 1.0 if self.query_kind == "input" else 0.0  # the query reads the newest source
+            return sum(l + 1 + extra for l in range(1, S + 1)) + (S + 2)
+        total = 0.0  # two-phase: per sublayer n/S (phase 1's read of the n completed blocks, shared) + 5
+        for b in range(1, lay.num_blocks + 1):
+            members = lay.block_end(b) - lay.block_start(b) + 1
+            total += members * (b / members + 5)
+        return total + (lay.num_blocks + 2)  # the output aggregation
+
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):
         sublayer, lay, d = 2 * boundary + 1, self.attnres_layout, self.shape.hidden_size

@@ -256,6 +256,14 @@ class Mechanism:
     def unflat(self, name: str, t: Tensor) -> Tensor:
         return t
 
+    # --- cost model ---------------------------------------------------------------------------------------------
+    def io_units(self, fused: bool = True) -> float:
+        """Forward memory traffic of the depth mixing per token, in units of d, summed over the model: the
+        standard residual's is 3 per sublayer (read x, read f(x), write x + f(x)). fused: the fast path's
+        (--mixing-impl triton) where it differs from the eager reference's. tools/bench_throughput.py turns the
+        excess over the standard residual into the step-time bound of memory traffic alone."""
+        raise NotImplementedError(f"{self.name} has no I/O model: give it io_units() (mega_depth/model/base.py)")
+
     # --- fast paths ---------------------------------------------------------------------------------------------
     @property
     def fast_path(self) -> bool:

@@ -137,6 +137,14 @@ class DCA(Mechanism):
     def final_hidden(self, state, decoder):
         return self._grn(decoder.final_grn, state.entries(), 1e9, "final")[0]
 
+    def io_units(self, fused=True):
+        L, k, total = self.shape.num_layers, self.last_k, 0.0
+        for t in range(1, L + 2):
+            total += dca_num_sources(t, k) + (3 if t <= L else 1)  # read the stack, write q/k/v inputs (final: one)
+            if t <= L:
+                total += 6 + (3 if k is not None and t > k + 1 else 0)  # a + q_in, f = a + m; k-DCA's running sum
+        return total
+
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):
         t, d = boundary + 1, self.shape.hidden_size  # t: the next 1-based block

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Entry, Mechanism, Option
-from .mixing import dwa, dwa_needed_after, dwa_sources
+from .mixing import dwa, dwa_needed_after, dwa_sources, dwa_units
 
 
 class DWA(nn.Module):
@@ -121,6 +121,11 @@ class DenseFormer(Mechanism):
 
     def final_hidden(self, state, decoder):
         return state.y
+
+    def io_units(self, fused=True):
+        """The standard residual's, plus per DWA after unit i: reads |S_i| d, writes Y_i, stores X_i (SPEC-more §8)."""
+        return 3.0 * self.shape.num_sublayers + sum(len(dwa_sources(i, self.k)) + 2
+                                                    for i in dwa_units(self.num_units, self.p))
 
     # --- pipeline payload -------------------------------------------------------------------------------------
     def _unit_at(self, boundary: int) -> int:

@@ -132,6 +132,15 @@ class DepthAttention(Mechanism):
     def final_hidden(self, state, decoder):
         return state.hidden
 
+    def io_units(self, fused=True):
+        """The standard residual's, plus per candidate its stored key and value read (per query head or per
+        group), plus per layer the mixed values' extra width over the plain values (per-query-head values)."""
+        s = self.shape
+        kv = s.num_query_groups / s.num_attention_heads
+        v = (s.num_attention_heads if self.gqa == "query" else s.num_query_groups) / s.num_attention_heads
+        cands = sum(len(depth_attention_candidates(l, self.stride, self.window)) for l in range(s.num_layers))
+        return 3.0 * s.num_sublayers + cands * (kv + v) + s.num_layers * (v - kv)
+
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):
         out = [Entry("hidden", self.shape.hidden_size, False)]

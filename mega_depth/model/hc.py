@@ -97,6 +97,14 @@ class StreamMechanism(Mechanism):
         x = Recomputed(read, (streams, weights_in)) if self.recomputes else read(streams, weights_in)
         return write(streams, run(x), mix, weights_out)
 
+    def io_units(self, fused=True):
+        """Unfused, per sublayer: reads (5n+1)d, writes (3n+1)d (mHC paper Table 2, HC row); fused: the
+        coefficients read the n streams, the read kernel reads them again and writes the input, the write kernel
+        reads the streams and the output once and writes the n new streams: reads (3n+1)d, writes (n+1)d. Plus the
+        collapse before the final norm."""
+        n = self.n
+        return self.shape.num_sublayers * (4 * n + 2 if fused else 8 * n + 2) + (n + 1)
+
     def layout(self, boundary):
         return [Entry("streams", self.n * self.shape.hidden_size, False)]
 

@@ -176,10 +176,10 @@ def grn_apply_sources(sources: Sequence[Tensor], bias: Tensor, proj: Optional[Te
 
 def grn_mean_weights(stack: Tensor, bias: Tensor, proj: Optional[Tensor], version: str) -> Tensor:
     """Per-instance, per-source weight averaged over channels and tokens [n, K] (for heatmaps)."""
-    b = bias.float() if version == "v1" else bias.float().mean(1)
+    b = fp32(bias) if version == "v1" else fp32(bias).mean(1)
     if version != "v3":
         return b
-    gate = torch.einsum("k...d,gd->gk...", stack.float(), proj.float()).clamp(min=0)
+    gate = torch.einsum("k...d,gd->gk...", fp32(stack), fp32(proj)).clamp(min=0)
     return b + gate.flatten(2).mean(-1)
 
 

@@ -24,6 +24,9 @@ class Standard(Mechanism):
     def final_hidden(self, x, decoder):
         return x
 
+    def io_units(self, fused=True):
+        return 3.0 * self.shape.num_sublayers
+
     def layout(self, boundary):
         return [Entry("hidden", self.shape.hidden_size, False)]
 

@@ -19,10 +19,11 @@ def test_values_and_gradients(path, order, eps_style, n, iters):
 
 
 def vanishing_rows(tokens, n, shift=16.0, dtype=torch.float32):
-    """Logits whose first row lies far below the others: after exp its sums fall under eps = 1e-6, where the
-    clamp fires (and the result depends on max R)."""
+    """Logits whose first row and second column lie far below the others: after exp their sums fall under
+    eps = 1e-6, where the clamp fires."""
     logits = torch.randn(tokens, n, n, dtype=dtype) * 0.5
     logits[:, 0, :] -= shift
+    logits[:, :, 1] -= shift  # and a column: the clamp fires in the first normalisation of either order
     return logits.requires_grad_()
 
 

@@ -148,3 +148,21 @@ def test_weight_decay_rule_is_megatrons_plus_each_mechanisms_own():
 def test_a_config_without_the_mechanism_keeps_the_training_config_fields_apart():
     assert {"vp_cache", "mixing_impl"}.isdisjoint({f.name for f in dataclasses.fields(ResidualConfig)})
     assert Config().parallel.vp_cache and Config().model.mixing_impl is None  # triton on a GPU, else eager
+
+
+def test_every_mechanism_brings_its_own_io_model():
+    """tools/bench_throughput.py asks each mechanism for its forward I/O (Mechanism.io_units): none is missing,
+    none is below the standard residual's 3 per sublayer, and the fused stream kernels move less than the
+    unfused reference."""
+    from mega_depth.catalogue import MECHANISMS, residual_settings
+    from mega_depth.model.base import ModelShape
+    from mega_depth.model.config import residual_config
+    from mega_depth.model.registry import build
+
+    shape = ModelShape(6, 64, 4, 2)
+    for name in MECHANISMS:
+        mech = build(residual_config(residual_settings(name, 6)), shape)
+        assert mech.io_units(True) >= 3 * shape.num_sublayers, name
+        assert mech.io_units(True) <= mech.io_units(False), name
+    hc = build(residual_config(residual_settings("hc", 6)), shape)
+    assert hc.io_units(True) < hc.io_units(False)
