@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce):
-#   1. environment; 2. the fused kernels' tests on the GPU (fp32 values and gradients against the eager math, bf16);
-#   3. throughput at d = 512 (12 layers) and at the 1B-class size (24 layers, d = 2048, 16 heads, seq 2048):
-#      the baseline on the SDPA local spec, every mechanism with --mixing-impl triton, same run, interleaved, one
-#      mechanism and the baseline resident at a time; MFU, saved-for-backward bytes, the analytic bound;
-#   4. --compile-layers at d = 512 (Block AttnRes and its baseline, both compiled): whether whole-sublayer compile
-#      helps the launch-bound size (its baseline's tokens/s against step 3's eager one);
-#   5. the quickstart's train -> export -> sample; 6. a short GPU quality run (every setting, same tokens).
-#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels
-#                                               # and data/processed, else step 5 prepares the corpus in its time)
+# The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
+# important first:
+#   1. environment;
+#   2. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
+#      excluded (tools/sync_check.py); the optimizer step's syncs counted (Megatron's grad-norm read). It also pays
+#      Triton's compilation once for the steps after it (Triton's cache is on disk);
+#   3. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
+#      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton, same run, interleaved, one mechanism
+#      and the baseline resident at a time; MFU, saved-for-backward bytes, the analytic bound;
+#   4. a torch.profiler trace of one 1B-size step, baseline and Block AttnRes: top kernels, device idle time and the
+#      longest gaps (tools/profile_step.py), so a missed ratio says where its time went;
+#   5. throughput at d = 512 (12 layers), every mechanism;
+#   6. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math);
+#   7. --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole).
+#   FULL=1 adds the quickstart's train -> export -> sample and a short GPU quality run (past the 560 s box).
+#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels)
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
-# status; the timeouts add up to 560 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, PNG,
+# status; the timeouts add up to 535 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
 # logs, summary.txt) and $OUT/device_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,47 +43,59 @@ step() {  # step NAME TIMEOUT_S command...
 
 pack() {
   mkdir -p "$WORK/pack"
-  cp "$WORK"/*.json "$WORK"/*.log "$WORK/pack/" 2>/dev/null
+  cp "$WORK"/*.json "$WORK"/*.log "$WORK"/*.md "$WORK/pack/" 2>/dev/null
   cp "$WORK"/quality/*.png "$WORK"/quality/quality.json "$WORK/pack/" 2>/dev/null
   printf "%s" "$SUMMARY" >"$WORK/pack/summary.txt"
   tar czf "$OUT/device_check.tar.gz" -C "$WORK/pack" .
 }
 
-TARGETS=standard,attnres-block,depth-attention,dca-2,dca,attnres-full
+TARGETS=standard,attnres-block,depth-attention,dca-2,dca,attnres-full,mhc
 if [ "${SCALE:-full}" = tiny ]; then
+  SYNC=(--hidden-size 32 --num-layers 2 --num-attention-heads 4 --num-query-groups 2 --seq-length 32)
   TP_SMALL=(--hidden-size 32 --num-layers 2 --seq-length 32 --steps 1 --rounds 1)
   TP_LARGE=(--hidden-size 64 --num-layers 2 --num-attention-heads 4 --seq-length 64 --steps 1 --rounds 1
             --mechanisms "$TARGETS")
+  PROFILE=(--hidden-size 64 --num-layers 2 --num-attention-heads 4 --num-query-groups 2 --seq-length 64
+           --micro-batch-size 2)
   QUALITY=(--num-layers 2 --hidden-size 32 --train-iters 8 --eval-iters 2 --seeds 0 --jobs 2)
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
 else
+  SYNC=()
   # the speed issue's targets first: a pair's numbers reach the JSON as soon as it finishes, so a step cut short by
   # its timeout still reports them
   TP_SMALL=(--hidden-size 512 --num-layers 12 --seq-length 1024 --micro-batch-size 8 --steps 5 --rounds 3
-            --mechanisms "$TARGETS,attnres-input-query,hc,mhc,denseformer")
+            --mechanisms "$TARGETS,attnres-input-query,hc,denseformer")
   # the 1B class: micro-batch 4 at seq 2048 leaves room for the baseline and one mechanism on an 80 GB card
-  TP_LARGE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4
-            --steps 3 --rounds 2 --mechanisms "$TARGETS")
+  TP_LARGE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --num-query-groups 8 --seq-length 2048
+            --micro-batch-size 4 --steps 3 --rounds 2 --mechanisms "$TARGETS")
+  PROFILE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --num-query-groups 8 --seq-length 2048
+           --micro-batch-size 4)
   QUALITY=(--num-layers 8 --hidden-size 256 --seq-length 256 --global-batch-size 32 --micro-batch-size 32
            --train-iters 150 --lr 2e-3 --seeds 0 --jobs 10)
   QUICK=()
 fi
 
-step environment 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
+step environment 10 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
   $PY -c 'import sys, torch, megatron.core, transformers; print(sys.version.split()[0], torch.__version__,
   megatron.core.__version__, transformers.__version__, torch.cuda.is_available())';
   $PY -c 'import triton; print(\"triton\", triton.__version__)'"
-step kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/kernels
-step throughput_d512 110 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
-  --out "$WORK/throughput_d512.json"
-step throughput_d512_compiled 60 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
-  --mechanisms attnres-block --compile-layers --out "$WORK/throughput_d512_compiled.json"
-step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
+step sync_check 75 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
+step throughput_1b 190 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
-step quickstart 60 bash -c "bash tools/prepare_corpus.sh && rm -rf runs/tiny-attnres && $PY -m mega_depth.train --config launch/configs/tiny-attnres.yaml \
-  ${QUICK[*]} && $PY tools/convert_to_hf.py --load runs/tiny-attnres/checkpoints --out runs/tiny-attnres/hf --force \
-  && $PY tools/generate.py runs/tiny-attnres/hf --prompt 'The Python tutorial'"
-step quality 60 "$PY" tools/bench_quality.py "${QUALITY[@]}" --out-dir "$WORK/quality"
+step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
+  --out-dir "$WORK"
+step throughput_d512 100 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
+  --out "$WORK/throughput_d512.json"
+step kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained"
+step throughput_d512_compiled 50 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
+  --mechanisms attnres-block --compile-layers --out "$WORK/throughput_d512_compiled.json"
+if [ "${FULL:-0}" = 1 ]; then
+  step quickstart 60 bash -c "bash tools/prepare_corpus.sh && rm -rf runs/tiny-attnres && $PY -m mega_depth.train \
+    --config launch/configs/tiny-attnres.yaml ${QUICK[*]} && $PY tools/convert_to_hf.py --load \
+    runs/tiny-attnres/checkpoints --out runs/tiny-attnres/hf --force && $PY tools/generate.py runs/tiny-attnres/hf \
+    --prompt 'The Python tutorial'"
+  step quality 60 "$PY" tools/bench_quality.py "${QUALITY[@]}" --out-dir "$WORK/quality"
+fi
 
 printf "%s" "$SUMMARY" | tee "$OUT/device_check.log"
 rm -rf "$WORK"

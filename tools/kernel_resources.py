@@ -66,20 +66,28 @@ def failures(rows):
 
 
 def markdown(rows):
-    """One line per kernel (constexprs, warps), target and dtype: the specialisation that uses most registers."""
-    merged = {}
+    """One line per kernel: over all its specialisations (configs, shapes) and both dtypes, per target the most
+    registers and the lowest occupancy; the most shared memory and stack; the spills (all 0 when the check passes)."""
+    kernels = {}
     for r in rows:
-        key = (r["kernel"], r["target"], r["dtype"])
-        if key not in merged or r.get("registers", 0) > merged[key].get("registers", 0):
-            merged[key] = r
-    lines = ["| kernel (constexprs, warps) | target | dtype | regs | stack B | shared B | spills B | occupancy |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
-    for (kernel, target, dtype), r in sorted(merged.items()):
+        k = kernels.setdefault(r["kernel"].split("(")[0], {"targets": {}, "shared": 0, "stack": 0, "spills": 0,
+                                                           "n": 0, "errors": 0})
         if r.get("error"):
-            lines.append(f"| `{kernel}` | {target} | {dtype} | error: {r['error']} | | | | |")
+            k["errors"] += 1
             continue
-        lines.append(f"| `{kernel}` | {target} | {dtype} | {r['registers']} | {r['stack']} | {r['shared']} | "
-                     f"{r['spill_stores']} | {r['occupancy']} % |")
+        t = k["targets"].setdefault(r["target"], [0, 100])
+        t[0], t[1] = max(t[0], r["registers"]), min(t[1], r["occupancy"])
+        k["shared"], k["stack"] = max(k["shared"], r["shared"]), max(k["stack"], r["stack"])
+        k["spills"] += r["spill_stores"] + r["local"]
+        k["n"] += 1
+    targets = sorted({r["target"] for r in rows}, key=lambda t: int(t[3:]))
+    lines = ["| kernel | compiled | " + " | ".join(f"{t}: regs / occupancy" for t in targets) +
+             " | shared B | stack B | spills B | errors |",
+             "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|"]
+    for name, k in sorted(kernels.items()):
+        cells = [f"{k['targets'][t][0]} / {k['targets'][t][1]} %" if t in k["targets"] else "" for t in targets]
+        lines.append(f"| `{name}` | {k['n']} | " + " | ".join(cells) +
+                     f" | {k['shared']} | {k['stack']} | {k['spills']} | {k['errors']} |")
     return "\n".join(lines)
 
 

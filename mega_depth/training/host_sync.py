@@ -55,6 +55,8 @@ class Sync:
 
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Megatron's CPU patches run only without CUDA (their syncs do not exist on a GPU)
+CPU_ONLY = (os.path.join(PACKAGE, "megatron", "cpu_compat.py"),)
 
 
 def _has_device_target(args, kwargs) -> bool:
@@ -66,12 +68,14 @@ def _has_device_target(args, kwargs) -> bool:
 
 class SyncDetector:
     """with SyncDetector() as found: ...  -> found: the syncs made by code under `paths` (default: mega_depth's own;
-    a sync that torch or Megatron makes internally is theirs), as a list of Sync."""
+    a sync that torch or Megatron makes internally is theirs; the CPU-only patches are left out), as a list of
+    Sync."""
 
     READS = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__")
 
-    def __init__(self, paths: Sequence[str] = (PACKAGE,)):
+    def __init__(self, paths: Sequence[str] = (PACKAGE,), exclude: Sequence[str] = CPU_ONLY):
         self.paths = tuple(os.path.abspath(p) + os.sep for p in paths)
+        self.exclude = tuple(os.path.abspath(p) for p in exclude)
         self.found: List[Sync] = []
         self._patches = []
 
@@ -79,7 +83,8 @@ class SyncDetector:
         if _intended_depth():
             return
         frame = sys._getframe(2)  # 0: here, 1: the patched function, 2: its caller
-        if os.path.abspath(frame.f_code.co_filename).startswith(self.paths):
+        name = os.path.abspath(frame.f_code.co_filename)
+        if name.startswith(self.paths) and name not in self.exclude:
             self.found.append(Sync(what, f"{frame.f_code.co_filename}:{frame.f_lineno}"))
 
     def _patch(self, owner, name, wrapper) -> None:

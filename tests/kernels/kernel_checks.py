@@ -18,6 +18,10 @@ os.environ.setdefault("MEGA_DEPTH_KERNELS_FORCE_TRITON", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+GPU = torch.cuda.is_available()
+if GPU:  # the tests' tensors on the GPU: the ops run their compiled Triton kernels
+    torch.set_default_device("cuda")
+
 from mega_depth.kernels import common  # noqa: E402
 
 EPS = 1e-6
@@ -38,13 +42,15 @@ def interpreted() -> bool:
 @pytest.fixture(params=["triton", "torch"])
 def path(request, monkeypatch):
     """Run the test once through the Triton kernels (interpreted) and once through the torch twins."""
+    if request.param == "torch" and GPU:
+        pytest.skip("the torch twins are the ops' CPU kernels; a GPU runs the Triton kernels")
     if request.param == "triton":
         if not interpreted():
             pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 (or triton is missing)")
         monkeypatch.setattr(common, "FORCE_TRITON", True)
     else:
         monkeypatch.setattr(common, "FORCE_TRITON", False)
-    assert common.uses_triton(torch.zeros(1)) == (request.param == "triton")
+    assert common.uses_triton(torch.zeros(1)) == (request.param == "triton")  # on the default device
     return request.param
 
 
