@@ -36,8 +36,9 @@ from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list
 def _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, like_ptr, BK: tl.constexpr,
                   BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr, GO: tl.constexpr):
     """Pass 1 over a token's K blocks, chunk by chunk (each chunk of the queries loaded once for all blocks): the
-    dot products of every (block, query, head) with the folded queries [BK, BS, BH], 1 / RMS of every block [BK]
-    (1 without a key norm) and, with GO, go_s . v_k [BK, BS, BH] (go_ptr: [S, N, d])."""
+    logits of every (block, query, head) [BK, BS, BH], their dot products with the folded queries before the key
+    norm, 1 / RMS of every block [BK] (1 without a key norm) and, with GO, go_s . v_k [BK, BS, BH] (go_ptr:
+    [S, N, d])."""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     smask = os_ < S
@@ -63,7 +64,7 @@ def _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, 
         rinv = tl.rsqrt(squares / D + eps)
     else:
         rinv = tl.full([BK], 1., tl.float32)
-    return dots, gov, rinv
+    return dots * rinv[:, None, None], dots, gov, rinv
 
 
 @jit
@@ -72,18 +73,16 @@ def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, 
                        SIGMOID: tl.constexpr):
     """Per token: pass 1 finds the logits of every (block, query, head), pass 2 walks the chunks again and sums
     the blocks weighted by exp(l - m) (or sigmoid(l)); the second read of a token's blocks comes from cache."""
-    pid = tl.program_id(0)
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
     smask = os_ < S
     kmask = (ok < K)[:, None, None]
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
-        dots, _, rinv = _phase1_pass1(table, q_ptr, g_ptr, o_ptr, n, valid, K, N, S, D, C, H, eps, o_ptr, BK, BS,
-                                      BH, BCH, NORM, False)
-        logit = dots * rinv[:, None, None]
+        logit, _, _, _ = _phase1_pass1(table, q_ptr, g_ptr, o_ptr, n, valid, K, N, S, D, C, H, eps, o_ptr, BK, BS,
+                                       BH, BCH, NORM, False)
         if SIGMOID:
             p = tl.where(kmask, tl.sigmoid(logit), 0.)
         else:
@@ -111,18 +110,16 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
     """Per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its gradient are local
     to block j. Pass 1: logits and go . v of every block; pass 2: the block gradients, chunk by chunk. The logit
     gradients (times 1 / RMS) go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
-    pid = tl.program_id(0)
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
     smask = os_ < S
     live = (ok < K)[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
-        dots, gov, rinv = _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, go_ptr, BK, BS,
-                                        BH, BCH, NORM, True)
-        logit = dots * rinv[:, None, None]
+        logit, dots, gov, rinv = _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, go_ptr,
+                                               BK, BS, BH, BCH, NORM, True)
         if SIGMOID:
             p = tl.sigmoid(logit)
             dl = gov * p * (1. - p)

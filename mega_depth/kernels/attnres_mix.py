@@ -30,19 +30,23 @@ from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list
 
 
 @jit
+def _row(q_ptr, g_ptr, f, n, offs, cmask, N, D, like_ptr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr):
+    """(mask, offsets, folded query) of token n's row: the static query f, or the token's own query."""
+    mask = cmask & (n < N)
+    if PER_TOKEN:
+        f = folded_query(q_ptr + n * D, g_ptr, offs, mask, like_ptr, NORM)
+    return mask, n * D + offs, f
+
+
+@jit
 def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, K, N, D, C, H, eps, TOK,
                 BH: tl.constexpr, BC: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
                 SIGMOID: tl.constexpr):
-    pid = tl.program_id(0)
     oh, offs, cmask = channel_block(C, H, BH, BC)
-    if not PER_TOKEN:
-        f = folded_query(q_ptr, g_ptr, offs, cmask, out_ptr, NORM)
+    static = folded_query(q_ptr, g_ptr, offs, cmask, out_ptr, NORM)  # per-token queries replace it
     for t in range(TOK):
-        n = token(pid, t, TOK)
-        mask = cmask & (n < N)
-        row = n * D + offs
-        if PER_TOKEN:
-            f = folded_query(q_ptr + n * D, g_ptr, offs, mask, out_ptr, NORM)
+        mask, row, f = _row(q_ptr, g_ptr, static, token(tl.program_id(0), t, TOK), offs, cmask, N, D, out_ptr,
+                            PER_TOKEN, NORM)
         acc = tl.zeros([BH, BC], dtype=tl.float32)
         m = tl.full([BH], float("-inf"), tl.float32)
         z = tl.zeros([BH], dtype=tl.float32)
@@ -72,20 +76,15 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, dq_ptr, dg_ptr, df_ptr, K, 
     """Two passes per token: (1) logits and go . v_k of every source (to normalise the softmax gradient),
     (2) the source gradients. Static query: the fp32 sum over tokens of dL/d(folded query) goes to df_ptr [d].
     Per-token query: dL/dq per token goes to dq_ptr [N, d] and the gain's sum to dg_ptr [d]."""
-    pid = tl.program_id(0)
     ok = tl.arange(0, BK)
     oh, offs, cmask = channel_block(C, H, BH, BC)
     if NORM:
         gain = tl.load(g_ptr + offs, mask=cmask, other=0.).to(tl.float32)
-    if not PER_TOKEN:
-        f = folded_query(q_ptr, g_ptr, offs, cmask, go_ptr, NORM)
+    static = folded_query(q_ptr, g_ptr, offs, cmask, go_ptr, NORM)  # per-token queries replace it
     total = tl.zeros([BH, BC], dtype=tl.float32)  # static: sum of df; per-token: sum of df * q (the gain's)
     for t in range(TOK):
-        n = token(pid, t, TOK)
-        mask = cmask & (n < N)
-        row = n * D + offs
-        if PER_TOKEN:
-            f = folded_query(q_ptr + n * D, g_ptr, offs, mask, go_ptr, NORM)
+        mask, row, f = _row(q_ptr, g_ptr, static, token(tl.program_id(0), t, TOK), offs, cmask, N, D, go_ptr,
+                            PER_TOKEN, NORM)
         go = tl.load(go_ptr + row, mask=mask, other=0.).to(tl.float32)
         logit = tl.zeros([BK, BH], dtype=tl.float32)
         dots = tl.zeros([BK, BH], dtype=tl.float32)

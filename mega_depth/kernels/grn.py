@@ -46,13 +46,18 @@ def _bias(bias_ptr, og, od, gmask, mask2, k, K, D, like_ptr, VERSION: tl.constex
 
 
 @jit
+def _lanes(G, BK: tl.constexpr, BG: tl.constexpr):
+    """(sources [BK], instances [BG], the instances' mask)."""
+    og = tl.arange(0, BG)
+    return tl.arange(0, BK), og, og < G
+
+
+@jit
 def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, BK: tl.constexpr, BG: tl.constexpr,
            BCH: tl.constexpr, GO: tl.constexpr):
     """v3, pass 1 over a token's K sources in chunks: proj_g . v_k [BK, BG] and, with GO, go_g . v_k [BK, BG]
     (go_ptr: [G, N, d])."""
-    ok = tl.arange(0, BK)
-    og = tl.arange(0, BG)
-    gmask = og < G
+    ok, og, gmask = _lanes(G, BK, BG)
     pre = tl.zeros([BK, BG], dtype=tl.float32)
     gsum = tl.zeros([BK, BG], dtype=tl.float32)
     for c0 in range(0, D, BCH):
@@ -82,12 +87,9 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl.cons
                 BCH: tl.constexpr, VERSION: tl.constexpr):
     """Per token: (v3) pass 1 finds the K x G gates, pass 2 sums the sources weighted by bias + gate, chunk by
     chunk, for all G instances at once (the second read of a token's sources comes from cache)."""
-    pid = tl.program_id(0)
-    ok = tl.arange(0, BK)
-    og = tl.arange(0, BG)
-    gmask = og < G
+    ok, og, gmask = _lanes(G, BK, BG)
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
         if VERSION == 3:
             pre, _ = _gates(table, proj_ptr, out_ptr, n, valid, K, N, D, G, out_ptr, BK, BG, BCH, False)
@@ -113,12 +115,9 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
     """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
     (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 writes each source's
     gradient chunk by chunk. The parameter gradients are _params_kernel's."""
-    pid = tl.program_id(0)
-    ok = tl.arange(0, BK)
-    og = tl.arange(0, BG)
-    gmask = og < G
+    ok, og, gmask = _lanes(G, BK, BG)
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
         if VERSION == 3:
             pre, gsum = _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, go_ptr, BK, BG, BCH, True)

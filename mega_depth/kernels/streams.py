@@ -28,6 +28,14 @@ from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, 
 
 
 @jit
+def _lanes(NS, D, BN: tl.constexpr, BD: tl.constexpr):
+    """(output streams j [BN], channels [BD], their masks)."""
+    oj = tl.arange(0, BN)
+    od = tl.arange(0, BD)
+    return oj, od, oj < NS, od < D
+
+
+@jit
 def _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, like_ptr):
     """(the coefficient of stream i at token n, rounded like the streams; its row [BD] in fp32)."""
     r = n * 0 + i
@@ -38,11 +46,9 @@ def _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, like_ptr):
 
 @jit
 def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
-    pid = tl.program_id(0)
-    od = tl.arange(0, BD)
-    dmask = od < D
+    _, od, _, dmask = _lanes(1, D, 1, BD)
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
         acc = tl.zeros([BD], dtype=tl.float32)
         for i in tl.static_range(NS):
@@ -53,11 +59,9 @@ def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, B
 
 @jit
 def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
-    pid = tl.program_id(0)
-    od = tl.arange(0, BD)
-    dmask = od < D
+    _, od, _, dmask = _lanes(1, D, 1, BD)
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
         go = tl.load(go_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
         for i in tl.static_range(NS):
@@ -71,14 +75,10 @@ def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: 
 def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BN: tl.constexpr,
                     BD: tl.constexpr):
     """out[j] = post[j] y + sum_i mix[i, j] x[i]: each input stream row read once, the n outputs in registers."""
-    pid = tl.program_id(0)
     dt = out_ptr.dtype.element_ty
-    oj = tl.arange(0, BN)
-    od = tl.arange(0, BD)
-    jmask = oj < NS
-    dmask = od < D
+    oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
         y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
         post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
@@ -96,14 +96,10 @@ def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK,
 def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, TOK,
                     NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     """One pass: the n output gradients of a token stay in registers while each input stream is read once."""
-    pid = tl.program_id(0)
     dt = go_ptr.dtype.element_ty
-    oj = tl.arange(0, BN)
-    od = tl.arange(0, BD)
-    jmask = oj < NS
-    dmask = od < D
+    oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
     for t in range(TOK):
-        n = token(pid, t, TOK)
+        n = token(tl.program_id(0), t, TOK)
         valid = n < N
         mask2 = jmask[:, None] & dmask[None, :] & valid
         go = tl.load(go_ptr + oj[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2,
