@@ -48,6 +48,11 @@ class _MegatronMPU:
     def get_model_parallel_group(self):
         return self.ps.get_tensor_model_parallel_group()
 
+    # the names DeepSpeed's universal-checkpoint loader asks for
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
     def get_data_parallel_rank(self):
         return self.ps.get_data_parallel_rank()
 
@@ -86,6 +91,78 @@ def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
         ds["bf16"] = {"enabled": True}
     ds.setdefault("steps_per_print", 1 << 30)  # the trainer logs; DeepSpeed's own progress lines are noise
     return ds
+
+
+def _conversion_input(tag_dir: str, folder: str) -> str:
+    """The checkpoint as ds_to_universal reads it: its files linked, the model states without Megatron's empty
+    `_extra_state` entries (None, which the converter cannot cast; Megatron's modules restore them on load)."""
+    inp = os.path.join(folder, "input")
+    os.makedirs(inp)
+    for name in os.listdir(tag_dir):
+        path = os.path.join(tag_dir, name)
+        if name.startswith("mp_rank_") and name.endswith("_model_states.pt"):
+            state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own format
+            state["module"] = {k: v for k, v in state["module"].items() if v is not None}
+            torch.save(state, os.path.join(inp, name))
+        else:
+            os.symlink(path, os.path.join(inp, name))
+    return inp
+
+
+def _name_model_states(tag_dir: str, stage: int) -> None:
+    """The model-states file under the name an engine of `stage` looks for (ZeRO-3 engines read
+    zero_pp_rank_0_mp_rank_XX_model_states.pt, the others mp_rank_XX_model_states.pt); the universal conversion
+    keeps the source stage's name."""
+    import shutil
+
+    for name in os.listdir(tag_dir):
+        if not name.endswith("_model_states.pt"):
+            continue
+        mp = name[name.index("mp_rank_"):]
+        wanted = f"zero_pp_rank_0_{mp}" if stage == 3 else mp
+        if not os.path.exists(os.path.join(tag_dir, wanted)):
+            shutil.copy2(os.path.join(tag_dir, name), os.path.join(tag_dir, wanted))
+
+
+def _optimizer_state_for_zero3(input_dir: str, tag_dir: str) -> None:
+    """ZeRO-3's universal loader reads the optimizer's step and hyper-parameters from optimizer_state.pt under
+    "optimizer_state_dict", where a ZeRO-1/2 source's conversion leaves them at the top level and in the base
+    optimizer's state: add them there (the moments and fp32 weights are per parameter, the same for every stage)."""
+    import glob
+
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT, PARAM_GROUPS
+
+    path = os.path.join(tag_dir, "zero", "optimizer_state.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    source = sorted(glob.glob(os.path.join(input_dir, "*zero_pp_rank_0_*optim_states.pt")))[0]
+    base = torch.load(source, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]
+    step = next(iter(base["state"].values()))["step"]
+    state[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, "param_groups": state[PARAM_GROUPS]}
+    torch.save(state, path)
+
+
+def _zero3_state_for_stages_1_2(tag_dir: str) -> None:
+    """A ZeRO-3 source's conversion stores each parameter's state as bare tensors and its optimizer step only in
+    optimizer_state.pt; ZeRO-1/2's universal loader reads {"param": tensor} files, a step.pt per parameter and the
+    DeepSpeed version: write them so."""
+    import deepspeed
+    from deepspeed.checkpoint.constants import CAT_DIM, DS_VERSION, OPTIMIZER_STATE_DICT, PARAM
+
+    zero = os.path.join(tag_dir, "zero")
+    path = os.path.join(zero, "optimizer_state.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    step = torch.as_tensor(state[OPTIMIZER_STATE_DICT]["state"][0]["step"])
+    state[DS_VERSION] = deepspeed.__version__
+    torch.save(state, path)
+    for name in os.listdir(zero):
+        folder = os.path.join(zero, name)
+        if not os.path.isdir(folder):
+            continue
+        for file in os.listdir(folder):
+            value = torch.load(os.path.join(folder, file), map_location="cpu", weights_only=True)
+            if torch.is_tensor(value):
+                torch.save({PARAM: value, CAT_DIM: 0}, os.path.join(folder, file))
+        torch.save(step.clone(), os.path.join(folder, "step.pt"))
 
 
 class DeepSpeedBackend(Collectives):
@@ -160,12 +237,25 @@ class DeepSpeedBackend(Collectives):
         return self._losses(microbatches, poison, train=True)  # the boundary step is update()'s or discard()'s
 
     def update(self):
-        self.engine.step()
-        applied = self.engine.was_step_applied()
+        e = self.engine
+        # ZeRO-0 without bf16/fp16 steps a plain torch optimizer and records no norm: measure it before the step
+        # (the gradients are data-parallel averaged by then), as the other stages report theirs
+        plain = not (e.zero_optimization() or e.bfloat16_enabled() or e.fp16_enabled())
+        norm = self._grad_norm() if plain else None
+        e.step()
+        applied = e.was_step_applied()
         if applied:
             self.scheduler.step(increment=1)
-        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = e.get_global_grad_norm()
         return (float(norm) if norm is not None else float("nan")), bool(applied)
+
+    def _grad_norm(self):
+        """The L2 norm of every gradient (a tensor; read on the host with the loss)."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
     def discard(self) -> None:
         """Take the boundary step without an update (the gradients are NaN: see the module doc)."""
@@ -233,13 +323,82 @@ class DeepSpeedBackend(Collectives):
             save_file(canonical, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
 
     def load(self, ckpt_dir: str, meta: dict) -> int:
-        path, client = self.engine.load_checkpoint(ckpt_dir, tag=TAG)
+        saved = meta.get("layout", {})
+        stage = self.engine.zero_optimization_stage()
+        if saved.get("dp", self.dp) == self.dp and saved.get("zero_stage", stage) == stage:
+            path, client = self.engine.load_checkpoint(ckpt_dir, tag=TAG)
+        else:
+            path, client = self._load_universal(ckpt_dir, saved.get("dp"), saved.get("zero_stage"), stage)
         if path is None or client is None:
             raise ConfigError(f"{ckpt_dir} holds no DeepSpeed checkpoint ({TAG}/ is missing)")
         load_scheduler_state(self.scheduler, client["scheduler"], ckpt_dir)
         if meta.get("layout", {}).get("dp") == self.dp and "rng" in client:
             rng.restore(client["rng"])
         return int(client["step"])
+
+    def _load_universal(self, ckpt_dir: str, dp: int, stage_from: int, stage_to: int):
+        """A checkpoint saved at another data-parallel size or ZeRO stage: DeepSpeed partitions optimizer state by
+        both, so it is converted to DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal, into a
+        temporary folder beside it), loaded from there, and the conversion deleted."""
+        import tempfile
+        import types
+
+        moved = f"ZeRO-{stage_from} at data-parallel size {dp} -> ZeRO-{stage_to} at {self.dp}"
+        if 0 in (stage_from, stage_to):
+            raise ConfigError(f"{ckpt_dir} was saved with {moved.split(' -> ')[0]}, this run uses ZeRO-{stage_to} at "
+                              f"data-parallel size {self.dp}: DeepSpeed's universal checkpoint converts between ZeRO "
+                              "stages 1-3 only; resume with the saved stage and size, or start from its weights "
+                              f"(tools/convert_from_hf.py --hf {ckpt_dir} --save DIR, then --load DIR)")
+        folder = None
+        if self.rank == 0:
+            folder = tempfile.mkdtemp(prefix=".universal-", dir=os.path.dirname(os.path.abspath(ckpt_dir)))
+        folder = self.broadcast(folder)
+        try:
+            error = None
+            if self.rank == 0:
+                from deepspeed.checkpoint import ds_to_universal
+
+                args = types.SimpleNamespace(input_folder=_conversion_input(os.path.join(ckpt_dir, TAG), folder),
+                                             output_folder=os.path.join(folder, TAG), num_extract_workers=1,
+                                             num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                             inject_missing_state=True)  # TP 1: no TP patterns to record
+                try:
+                    ds_to_universal.main(args)
+                    _name_model_states(args.output_folder, stage_to)
+                    if stage_to == 3 and stage_from < 3:
+                        _optimizer_state_for_zero3(args.input_folder, args.output_folder)
+                    elif stage_from == 3 and stage_to < 3:
+                        _zero3_state_for_stages_1_2(args.output_folder)
+                except Exception as e:  # the conversion's own failure: one line, and the folder stays as it was
+                    error = f"{type(e).__name__}: {str(e)[:120]}"
+            error = self.broadcast(error)
+            if error:
+                raise ConfigError(f"{ckpt_dir} ({moved}): DeepSpeed's universal checkpoint conversion failed "
+                                  f"({error}); resume with the saved ZeRO stage and data-parallel size")
+            # The universal loaders give every parameter group the first group's hyper-parameters ("generally the
+            # same"): keep this run's own (the no-decay group's weight decay of 0); the LR comes from the scheduler.
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            self.engine._config.load_universal_checkpoint = True
+            try:
+                path, client = self.engine.load_checkpoint(folder, tag=TAG)
+            finally:
+                self.engine._config.load_universal_checkpoint = False
+            for group, own in zip(self.optimizer.param_groups, groups):
+                group.update(own)
+            # ZeRO-3's universal loader hands every parameter group one shared `step` tensor, which Adam then
+            # advances once per group: a wrong bias correction from the first step on. Each group gets its own.
+            for state in self.engine.optimizer.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+            if self.rank == 0:
+                print(f"resharded {ckpt_dir} through DeepSpeed's universal checkpoint ({moved})", flush=True)
+            return path, client
+        finally:
+            self.barrier()
+            if self.rank == 0:
+                import shutil
+
+                shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
         from megatron.core import parallel_state
