@@ -164,7 +164,7 @@ class Config:
     def num_microbatches(self, world_size: int) -> int:
         t = self.training
         dp = self.data_parallel_size(world_size)
-        gbs = t.global_batch_size or t.micro_batch_size * dp
+        gbs = t.global_batch_size if t.global_batch_size is not None else t.micro_batch_size * dp
         return gbs // (t.micro_batch_size * dp)
 
     def validate(self, world_size: int = 1) -> "Config":
@@ -237,7 +237,10 @@ class Config:
                    "(plain 1F1B) or lower it")
         if p.recompute_granularity is not None:
             _check(p.recompute_num_layers >= 1, "--recompute-num-layers must be >= 1")
-        _check(t.micro_batch_size >= 1, "--micro-batch-size must be >= 1")
+        _check(t.micro_batch_size >= 1, f"--micro-batch-size {t.micro_batch_size} must be >= 1")
+        _check(t.global_batch_size is None or t.global_batch_size >= 1,
+               f"--global-batch-size {t.global_batch_size} must be >= 1 (a multiple of --micro-batch-size x the "
+               "data-parallel size), or left out for one micro-batch per rank")
         _check(t.train_iters >= 1, "--train-iters must be >= 1")
         _check(t.lr > 0, f"--lr {t.lr} must be positive")
         _check(0 <= t.min_lr <= t.lr, f"--min-lr {t.min_lr} must lie in [0, --lr {t.lr}]")
@@ -406,6 +409,9 @@ def load_yaml(path: str, cfg: Config) -> Config:
             near = difflib.get_close_matches(str(section), list(_SECTIONS), n=1)
             raise ConfigError(f"unknown section {section!r} in {path}" + (f"; did you mean {near[0]!r}?" if near else
                               f"; sections are {', '.join(_SECTIONS)}"))
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"section {section!r} in {path} must map keys to values (key: value lines indented "
+                              f"under '{section}:'), got {type(values).__name__} {values!r}")
         names = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
         for key, value in (values or {}).items():
             if (section, key) == ("residual", "residual"):  # the mechanism's field before it was renamed
@@ -414,16 +420,42 @@ def load_yaml(path: str, cfg: Config) -> Config:
                 near = difflib.get_close_matches(str(key), list(names), n=1)
                 raise ConfigError(f"unknown key {section}.{key} in {path}" + (f"; did you mean {section}.{near[0]}?"
                                                                              if near else ""))
-            kind = _base_type(names[key].type)
-            if value is not None and not isinstance(value, list):
-                if kind is bool and not isinstance(value, bool):
-                    raise ConfigError(f"{section}.{key} in {path} must be true or false, got {value!r}")
-                try:
-                    value = kind(value)
-                except (TypeError, ValueError):
-                    raise ConfigError(f"{section}.{key} in {path} must be {kind.__name__}, got {value!r}") from None
-            setattr(getattr(cfg, section), key, value)
+            setattr(getattr(cfg, section), key, _typed(value, names[key], f"{section}.{key} in {path}"))
     return cfg
+
+
+def _typed(value, f: dataclasses.Field, where: str):
+    """A YAML value for a field of the config, unchanged, or ConfigError: no silent casts (2.9 or true where an
+    integer belongs would otherwise become 2 or 1)."""
+    if value is None:
+        if "Optional" not in str(f.type) and f.default is not None:
+            raise ConfigError(f"{where} cannot be empty (null); give a value or leave the key out")
+        return None
+    kind = _base_type(f.type)
+    if "List" in str(f.type):
+        items = value if isinstance(value, list) else None
+        if items is None or not all(isinstance(v, str) for v in items):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return items
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string: a number all the same
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        hint = " (quote it: '...')" if kind is str else ""
+        raise ConfigError(f"{where} must be {wanted}{hint}, got {value!r} ({type(value).__name__})")
+    return value
 
 
 def parse_args(argv: Optional[List[str]] = None) -> Config:

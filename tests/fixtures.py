@@ -73,8 +73,11 @@ def torchrun(nproc: int, script_and_args, log_path: str, env=None, timeout=900) 
 
 
 def metrics(run_dir) -> Dict[int, dict]:
-    """metrics.jsonl of a run, by step."""
+    """metrics.jsonl of a run, by step, read as strict JSON (NaN or Infinity in the file fails the test)."""
     import json
 
+    def strict(name):
+        raise ValueError(f"metrics.jsonl holds {name}, which strict JSON parsers reject")
+
     with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, f)}
+        return {r["step"]: r for r in (json.loads(line, parse_constant=strict) for line in f)}

@@ -71,12 +71,17 @@ def parameter_counts(flags: list) -> dict:
     return {"params": total, "mixing_params": mixing}
 
 
+def _number(value) -> float:
+    return float("nan") if value is None else value
+
+
 def read_run(run_dir: str) -> dict:
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     evals = [r for r in records if "val_loss" in r]
     if not evals:
         raise SystemExit(f"{run_dir}: no validation loss was logged; raise --train-iters or lower --eval-interval")
-    return {"tokens": [r["tokens"] for r in records], "loss": [r["loss"] for r in records],
+    # a skipped step's non-finite loss is null in the file (strict JSON): NaN again here
+    return {"tokens": [r["tokens"] for r in records], "loss": [_number(r["loss"]) for r in records],
             "time": [r["train_time_s"] for r in records], "val_tokens": [r["tokens"] for r in evals],
             "val_loss": [r["val_loss"] for r in evals], "final_val_loss": evals[-1]["val_loss"],
             "train_time_s": records[-1]["train_time_s"], "total_tokens": records[-1]["tokens"]}

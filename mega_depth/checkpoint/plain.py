@@ -28,6 +28,9 @@ class SingleProcess:
     def broadcast(self, obj):
         return obj
 
+    def any(self, flag: bool) -> bool:
+        return bool(flag)
+
 
 def check_weights(canonical: Dict[str, torch.Tensor], cfg: Config, where: str) -> Dict[str, torch.Tensor]:
     """Pad a foreign vocabulary like Megatron does, then require exactly the model's names and shapes."""
@@ -59,7 +62,7 @@ def write_model_only(canonical: Dict[str, torch.Tensor], cfg: Config, save: str,
     """A weights-only checkpoint of `canonical` for the model of `cfg` in --save `save` (iter_0000000)."""
     from safetensors.torch import save_file
 
-    if os.path.isdir(save) and os.listdir(save) and not force:
+    if os.path.isdir(save) and rules.folder_contents(save) and not force:
         raise ConfigError(f"--save {save} exists and is not empty; pass --force to write into it")
     canonical = check_weights(canonical, cfg, source)
     if tokenizer:  # keep the tokenizer with the weights, and record it for a later export
@@ -70,4 +73,4 @@ def write_model_only(canonical: Dict[str, torch.Tensor], cfg: Config, save: str,
     meta = {"format": "plain", "model_only": True, "run_id": rules.new_run_id(), "imported_from": source,
             "config_hash": rules.config_hash(cfg), "config": to_dict(cfg), "layout": {}}
     return rules.save(save, 0, lambda tmp: save_file(weights, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"}),
-                      meta, keep_last=1, comm=SingleProcess())
+                      meta, keep_last=1, comm=SingleProcess())[0]

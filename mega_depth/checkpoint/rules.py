@@ -10,13 +10,21 @@
 - --load of a folder that does not exist yet, or is empty, starts from scratch and says so (Megatron-LM's rule,
   so that `--save X --load X` works on a job's first submission).
 - --load of a save folder verifies the newest checkpoint against its manifest and falls back to the newest intact
-  checkpoint of the same run, naming the damaged file. --load of one iter_N directory never falls back.
+  checkpoint of the same run, naming the damaged file. In the run's own --save folder a damaged checkpoint is
+  quarantined (renamed iter_N.damaged-<time>, so it never counts as kept), and an interrupted save's iter_N.tmp is
+  removed. --load of one iter_N directory never falls back. A checkpoint without its manifest is damaged, unless
+  its metadata predates manifests (then it loads with a warning).
+- Pruning keeps the checkpoint a run resumed from until a newer save has been verified against its manifest.
+- A full disk during a save removes the partial save, keeps every earlier checkpoint and says how much space is
+  free and how much a checkpoint takes.
+- One run writes into a --save folder at a time (checkpoint/lock.py).
 
 Collective calls take `comm`: an object with `rank`, `barrier()` and `broadcast(obj)` (from rank 0).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +47,14 @@ class CheckpointError(ConfigError):
 
 def iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
+
+
+def interrupted_saves(root: str) -> List[str]:
+    """iter_N.tmp directories: saves a kill interrupted (never checkpoints)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if n.startswith("iter_") and n.endswith(".tmp") and os.path.isdir(os.path.join(root, n)))
 
 
 def list_checkpoints(root: str) -> List[Tuple[int, str]]:
@@ -109,9 +125,12 @@ def check_fresh_save(root: str, overwrite: bool) -> None:
             f"{root}, or save this one to a new --save folder, or pass --overwrite-save to write beside them")
 
 
-def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_last: int, comm) -> str:
+def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_last: int, comm,
+         protect: Optional[str] = None) -> Tuple[str, bool]:
     """Write one checkpoint atomically (collective). `fill(tmp_dir)` writes the format's own files on every
-    rank; `meta` (format, run_id, config, ...) goes to mega_depth.json. Returns the final directory."""
+    rank; `meta` (format, run_id, config, ...) goes to mega_depth.json. `protect` (the checkpoint the run resumed
+    from) is pruned only once this save has been verified against its manifest. Returns (the final directory,
+    whether it was verified). A full disk raises CheckpointError after removing the partial save."""
     final = iter_dir(root, step)
     tmp = final + ".tmp"
     if comm.rank == 0:
@@ -119,22 +138,88 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
         shutil.rmtree(tmp, ignore_errors=True)  # a previous kill mid-save
         os.makedirs(tmp)
     comm.barrier()
-    fill(tmp)
+    failure = None
+    try:
+        fill(tmp)
+        if os.environ.get("MEGA_DEPTH_FAULT_DISK_FULL_IN_SAVE") == str(step):  # fault injection (tests)
+            with open(os.path.join(tmp, "partial.bin"), "wb") as f:
+                f.write(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, "No space left on device")
+    except (OSError, RuntimeError) as exc:
+        failure = _disk_full(exc, root)
+        if failure is None:
+            raise
+    if comm.any(failure is not None):
+        _abandon(tmp, comm)
+        raise CheckpointError(failure or f"saving checkpoint {step} into {root} failed on another rank (see its "
+                              "message); the earlier checkpoints are intact")
     comm.barrier()
     if os.environ.get("MEGA_DEPTH_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash tests
         _kill_self()
+    verified = False
     if comm.rank == 0:
-        record = dict(meta, step=step, saved_at=time.time())
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(record, f, indent=1)
-        write_manifest(tmp, record["run_id"], record.get("config_hash", ""))
+        record = dict(meta, step=step, saved_at=time.time(), manifest=True)
+        try:
+            with open(os.path.join(tmp, META), "w") as f:
+                json.dump(record, f, indent=1)
+            write_manifest(tmp, record["run_id"], record.get("config_hash", ""))
+        except OSError as exc:
+            failure = _disk_full(exc, root)
+            if failure is None:
+                raise
+    if comm.any(failure is not None):
+        _abandon(tmp, comm)
+        raise CheckpointError(failure or f"saving checkpoint {step} into {root} failed on rank 0")
+    if comm.rank == 0:
         if os.path.isdir(final):  # the same step saved again (a rerun of the same run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
         write_pointer(root, step)
-        prune(root, keep_last, record["run_id"], keep=final)
+        keep = {final}
+        if protect is not None and protect != final:
+            try:
+                verify(final)
+                verified = True
+            except CorruptCheckpoint:
+                keep.add(protect)  # the new checkpoint reads back wrong: keep the one the run started from
+        prune(root, keep_last, record["run_id"], keep=keep)
     comm.barrier()
-    return final
+    return final, bool(comm.broadcast(verified))
+
+
+def _disk_full(exc: BaseException, root: str) -> Optional[str]:
+    """The one-line message for a save that ran out of space, or None if `exc` is something else. torch's
+    writer reports ENOSPC as a RuntimeError ("unexpected pos ..."): taken as a full disk when little is free."""
+    free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+    previous = list_checkpoints(root)
+    size = _size(previous[-1][1]) if previous else 0
+    enospc = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    torch_writer = isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "No space left",
+                                                                                  "file write failed"))
+    if not (enospc or (torch_writer and free < max(size, 1 << 20))):
+        return None
+    last = f"checkpoint {os.path.basename(previous[-1][1])} is intact" if previous else "no earlier checkpoint"
+    needed = f"the last checkpoint took {_human(size)}" if size else "a checkpoint needs room for every shard"
+    return (f"the disk is full: saving into {root} failed ({exc.strerror if enospc else str(exc)[:60]}) with "
+            f"{_human(free)} free, and {needed}; {last}. Free space, or save elsewhere (--save), and resume")
+
+
+def _abandon(tmp: str, comm) -> None:
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save: free what it took
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def _kill_self() -> None:
@@ -148,9 +233,10 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def prune(root: str, keep_last: int, run_id: str, keep: Optional[str] = None) -> List[str]:
+def prune(root: str, keep_last: int, run_id: str, keep=()) -> List[str]:
     """Delete this run's checkpoints beyond the `keep_last` most recently saved ones; returns what was deleted.
-    Checkpoints of other runs, unreadable ones and `keep` are never deleted."""
+    Checkpoints of other runs, unreadable ones and those in `keep` are never deleted."""
+    keep = {keep} if isinstance(keep, str) else set(keep)
     own = []
     for _, path in list_checkpoints(root):
         try:
@@ -162,7 +248,7 @@ def prune(root: str, keep_last: int, run_id: str, keep: Optional[str] = None) ->
     own.sort(reverse=True)
     deleted = []
     for _, path in own[keep_last:]:
-        if path != keep:
+        if path not in keep:
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
     return deleted
@@ -173,16 +259,33 @@ def prune(root: str, keep_last: int, run_id: str, keep: Optional[str] = None) ->
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _checked(ckpt_dir: str) -> dict:
-    """The checkpoint's metadata once its files match its manifest (CorruptCheckpoint otherwise)."""
+def predates_manifests(meta: dict) -> bool:
+    """Metadata written before checkpoints carried a manifest (manifests came with the config hash)."""
+    return "config_hash" not in meta and "manifest" not in meta
+
+
+def _checked(ckpt_dir: str, say: Callable[[str], None] = print) -> dict:
+    """The checkpoint's metadata once its files match its manifest (CorruptCheckpoint otherwise). A missing
+    manifest is damage, unless the metadata predates manifests."""
     if not os.path.isdir(ckpt_dir):
         raise CorruptCheckpoint("the directory is missing")
     meta = read_meta(ckpt_dir)
     if has_manifest(ckpt_dir):
         verify(ckpt_dir)
+    elif predates_manifests(meta):
+        meta["unverified"] = True
+        say(f"warning: checkpoint {ckpt_dir} predates manifests: its files cannot be verified; loading it as it is")
     else:
-        meta["unverified"] = True  # written before manifests existed: loaded as it is
+        raise CorruptCheckpoint("manifest.json is missing (its files cannot be verified)")
     return meta
+
+
+def quarantine(path: str, say: Callable[[str], None] = print) -> str:
+    """Rename a damaged checkpoint aside (it never counts as kept, and stays for inspection)."""
+    aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.rename(path, aside)
+    say(f"quarantined the damaged checkpoint as {aside}")
+    return aside
 
 
 def _run_of(ckpt_dir: str) -> Optional[str]:
@@ -195,21 +298,32 @@ def _run_of(ckpt_dir: str) -> Optional[str]:
     return None
 
 
-def find_checkpoint(load: str, say: Callable[[str], None] = print) -> Optional[Tuple[str, dict]]:
+def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = False
+                    ) -> Optional[Tuple[str, dict]]:
     """(directory, metadata) of the checkpoint `--load` names, verified; None to start from scratch.
-    Not collective: call on one rank and broadcast (see resolve_load)."""
-    if not os.path.exists(load) or (os.path.isdir(load) and not os.listdir(load)):
-        say(f"--load {load} {'does not exist' if not os.path.exists(load) else 'is empty'} yet: starting from "
+    own: `load` is this run's --save folder (locked by it): damaged checkpoints are quarantined there and
+    interrupted saves removed. Not collective: call on one rank and broadcast (see resolve_load)."""
+    if not os.path.exists(load) or (os.path.isdir(load) and not folder_contents(load)):
+        say(f"--load {load} {'does not exist' if not os.path.exists(load) else 'holds nothing'} yet: starting from "
             "scratch")
         return None
     if os.path.isfile(os.path.join(load, META)) or os.path.basename(os.path.normpath(load)).startswith("iter_"):
         try:  # one named checkpoint: never fall back
-            return load, _checked(load)
+            return load, _checked(load, say)
         except CorruptCheckpoint as e:
             raise CheckpointError(f"checkpoint {load} is damaged: {e}; load another iter_N directory, or its save "
                                   "folder to fall back to the newest intact checkpoint") from None
     complete = list_checkpoints(load)
     pointer = read_pointer(load)
+    leftovers = interrupted_saves(load)
+    if not complete and leftovers:  # a run killed during its first save: nothing to resume
+        names = ", ".join(os.path.basename(p) for p in leftovers)
+        say(f"--load {load} holds only an interrupted save ({names}), no checkpoint: starting from scratch"
+            + (" (removed it)" if own else ""))
+        if own:
+            for path in leftovers:
+                shutil.rmtree(path, ignore_errors=True)
+        return None
     if not complete:
         raise CheckpointError(f"--load {load} holds no checkpoint (no iter_N directories or {POINTER}); point it at "
                               "a --save folder or at one iter_N directory")
@@ -222,24 +336,35 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print) -> Optional[T
     for step in candidates:
         path = by_step[step]
         try:
-            meta = _checked(path)
+            meta = _checked(path, say)
         except CorruptCheckpoint as e:
             say(f"checkpoint {path} is damaged: {e}; trying the previous one")
             problems.append(f"{os.path.basename(path)}: {e}")
+            if own:
+                quarantine(path, say)
             continue
         if problems:
             say(f"falling back to {path}, the newest intact checkpoint of this run")
+            if own:
+                write_pointer(load, step)
         return path, meta
     raise CheckpointError(f"no intact checkpoint in {load} ({'; '.join(problems)}); start without --load, or "
                           "restore the files")
 
 
-def resolve_load(load: str, comm) -> Optional[Tuple[str, dict]]:
+def folder_contents(folder: str) -> List[str]:
+    """What a folder holds, leaving out a save lock (a folder that holds only the lock is empty)."""
+    from mega_depth.checkpoint.lock import LOCK
+
+    return [n for n in os.listdir(folder) if not n.startswith(LOCK)]
+
+
+def resolve_load(load: str, comm, own: bool = False) -> Optional[Tuple[str, dict]]:
     """find_checkpoint on rank 0, the same answer on every rank (collective)."""
     answer = None
     if comm.rank == 0:
         try:
-            answer = ("ok", find_checkpoint(load))
+            answer = ("ok", find_checkpoint(load, own=own))
         except CheckpointError as e:
             answer = ("error", str(e))
     kind, value = comm.broadcast(answer)
@@ -280,5 +405,6 @@ def load_config_dict(meta: dict) -> dict:
 
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "META", "POINTER", "check_compatible", "check_fresh_save",
-           "config_hash", "find_checkpoint", "iter_dir", "list_checkpoints", "new_run_id", "prune", "read_meta",
-           "read_pointer", "resolve_load", "save", "to_dict", "write_pointer"]
+           "config_hash", "find_checkpoint", "interrupted_saves", "iter_dir", "list_checkpoints", "new_run_id",
+           "predates_manifests", "prune", "quarantine", "read_meta", "read_pointer", "resolve_load", "save", "to_dict",
+           "write_pointer"]

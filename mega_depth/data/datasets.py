@@ -52,6 +52,35 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int]) -> None:
                               "--tokenizer-model of this run")
 
 
+def document_lengths(prefix: str) -> np.ndarray:
+    """Tokens per document of an indexed dataset (from its .idx)."""
+    idx = prefix + ".idx"
+    with open(idx, "rb") as f:
+        header = f.read(34)
+    num_sequences = struct.unpack("<Q", header[18:26])[0]
+    return np.memmap(idx, dtype=np.int32, mode="r", offset=34, shape=(num_sequences,))
+
+
+def check_split_fits(prefix: str, split: str, seq_length: int, splits=("training", "validation")) -> None:
+    """Every split a run samples holds at least one sequence: --seq-length + 1 tokens. Megatron would otherwise
+    build each sample from the split's documents repeated many times over (and its sample index grows with the
+    sequence: a runaway allocation for a huge --seq-length)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                         parse_and_normalize_split)
+
+    lengths = document_lengths(prefix)
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bound in zip(("training", "validation", "test"), bounds):
+        if name not in splits or bound is None:
+            continue
+        beg, end = (int(round(b * float(len(lengths)))) for b in bound)
+        tokens = int(lengths[beg:end].sum(dtype=np.int64))
+        if 0 < tokens < seq_length + 1 or (tokens == 0 and end > beg):
+            raise ConfigError(f"--seq-length {seq_length} needs {seq_length + 1} tokens per sample, but the {name} "
+                              f"split of {prefix} holds {tokens} tokens in {end - beg} documents (--split {split}); "
+                              "lower --seq-length, or add data")
+
+
 def _blend(paths: List[str]) -> Tuple[List[str], Optional[List[float]]]:
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -84,8 +113,10 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
         cls = MockGPTDataset
     else:
         prefixes, weights = _blend(d.data_path)
+        sampled = ("training",) + (("validation",) if num_samples[1] else ())
         for prefix in prefixes:
             check_indexed_dataset(prefix, tokenizer.vocab_size)
+            check_split_fits(prefix, d.split, cfg.model.seq_length, sampled)
         ds_cfg = GPTDatasetConfig(blend=(prefixes, weights), split=d.split, **common)
         cls = GPTDataset
     rank0_first = d.data_cache_path is not None and torch.distributed.is_initialized()
@@ -115,10 +146,11 @@ class MockTokenizer:
 class GlobalBatchSampler:
     """Deterministic sample order, independent of the parallel layout.
 
-    Global batch `step` holds samples [step * gbs, (step + 1) * gbs); micro-batch m of data-parallel rank r holds
-    the mbs samples starting at step * gbs + (m * dp + r) * mbs. Every layout with the same global batch sees
-    the same samples in each step, and resuming at `step` continues the same order (the data position of a
-    checkpoint is its step).
+    The training data is one sequence of samples; a global batch takes the next gbs of them. The batch that
+    starts at sample c (the samples consumed so far) holds [c, c + gbs); micro-batch m of data-parallel rank r
+    holds the mbs samples starting at c + (m * dp + r) * mbs. Every layout with the same global batch sees the
+    same samples in each step, and a checkpoint's data position is the samples it consumed (as Megatron-LM
+    counts them), so a run resumed with another global batch size continues right after the last sample trained.
     """
 
     def __init__(self, dataset, micro_batch_size: int, num_microbatches: int, dp_size: int, dp_rank: int):
@@ -130,9 +162,14 @@ class GlobalBatchSampler:
         return self.mbs * self.nmb * self.dp
 
     def microbatches(self, step: int) -> List[dict]:
+        """The global batch of `step` when every earlier step had this batch size."""
+        return self.microbatches_from(step * self.global_batch_size)
+
+    def microbatches_from(self, consumed: int) -> List[dict]:
+        """The global batch that starts after `consumed` samples: this rank's micro-batches."""
         out = []
         for m in range(self.nmb):
-            start = step * self.global_batch_size + (m * self.dp + self.dp_rank) * self.mbs
+            start = consumed + (m * self.dp + self.dp_rank) * self.mbs
             samples = [self.dataset[i % len(self.dataset)] for i in range(start, start + self.mbs)]
             out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples])
                         for k in ("tokens", "labels", "loss_mask", "position_ids")})

@@ -134,8 +134,51 @@ def read_weights(folder: str) -> Dict[str, torch.Tensor]:
         raise ConfigError(f"{folder} has no model.safetensors (or index); export with safetensors")
     out = {}
     for name in files:
-        out.update(load_file(os.path.join(folder, name)))
+        path = os.path.join(folder, name)
+        try:
+            out.update(load_file(path))
+        except Exception as e:  # safetensors raises its own error type for a truncated or foreign file
+            raise ConfigError(f"{path} cannot be read as safetensors ({type(e).__name__}: {str(e)[:80]}): it is "
+                              "truncated or not a weights file; copy or export it again") from None
     return out
+
+
+def check_disjoint(source: str, dest: str, source_flag: str, dest_flag: str) -> None:
+    """Writing `dest` must not touch `source`: refuse the same folder, one inside the other, either way."""
+    src, dst = os.path.realpath(source), os.path.realpath(dest)
+    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+        where = "is" if src == dst else "lies inside" if dst.startswith(src + os.sep) else "contains"
+        raise ConfigError(f"{dest_flag} {dest} {where} {source_flag} {source}: writing it would delete what it is "
+                          f"made from; choose a {dest_flag} outside {source}")
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); {what}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must hold a JSON object; {what}")
+    return value
+
+
+_AGREEING = (("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
+             ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_query_groups"),
+             ("intermediate_size", "ffn_hidden_size"), ("tie_word_embeddings", "tie_word_embeddings"))
+
+
+def check_agreement(hf: dict, cfg: Config, folder: str) -> None:
+    """config.json and mega_depth.json of one folder describe the same model (one of them was edited otherwise,
+    and the weights follow only one)."""
+    dc = cfg.decoder_config()
+    diffs = [f"{hf_key} {hf[hf_key]!r} vs {key} {getattr(dc, key)!r}" for hf_key, key in _AGREEING
+             if hf_key in hf and hf[hf_key] != getattr(dc, key)]
+    if "residual" in hf and hf["residual"] != dc.residual_values():
+        diffs.append(f"residual {hf['residual']!r} vs {dc.residual_values()!r}")
+    if diffs:
+        raise ConfigError(f"{folder}: config.json and mega_depth.json disagree ({'; '.join(diffs[:3])}): the folder "
+                          "was edited; restore the file that was changed (or export it again)")
 
 
 def _native_config(hf: dict, folder: str) -> Config:
@@ -165,13 +208,16 @@ def read_folder(folder: str) -> Tuple[Dict[str, torch.Tensor], Config, Optional[
     if not os.path.isfile(config_path):
         raise ConfigError(f"{folder} is not a Hugging Face model folder (no config.json) nor a mega_depth "
                           "checkpoint; pass an exported folder, a Qwen3/Llama folder or a --save directory")
-    try:
-        hf = json.load(open(config_path))
-    except ValueError as e:
-        raise ConfigError(f"{config_path} is not valid JSON ({e})") from None
+    hf = _read_json(config_path, "the folder is damaged")
     meta_path = os.path.join(folder, "mega_depth.json")
     if os.path.isfile(meta_path):  # our own export: the exact training config travels with it
-        cfg = saved_config(json.load(open(meta_path)))
+        meta = _read_json(meta_path, "the export is damaged; export it again")
+        try:
+            cfg = saved_config(meta)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{meta_path} does not hold a mega_depth training config ({type(e).__name__}: "
+                              f"{str(e)[:60]}); the export is damaged: export it again") from None
+        check_agreement(hf, cfg, folder)
     elif hf.get("model_type") in ("qwen3", "llama"):
         cfg = _native_config(hf, folder)
     else:
@@ -190,23 +236,18 @@ def export_checkpoint(load: str, out: str, dtype: str = "fp32", force: bool = Fa
                       tokenizer_model: Optional[str] = None, max_shard_size: str = "2GB", say=print) -> str:
     """Any mega_depth checkpoint (verified; a save folder falls back to its newest intact checkpoint) -> a Hugging
     Face folder."""
-    from mega_depth.checkpoint.manifest import CorruptCheckpoint
     from mega_depth.checkpoint.rules import find_checkpoint
-    from mega_depth.checkpoint.weights import canonical_weights
 
     if dtype not in DTYPES:  # before any work
         raise ConfigError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if not os.path.exists(load):
         raise ConfigError(f"--load {load} does not exist")
+    check_disjoint(load, out, "--load", "--out")  # --force or not: an export never replaces its source
     found = find_checkpoint(load, say=say)
     if found is None:
         raise ConfigError(f"--load {load} holds no checkpoint")
     ckpt, meta = found
-    try:
-        canonical, dc = canonical_weights(ckpt, meta)
-    except CorruptCheckpoint as e:
-        raise ConfigError(f"checkpoint {ckpt}: {e}: its weights do not match its recorded config; the checkpoint is "
-                          "damaged or mega_depth.json was edited") from None
+    canonical, dc = _weights_of(ckpt, meta)
     config = meta["config"]
     return write_folder(canonical, dc, out, tokenizer_model or config.get("data", {}).get("tokenizer_model"),
                         config["model"]["seq_length"], {"exported_from": os.path.abspath(ckpt),
@@ -218,22 +259,59 @@ def import_folder(source: str, save: str, force: bool = False, say=print) -> str
     """A Hugging Face folder, or any mega_depth checkpoint (another trainer's, say), -> a weights-only checkpoint
     that every trainer's --load fine-tunes from in any layout."""
     from mega_depth.checkpoint import rules
-    from mega_depth.checkpoint.manifest import CorruptCheckpoint
     from mega_depth.checkpoint.plain import write_model_only
-    from mega_depth.checkpoint.weights import canonical_weights, saved_config
+    from mega_depth.checkpoint.weights import saved_config
 
     if not os.path.isdir(source):
         raise ConfigError(f"--hf {source} does not exist")
+    check_disjoint(source, save, "--hf", "--save")
+    others = rules.list_checkpoints(save)
+    if others:  # a training run's folder: an import beside its checkpoints would confuse its resume
+        raise ConfigError(f"--save {save} holds training checkpoints ({os.path.basename(others[-1][1])}, ...): an "
+                          "import must not write beside them, --force or not; import into a new folder and --load "
+                          "that")
     tokenizer = None
     hf_folder = os.path.isfile(os.path.join(source, "config.json"))  # an export also carries a mega_depth.json
     if not hf_folder and (os.path.isfile(os.path.join(source, rules.META)) or rules.list_checkpoints(source)):
-        ckpt, meta = rules.find_checkpoint(source, say=say)
-        try:
-            canonical, _ = canonical_weights(ckpt, meta)
-        except CorruptCheckpoint as e:
-            raise ConfigError(f"checkpoint {ckpt}: {e}") from None
+        found = rules.find_checkpoint(source, say=say)
+        if found is None:
+            raise ConfigError(f"--hf {source} holds no checkpoint")
+        ckpt, meta = found
+        canonical, _ = _weights_of(ckpt, meta)
         cfg = saved_config(meta)
         cfg.data.tokenizer_model = meta["config"].get("data", {}).get("tokenizer_model")
     else:
         canonical, cfg, tokenizer = read_folder(source)
-    return write_model_only(canonical, cfg, save, os.path.abspath(source), tokenizer, force)
+    from mega_depth.checkpoint.lock import SaveFolderLocked, SaveLock
+
+    try:
+        with SaveLock(save, "import", "convert_from_hf", say):
+            return write_model_only(canonical, cfg, save, os.path.abspath(source), tokenizer, force)
+    except SaveFolderLocked as e:
+        raise ConfigError(str(e)) from None
+
+
+def _weights_of(ckpt: str, meta: dict):
+    """canonical_weights of a checkpoint, or a ConfigError that says the files are damaged."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mega_depth.checkpoint.manifest import CorruptCheckpoint
+    from mega_depth.checkpoint.weights import canonical_weights
+
+    try:
+        return canonical_weights(ckpt, meta)
+    except CorruptCheckpoint as e:
+        raise ConfigError(f"checkpoint {ckpt}: {e}: its weights do not match its recorded config; the checkpoint is "
+                          "damaged or mega_depth.json was edited") from None
+    except CheckpointException as e:  # torch.distributed.checkpoint's (a BaseException): a shard it cannot read
+        cause = next(iter(e.failures.values()), (e, None))[0]  # rank -> (exception, traceback)
+        raise ConfigError(f"checkpoint {ckpt}: its weights cannot be read ({type(cause).__name__} in a shard): the "
+                          "checkpoint is damaged; export an intact one (its save folder falls back to one)") from None
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as e:
+        raise ConfigError(f"checkpoint {ckpt}: its weights cannot be read ({type(e).__name__}: {str(e)[:80]}): the "
+                          "checkpoint is damaged; export an intact one (its save folder falls back to one)") from None
+    except Exception as e:  # safetensors' own error type for a truncated file
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise ConfigError(f"checkpoint {ckpt}: its weights file is truncated or damaged ({str(e)[:80]}); export "
+                          "an intact checkpoint (its save folder falls back to one)") from None

@@ -65,10 +65,29 @@ class Trainer:
         self.say = (lambda msg: print(msg, flush=True)) if backend.rank == 0 else (lambda msg: None)
 
     # --- start ----------------------------------------------------------------------------------------------------
+    def _lock_save_folder(self):
+        """The --save folder's lock, taken on rank 0 (collective; a held folder is an error on every rank)."""
+        from mega_depth.checkpoint.lock import SaveFolderLocked, SaveLock
+
+        ck, b = self.cfg.checkpoint, self.backend
+        if not ck.save:
+            return None
+        lock, error = None, None
+        if b.rank == 0:
+            try:
+                lock = SaveLock(ck.save, "starting", "training", self.say).acquire()
+            except SaveFolderLocked as e:
+                error = str(e)
+        error = b.broadcast(error)
+        if error:
+            raise rules.CheckpointError(error)
+        return lock
+
     def _resume_point(self):
         """(checkpoint dir, meta) to resume from, or None; refuses a stale --save folder for a fresh run."""
         ck, b = self.cfg.checkpoint, self.backend
-        found = rules.resolve_load(ck.load, b) if ck.load else None
+        own = bool(ck.save) and ck.load is not None and os.path.realpath(ck.load) == os.path.realpath(ck.save)
+        found = rules.resolve_load(ck.load, b, own=own) if ck.load else None
         if found is not None:
             ckpt, meta = found
             rules.check_compatible(meta, self.cfg, ckpt)
@@ -89,14 +108,17 @@ class Trainer:
                 raise rules.CheckpointError(error)
         return found
 
-    def _samplers(self):
+    def _samplers(self, start: int = 0, consumed: int = 0):
+        """Training and validation samplers; the training data covers the samples consumed so far and those the
+        remaining steps take."""
         from mega_depth.data.datasets import GlobalBatchSampler, build_datasets, tokenizer_for
 
         cfg, (mbs, nmb, dp, dp_rank) = self.cfg, self.backend.sampler_shape
         gbs = mbs * nmb * dp
         eval_batches = (cfg.training.train_iters // cfg.data.eval_interval + 1) * cfg.data.eval_iters \
             if cfg.data.eval_interval else 0
-        train_ds, valid_ds, _ = build_datasets(cfg, tokenizer_for(cfg), (cfg.training.train_iters * gbs,
+        needed = consumed + max(cfg.training.train_iters - start, 0) * gbs
+        train_ds, valid_ds, _ = build_datasets(cfg, tokenizer_for(cfg), (max(needed, gbs),
                                                                           eval_batches * gbs or None, None))
         train = GlobalBatchSampler(train_ds, mbs, nmb, dp, dp_rank)
         valid = None
@@ -130,15 +152,19 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> List[dict]:
         preemption = Preemption()  # first: a SIGTERM while the model builds is honoured at the first step's end
+        lock = None
         try:
-            return self._run(preemption)
+            lock = self._lock_save_folder()  # before anything reads or writes --save
+            return self._run(preemption, lock)
         finally:
+            if lock is not None:
+                lock.release()
             preemption.restore()
 
-    def _run(self, preemption: Preemption) -> List[dict]:
+    def _run(self, preemption: Preemption, lock) -> List[dict]:
         cfg, b, ck = self.cfg, self.backend, self.cfg.checkpoint
         found = self._resume_point()
-        start, run_id = 0, rules.new_run_id()
+        start, run_id, consumed, resumed_from = 0, rules.new_run_id(), 0, None
         weights = None
         if found is not None and found[1].get("model_only"):
             from mega_depth.checkpoint.weights import full_megatron_weights
@@ -151,23 +177,27 @@ class Trainer:
                 self.say(f"starting from the weights of {ckpt} at step 0 (weights-only checkpoint; new optimizer)")
             else:
                 start, run_id = b.load(ckpt, meta), meta.get("run_id", run_id)
-                self.say(f"resumed from {ckpt} at step {start}")
+                consumed, resumed_from = consumed_samples(meta, start), ckpt
+                self.say(f"resumed from {ckpt} at step {start} ({consumed} samples consumed)")
         run_id = b.broadcast(run_id)
-        train, valid = self._samplers()
+        if lock is not None:
+            lock.update(run_id)
+        train, valid = self._samplers(start, consumed)
         logger = Logger(cfg, start) if b.rank == 0 else None
         meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
-        tokens_per_step = train.global_batch_size * cfg.model.seq_length
+        gbs, seq = train.global_batch_size, cfg.model.seq_length
         history, train_time = [], 0.0
         try:
             for step in range(start, cfg.training.train_iters):
                 done = step + 1
                 t0 = time.perf_counter()
-                result = self.step(train.microbatches(step), done)
+                result = self.step(train.microbatches_from(consumed), done)
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
+                consumed += gbs  # a skipped step consumed its batch too (Megatron-LM's count)
                 record = {"step": done, "loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
-                          "tokens_per_s": tokens_per_step / elapsed, "tokens": done * tokens_per_step,
-                          "train_time_s": train_time}
+                          "tokens_per_s": gbs * seq / elapsed, "consumed_samples": consumed,
+                          "tokens": consumed * seq, "train_time_s": train_time}
                 if result["skipped"]:
                     record["skipped"] = True
                 if valid is not None and done % cfg.data.eval_interval == 0:
@@ -179,15 +209,18 @@ class Trainer:
                 last = done == cfg.training.train_iters
                 every = cfg.logging.heatmap_interval
                 if (every and done % every == 0) or (last and not every):
-                    figures = b.depth_weights(train.microbatches(step))
+                    figures = b.depth_weights(train.microbatches_from(consumed - gbs))
                     paths = logger.heatmaps(figures, done) if figures and logger is not None else []
                     if paths:
                         self.say(f"depth-weight heatmaps: {', '.join(paths)}")
                 preempted = b.any(preemption.requested)
                 exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
                 if ck.save and ((ck.save_interval and done % ck.save_interval == 0) or exiting or last):
-                    path = rules.save(ck.save, done, lambda tmp, s=done: b.save_files(tmp, s),
-                                      dict(meta, layout=b.layout()), ck.keep_last, b)
+                    path, verified = rules.save(ck.save, done, lambda tmp, s=done: b.save_files(tmp, s),
+                                                dict(meta, layout=b.layout(), consumed_samples=consumed),
+                                                ck.keep_last, b, protect=resumed_from)
+                    if verified:
+                        resumed_from = None  # a newer checkpoint reads back intact: the old one may be pruned
                     self.say(f"saved checkpoint {path}")
                 if exiting:
                     self.say(f"exiting after step {done} ({'SIGTERM' if preempted else '--exit-interval'})")
@@ -219,7 +252,7 @@ class Logger:
 
     def step(self, record: dict, memory_gb: float) -> None:
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         done = record["step"]
         if done % self.cfg.logging.log_interval == 0 or "val_loss" in record or record.get("skipped"):
             line = (f"step {done:>6} | loss {record['loss']:.6f} | lr {record['lr']:.3e} | "
@@ -265,6 +298,28 @@ class Logger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+
+
+def consumed_samples(meta: dict, step: int) -> int:
+    """The samples a checkpoint's run had trained on: recorded since the data position counts samples; before,
+    every step took the recorded global batch (or, where that was left to the default, one micro-batch per data-
+    parallel rank)."""
+    if "consumed_samples" in meta:
+        return int(meta["consumed_samples"])
+    training = meta.get("config", {}).get("training", {})
+    gbs = training.get("global_batch_size")
+    if gbs is None:
+        gbs = training.get("micro_batch_size", 1) * max(1, int(meta.get("layout", {}).get("dp", 1)))
+    return step * int(gbs)
+
+
+def strict_json(record: dict) -> dict:
+    """A metrics record that strict JSON parsers accept: a non-finite number becomes null and the record's
+    "nonfinite" field names it with its value ("nan", "inf", "-inf")."""
+    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
 
 
 def _truncate_metrics(path: str, start_step: int) -> None:

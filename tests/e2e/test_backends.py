@@ -93,8 +93,9 @@ def test_nan_skip_really_skips_the_update_and_stop_stops(backend, data, tmp_path
     proc = run(command(backend, data, *STEPS[:-1], "--train-iters", "4", "--on-nan", "skip", "--save",
                        str(tmp_path / "ckpt"), "--save-interval", "1", "--keep-last", "4", "--output-dir",
                        str(tmp_path / "skip")), env=fault)
-    m = metrics(tmp_path / "skip")
+    m = metrics(tmp_path / "skip")  # strict JSON: the NaN loss is null, and "nonfinite" says so
     assert sorted(m) == [1, 2, 3, 4] and m[3].get("skipped") and not m[4].get("skipped")
+    assert m[3]["loss"] is None and m[3]["nonfinite"]["loss"] == "nan" and "nonfinite" not in m[4]
     assert "skipped (non-finite loss)" in proc.stdout
     before, after, later = (weights(tmp_path / "ckpt" / f"iter_000000{s}") for s in (2, 3, 4))
     assert all(torch.equal(before[k], after[k]) for k in before), "the skipped step changed the weights"

@@ -34,6 +34,10 @@ TRAINER_CASES = {
     "negative-lr": "--lr -0.1 must be positive",
     "bad-choice-in-yaml": "unknown --attnres-query 'dynamic'; choose one of static, input",
     "deepspeed-config-missing": "--deepspeed-config /nowhere.json does not exist",
+    "negative-global-batch": "--global-batch-size -4 must be >= 1",
+    "sequence-longer-than-the-data": "--seq-length 2000000 needs 2000001 tokens per sample, but the training split",
+    "yaml-float-for-int": "model.num_layers in",
+    "yaml-list-for-section": "section 'training' in",
 }
 
 
@@ -71,6 +75,16 @@ def test_trainer_bad_input(data, saved, tmp_path, case):
         flags += ["--load", str(tmp_path / "junk")]
     elif case == "negative-lr":
         flags += ["--lr", "-0.1"]
+    elif case == "negative-global-batch":
+        flags += ["--global-batch-size", "-4"]
+    elif case == "sequence-longer-than-the-data":
+        flags += ["--seq-length", "2000000"]
+    elif case == "yaml-float-for-int":
+        (tmp_path / "c.yaml").write_text("model:\n  num_layers: 2.9\n")
+        flags += ["--config", str(tmp_path / "c.yaml")]
+    elif case == "yaml-list-for-section":
+        (tmp_path / "c.yaml").write_text("training:\n  - lr\n")
+        flags += ["--config", str(tmp_path / "c.yaml")]
     elif case == "bad-choice-in-yaml":
         (tmp_path / "c.yaml").write_text("residual:\n  mechanism: attnres\n  attnres_query: dynamic\n")
         flags += ["--config", str(tmp_path / "c.yaml")]
@@ -80,6 +94,9 @@ def test_trainer_bad_input(data, saved, tmp_path, case):
     assert_clean_error(proc, TRAINER_CASES[case])
     if case == "unknown-config-key":
         assert "did you mean model.num_layers?" in proc.stderr
+    if case == "yaml-float-for-int":
+        assert "must be an integer, got 2.9 (float)" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line
 
 
 def test_preprocess_bad_json_lines_and_empty_input(data, tmp_path):

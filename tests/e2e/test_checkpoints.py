@@ -1,6 +1,7 @@
 """Checkpoints that cannot lose a run: real corruption (truncation, random bytes, missing files) is named and the
 load falls back to the newest intact checkpoint of the run, which then resumes with identical losses; a named
-iteration never falls back; a fresh run into another run's folder is refused with nothing deleted; pruning only
+iteration never falls back; in the run's own folder the damaged checkpoint is quarantined and pruning keeps the
+intact one; a fresh run into another run's folder is refused with nothing deleted; pruning only
 touches the run's own checkpoints; --load of a folder that does not exist yet starts from scratch."""
 
 import os
@@ -32,6 +33,7 @@ CORRUPTIONS = {
     "missing-metadata": lambda c: os.remove(c / ".metadata"),
     "empty-common": lambda c: open(c / "common.pt", "w").close(),
     "truncated-mega-depth-json": lambda c: open(c / "mega_depth.json", "r+").truncate(40),
+    "missing-manifest": lambda c: os.remove(c / "manifest.json"),  # the files cannot be verified: damage
 }
 
 
@@ -54,8 +56,26 @@ def test_damaged_newest_checkpoint_is_named_and_the_run_resumes_from_the_intact_
     ref, resumed = metrics(saved / "run"), metrics(tmp_path / "run")
     assert [resumed[s]["loss"] for s in (3, 4)] == [ref[s]["loss"] for s in (3, 4)]
     named = {"truncated-shard": "truncated", "random-bytes-in-shard": "checksum", "missing-metadata": ".metadata",
-             "empty-common": "common.pt", "truncated-mega-depth-json": "mega_depth.json"}[damage]
+             "empty-common": "common.pt", "truncated-mega-depth-json": "mega_depth.json",
+             "missing-manifest": "manifest.json is missing"}[damage]
     assert named in proc.stdout.split("is damaged:")[1].splitlines()[0]
+
+
+def test_fallback_then_prune_keeps_the_intact_checkpoint_and_quarantines_the_damaged_one(saved, data, tmp_path):
+    """The run's own folder (--load == --save) with a damaged newest checkpoint, then --keep-last 2: the damaged
+    one is renamed aside (it never counts as kept), and the intact one the run resumed from stays."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "ckpt", ckpt)
+    _overwrite(ckpt / "iter_0000004" / _shard(ckpt / "iter_0000004"), 4096)
+    proc = run(["-m", "mega_depth.train"] + FLAGS + data["flags"] + [
+        "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2", "--train-iters", "3",
+        "--output-dir", str(tmp_path / "run")])
+    aside = [n for n in os.listdir(ckpt) if n.startswith("iter_0000004.damaged-")]
+    assert len(aside) == 1 and f"quarantined the damaged checkpoint as {ckpt / aside[0]}" in proc.stdout
+    assert sorted(set(os.listdir(ckpt)) - set(aside)) == ["iter_0000002", "iter_0000003",
+                                                          "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert metrics(tmp_path / "run")[3]["loss"] == metrics(saved / "run")[3]["loss"]
 
 
 def test_a_named_damaged_checkpoint_is_an_error_without_fallback(saved, data, tmp_path):
@@ -90,6 +110,7 @@ def test_load_of_a_folder_that_does_not_exist_yet_starts_from_scratch(data, tmp_
     ckpt = tmp_path / "ckpt"
     proc = run(["-m", "mega_depth.train"] + FLAGS + data["flags"] + ["--load", str(ckpt), "--save", str(ckpt),
                                                                     "--output-dir", str(tmp_path / "run")])
-    assert f"--load {ckpt} does not exist yet: starting from scratch" in proc.stdout
+    # the run's lock creates the folder before the load looks into it
+    assert f"--load {ckpt} holds nothing yet: starting from scratch" in proc.stdout
     assert sorted(metrics(tmp_path / "run")) == [1, 2, 3, 4]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"

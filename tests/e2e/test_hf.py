@@ -232,6 +232,9 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
         json.dump(meta, open(broken / "mega_depth.json", "w"))
         if case == "config-mismatch-unverified":  # as written before manifests existed
             os.remove(broken / "manifest.json")
+            for key in ("config_hash", "manifest"):
+                meta.pop(key, None)
+            json.dump(meta, open(broken / "mega_depth.json", "w"))
         args[2] = str(broken)
     proc = run(args, expect=2)
     assert expected in proc.stderr, proc.stderr[-2000:]
@@ -240,6 +243,87 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
     else:
         assert not out.exists()
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".export-")]  # no half-written folder
+
+
+def _tree(folder):
+    return {os.path.relpath(os.path.join(d, n), folder): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(folder) for n in names}
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "parent"])
+def test_export_never_writes_into_its_own_source(trained, tmp_path, where):
+    """--out equal to, inside or a parent of --load is refused, --force or not, and the checkpoints stay."""
+    ckpt = tmp_path / "job" / "ckpt"
+    shutil.copytree(trained / "tp1" / "attnres-block" / "ckpt", ckpt)
+    before = _tree(tmp_path / "job")
+    out = {"equal": ckpt, "inside": ckpt / "hf", "parent": tmp_path / "job"}[where]
+    proc = run(["tools/convert_to_hf.py", "--load", str(ckpt), "--out", str(out), "--force"], expect=2)
+    said = {"equal": "is", "inside": "lies inside", "parent": "contains"}[where]
+    assert f"--out {out} {said} --load {ckpt}: writing it would delete what it is made from" in proc.stderr
+    assert "Traceback" not in proc.stderr and _tree(tmp_path / "job") == before
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("case", ["truncated-weights-no-manifest", "truncated-weights-old-checkpoint",
+                                  "truncated-safetensors", "garbage-mega-depth-json", "edited-config-json",
+                                  "into-a-training-folder", "into-its-source", "into-a-held-folder"])
+def test_import_and_export_of_damaged_files_and_wrong_folders_get_one_line(trained, exports, tmp_path, case):
+    from mega_depth.checkpoint.lock import LOCK
+
+    ckpt = trained / "tp1" / "attnres-block" / "ckpt"
+    folder = tmp_path / "folder"
+    if case.startswith("truncated-weights"):  # an export of a checkpoint whose weights were cut short
+        shutil.copytree(ckpt / "iter_0000004", folder)
+        _truncate(folder / sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))[0])
+        os.remove(folder / "manifest.json")
+        expected = "is damaged: manifest.json is missing"
+        if case.endswith("old-checkpoint"):  # written before manifests: read as it is, and the read fails
+            meta = json.load(open(folder / "mega_depth.json"))
+            for key in ("config_hash", "manifest"):
+                meta.pop(key, None)
+            json.dump(meta, open(folder / "mega_depth.json", "w"))
+            expected = "the checkpoint is damaged"
+        args = ["tools/convert_to_hf.py", "--load", str(folder), "--out", str(tmp_path / "out")]
+    else:
+        shutil.copytree(exports / "tp1" / "attnres-block", folder)
+        save = tmp_path / "out"
+        if case == "truncated-safetensors":
+            _truncate(folder / "model.safetensors")
+            expected = "model.safetensors cannot be read as safetensors"
+        elif case == "garbage-mega-depth-json":
+            (folder / "mega_depth.json").write_text("{not json")
+            expected = "mega_depth.json is not valid JSON"
+        elif case == "edited-config-json":
+            config = json.load(open(folder / "config.json"))
+            config["num_hidden_layers"] += 1
+            json.dump(config, open(folder / "config.json", "w"))
+            expected = "config.json and mega_depth.json disagree (num_hidden_layers 5 vs num_layers 4)"
+        elif case == "into-a-training-folder":  # another run's --save folder
+            save = tmp_path / "training"
+            shutil.copytree(ckpt, save)
+            expected = "holds training checkpoints (iter_0000004, ...): an import must not write beside them"
+        elif case == "into-its-source":
+            save = folder
+            expected = f"--save {folder} is --hf {folder}: writing it would delete what it is made from"
+        else:
+            save = tmp_path / "held"
+            save.mkdir()
+            (save / LOCK).write_text(json.dumps({"run_id": "live", "host": __import__("socket").gethostname(),
+                                                 "pid": os.getpid(), "started": 0, "token": "t"}))
+            expected = "is in use by run live"
+        args = ["tools/convert_from_hf.py", "--hf", str(folder), "--save", str(save), "--force"]
+        before = _tree(save) if save.exists() else None
+    proc = run(args, expect=2)
+    assert expected in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.strip().splitlines() if not line.startswith("warning: ")]
+    assert "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr[-2000:]
+    if not case.startswith("truncated-weights"):
+        assert (_tree(save) if save.exists() else None) == before
+    assert not (tmp_path / "out").exists()
 
 
 def test_xla_trainer_checkpoint_exports_and_fine_tunes_on_megatron(data, prompt, tmp_path):

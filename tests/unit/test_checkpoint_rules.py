@@ -1,8 +1,11 @@
 """The checkpoint rules on files alone (a fake format whose 'shard' is one file): atomic save with metadata and
-manifest, pruning by run and recency, verification and fall-back, a stale folder refused."""
+manifest, pruning by run and recency, verification and fall-back, a stale folder refused, quarantine of damaged
+checkpoints, the checkpoint a run resumed from kept until a newer one is verified, a missing manifest as damage,
+a run killed in its first save, a full disk, and the save folder's lock."""
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -12,13 +15,13 @@ from mega_depth.checkpoint.manifest import CorruptCheckpoint, verify
 from mega_depth.checkpoint.plain import SingleProcess
 
 
-def save(root, step, run_id, keep_last=3, payload=b"weights"):
+def save(root, step, run_id, keep_last=3, payload=b"weights", protect=None):
     def fill(tmp):
         with open(os.path.join(tmp, "shard.bin"), "wb") as f:
             f.write(payload * 100)
 
-    path = rules.save(str(root), step, fill, {"format": "fake", "run_id": run_id, "config": {}}, keep_last,
-                      SingleProcess())
+    path, _ = rules.save(str(root), step, fill, {"format": "fake", "run_id": run_id, "config": {}}, keep_last,
+                         SingleProcess(), protect=protect)
     time.sleep(0.01)  # distinct save times
     return path
 
@@ -83,12 +86,150 @@ def test_manifest_records_the_run_and_the_config_hash(tmp_path):
     from mega_depth.config import parse_args
 
     cfg = parse_args(["--mock-data", "--residual", "attnres"])
-    path = rules.save(str(tmp_path), 1, lambda tmp: None, {"format": "fake", "run_id": "r",
-                                                           "config_hash": rules.config_hash(cfg), "config": {}},
-                      1, SingleProcess())
+    path, _ = rules.save(str(tmp_path), 1, lambda tmp: None, {"format": "fake", "run_id": "r",
+                                                              "config_hash": rules.config_hash(cfg), "config": {}},
+                         1, SingleProcess())
     manifest = json.load(open(os.path.join(path, "manifest.json")))
     assert manifest["run_id"] == "r" and manifest["config_hash"] == rules.config_hash(cfg)
     other = parse_args(["--mock-data", "--residual", "attnres", "--attnres-num-blocks", "2"])
     assert rules.config_hash(other) != rules.config_hash(cfg)
     assert rules.config_hash(parse_args(["--mock-data", "--residual", "attnres", "--lr", "1"])) == \
         rules.config_hash(cfg)  # the schedule is not the model
+
+
+def _damage(path):
+    os.remove(os.path.join(path, "shard.bin"))
+
+
+def test_in_its_own_folder_a_damaged_checkpoint_is_quarantined_and_the_fallback_is_kept(tmp_path, monkeypatch):
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, "a", keep_last=2)
+    _damage(tmp_path / "iter_0000004")
+    said = []
+    # another run's --load of this folder reads it, and changes nothing in it
+    assert rules.find_checkpoint(str(tmp_path), said.append)[0].endswith("iter_0000003")
+    assert os.path.isdir(tmp_path / "iter_0000004") and rules.read_pointer(str(tmp_path)) == 4
+    # the run's own folder (--load == --save): the damaged one is renamed aside, the pointer names the fallback
+    path, _ = rules.find_checkpoint(str(tmp_path), said.append, own=True)
+    assert path.endswith("iter_0000003") and rules.read_pointer(str(tmp_path)) == 3
+    aside = [n for n in os.listdir(tmp_path) if n.startswith("iter_0000004.damaged-")]
+    assert len(aside) == 1 and f"quarantined the damaged checkpoint as {tmp_path / aside[0]}" in said
+    assert [s for s, _ in rules.list_checkpoints(str(tmp_path))] == [3]  # never counted as kept
+    # a new save that reads back wrong: the checkpoint the run resumed from stays beyond --keep-last
+    monkeypatch.setattr(rules, "verify", lambda p: (_ for _ in ()).throw(CorruptCheckpoint("bad read-back")))
+    save(tmp_path, 4, "a", keep_last=1, protect=path)
+    assert [s for s, _ in rules.list_checkpoints(str(tmp_path))] == [3, 4]
+    monkeypatch.undo()
+    # once a newer save verifies, it may go
+    save(tmp_path, 5, "a", keep_last=1, protect=path)
+    assert [s for s, _ in rules.list_checkpoints(str(tmp_path))] == [5]
+    assert os.path.isdir(tmp_path / aside[0])  # quarantined checkpoints stay for inspection
+
+
+def test_a_missing_manifest_is_damage_unless_the_metadata_predates_manifests(tmp_path):
+    save(tmp_path, 1, "a")
+    save(tmp_path, 2, "a")
+    os.remove(tmp_path / "iter_0000002" / "manifest.json")
+    said = []
+    assert rules.find_checkpoint(str(tmp_path), said.append)[0].endswith("iter_0000001")
+    assert any("iter_0000002 is damaged: manifest.json is missing" in s for s in said)
+    with pytest.raises(rules.CheckpointError, match="manifest.json is missing"):
+        rules.find_checkpoint(str(tmp_path / "iter_0000002"), said.append)
+    # metadata written before manifests existed (no config hash, no manifest flag): loads with a warning
+    old = tmp_path / "old"
+    save(old, 1, "a")
+    meta = json.load(open(old / "iter_0000001" / "mega_depth.json"))
+    del meta["manifest"]
+    json.dump(meta, open(old / "iter_0000001" / "mega_depth.json", "w"))
+    os.remove(old / "iter_0000001" / "manifest.json")
+    path, meta = rules.find_checkpoint(str(old), said.append)
+    assert meta["unverified"] and "predates manifests" in said[-1]
+
+
+def test_a_run_killed_in_its_first_save_can_be_resubmitted(tmp_path):
+    (tmp_path / "iter_0000002.tmp").mkdir()
+    (tmp_path / "iter_0000002.tmp" / "shard.bin").write_bytes(b"half")
+    said = []
+    assert rules.find_checkpoint(str(tmp_path), said.append) is None
+    assert "holds only an interrupted save (iter_0000002.tmp), no checkpoint: starting from scratch" in said[-1]
+    assert os.path.isdir(tmp_path / "iter_0000002.tmp")  # not this run's folder: left alone
+    assert rules.find_checkpoint(str(tmp_path), said.append, own=True) is None and "(removed it)" in said[-1]
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_names_itself_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    save(tmp_path, 1, "a")
+    monkeypatch.setenv("MEGA_DEPTH_FAULT_DISK_FULL_IN_SAVE", "2")
+    with pytest.raises(rules.CheckpointError) as err:
+        save(tmp_path, 2, "a")
+    message = str(err.value)
+    assert message.startswith(f"the disk is full: saving into {tmp_path} failed (No space left on device) with ")
+    assert re.search(r"free, and the last checkpoint took [\d.]+ KB; checkpoint iter_0000001 is intact", message)
+    assert "\n" not in message
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # no partial save
+    verify(str(tmp_path / "iter_0000001"))
+    assert rules.read_pointer(str(tmp_path)) == 1
+
+
+def test_the_save_lock_refuses_a_live_holder_and_takes_over_a_gone_one(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from mega_depth.checkpoint import lock as lock_module
+    from mega_depth.checkpoint.lock import LOCK, SaveFolderLocked, SaveLock
+
+    monkeypatch.setattr(lock_module, "STALE_S", 3.0)  # seconds instead of minutes
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.4)
+    said = []
+    first = SaveLock(str(tmp_path), "run-1", "training", said.append).acquire()
+    assert rules.folder_contents(str(tmp_path)) == []  # the lock alone is not content
+    with pytest.raises(SaveFolderLocked, match=r"is in use by run run-1 \(pid %d on host" % os.getpid()):
+        SaveLock(str(tmp_path), "run-2", "training", said.append).acquire()  # same host, live pid: at once
+    first.update("run-1b")
+    assert json.load(open(tmp_path / LOCK))["run_id"] == "run-1b"
+    first.release()
+    assert not (tmp_path / LOCK).exists()
+
+    def planted(pid, host, age_s=0.0):
+        holder = {"run_id": "gone", "host": host, "pid": pid, "started": time.time(), "token": "t"}
+        json.dump(holder, open(tmp_path / LOCK, "w"))
+        then = time.time() - age_s
+        os.utime(tmp_path / LOCK, (then, then))
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    planted(dead.pid, socket.gethostname())  # a process of this host that is gone: taken over at once
+    lock = SaveLock(str(tmp_path), "run-3", "training", said.append).acquire()
+    assert f"took over the lock of run gone (pid {dead.pid}" in said[-1] and "is gone" in said[-1]
+    lock.release()
+    planted(1, "another-host", age_s=60)  # another host, heartbeat long stopped: taken over at once
+    lock = SaveLock(str(tmp_path), "run-4", "training", said.append).acquire()
+    assert "heartbeat stopped 60 s ago" in said[-1]
+    lock.release()
+    # another host with a fresh heartbeat that keeps beating: alive, refused
+    planted(1, "another-host")
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.2):
+            os.utime(tmp_path / LOCK)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(SaveFolderLocked, match="on host another-host"):
+            SaveLock(str(tmp_path), "run-5", "training", said.append).acquire()
+    finally:
+        stop.set()
+        beating.join()
+    assert "watching its heartbeat" in said[-1]
+    # ... and one whose fresh heartbeat stops (its node crashed just now): watched until stale, then taken over
+    planted(1, "another-host")
+    t0 = time.time()
+    lock = SaveLock(str(tmp_path), "run-6", "training", said.append).acquire()
+    assert "watching its heartbeat" in said[-2] and "heartbeat stopped" in said[-1] and time.time() - t0 >= 2.5
+    planted(1, "another-host")  # taken over meanwhile: the release leaves the new holder's lock alone
+    lock.release()
+    assert json.load(open(tmp_path / LOCK))["run_id"] == "gone"

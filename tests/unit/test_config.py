@@ -38,6 +38,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
         (["--global-batch-size", "3", "--micro-batch-size", "2"], 1, "--global-batch-size 3 is not divisible"),
+        (["--global-batch-size", "0"], 1, "--global-batch-size 0 must be >= 1"),
+        (["--global-batch-size", "-4"], 1, "--global-batch-size -4 must be >= 1"),
+        (["--micro-batch-size", "0"], 1, "--micro-batch-size 0 must be >= 1"),
+        (["--micro-batch-size", "-2"], 1, "--micro-batch-size -2 must be >= 1"),
         (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
           "--global-batch-size", "3", "--micro-batch-size", "1"], 2, "multiple of --pipeline-model-parallel-size"),
         (["--residual", "attnres", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
@@ -85,3 +89,38 @@ def test_xla_entry_point_without_torch_xla_and_with_megatron_only_flags():
     assert "--tensor-model-parallel-size, --deepspeed: Megatron-trainer options" in proc.stderr and "--mesh" in proc.stderr
     proc = xla_train("--device", "cpu", "--mesh", "2,1")
     assert proc.returncode == 2 and "--mesh needs --device xla" in proc.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model:\n  num_layers: 2.9\n", "model.num_layers in {path} must be an integer, got 2.9 (float)"),
+    ("model:\n  num_layers: true\n", "model.num_layers in {path} must be an integer, got True (bool)"),
+    ("model:\n  num_layers: [4]\n", "model.num_layers in {path} must be an integer, got [4] (list)"),
+    ("training:\n  lr: fast\n", "training.lr in {path} must be a number, got 'fast' (str)"),
+    ("training:\n  deepspeed: 1\n", "training.deepspeed in {path} must be true or false, got 1 (int)"),
+    ("residual:\n  mechanism: 3\n", "residual.mechanism in {path} must be a string (quote it: '...'), got 3"),
+    ("data:\n  data_path: docs\n", "data.data_path in {path} must be a list of strings, got 'docs'"),
+    ("model:\n  num_layers: null\n", "model.num_layers in {path} cannot be empty (null)"),
+    ("model:\n  - num_layers\n  - 4\n", "section 'model' in {path} must map keys to values"),
+    ("model: 4\n", "section 'model' in {path} must map keys to values"),
+    ("- model\n", "must map section names"),
+])
+def test_yaml_values_of_the_wrong_type_are_errors_not_casts(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", str(path)])
+    assert message.format(path=path) in str(err.value)
+
+
+def test_yaml_numbers_keep_their_meaning():
+    """Integers where floats belong, and YAML 1.1's 3e-4 (read as a string), are numbers."""
+    import tempfile
+
+    from mega_depth.config import Config, load_yaml
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write("training:\n  lr: 3e-4\n  weight_decay: 0\nmodel:\n  num_layers: 6\n")
+        f.flush()
+        cfg = load_yaml(f.name, Config())
+    assert cfg.training.lr == 3e-4 and cfg.training.weight_decay == 0.0 and cfg.model.num_layers == 6
+    assert isinstance(cfg.training.weight_decay, float)

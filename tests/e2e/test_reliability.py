@@ -1,0 +1,230 @@
+"""Operator mistakes that must not lose a run or silently change it:
+
+- two runs on one --save folder: the second is refused (every backend, and convert_from_hf), the first's
+  checkpoints stay byte-identical; a lock whose holder is gone is taken over;
+- a run killed during its first save can be resubmitted;
+- a full disk during a save says so and keeps the previous checkpoint;
+- a resume with another global batch size continues after the last consumed sample;
+- DeepSpeed resumes at another ZeRO stage or data-parallel size with equal losses (universal checkpoint), or
+  refuses in one line; ZeRO-0 reports a real grad norm;
+- kill -9 of a Megatron run leaves none of megatron-core's checkpoint-writer helpers behind.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from fixtures import ENV, PY, ROOT, SCRIPTS, TRAIN_MODEL, metrics, run, torchrun
+from mega_depth.checkpoint.lock import LOCK
+from mega_depth.checkpoint.manifest import verify
+
+MEGATRON = ["-m", "mega_depth.train"]
+DEEPSPEED = MEGATRON + ["--deepspeed", "--deepspeed-config"]
+PLAIN = ["-m", "mega_depth.xla.train", "--device", "cpu"]
+
+
+def flags(data, *extra):
+    """The training-stack model on the test corpus; `extra` last (argparse keeps the last of a repeated flag)."""
+    return TRAIN_MODEL + data["flags"] + ["--no-tensorboard", "--lr-decay-iters", "6"] + list(extra)
+
+
+def snapshot(folder):
+    """Every file under `folder` with the hash of its bytes."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(d, name)
+            out[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def plant_lock(folder, pid, host=None):
+    """A lock file as a run of `pid` on `host` writes it."""
+    os.makedirs(folder, exist_ok=True)
+    holder = {"run_id": "holder-run", "host": host or socket.gethostname(), "pid": pid, "purpose": "training",
+              "started": time.time(), "token": "planted"}
+    with open(os.path.join(folder, LOCK), "w") as f:
+        json.dump(holder, f)
+
+
+def wait_for(predicate, proc, what, timeout=300):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_second_run_on_a_held_save_folder_is_refused_and_the_first_runs_checkpoints_stay_byte_identical(
+        data, tmp_path):
+    """A requeued job overlapping its predecessor: both on --save X --load X."""
+    ckpt = tmp_path / "ckpt"
+    job = MEGATRON + flags(data, "--train-iters", "500", "--lr-decay-iters", "500", "--save", str(ckpt), "--load",
+                           str(ckpt), "--save-interval", "2", "--keep-last", "2")
+    first = subprocess.Popen([PY] + job + ["--output-dir", str(tmp_path / "first")], cwd=ROOT, env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (ckpt / "latest_checkpointed_iteration.txt").exists(), first, "its first checkpoint")
+        first.send_signal(signal.SIGSTOP)  # alive and holding the folder, but writing nothing while we compare
+        time.sleep(0.5)
+        before = snapshot(ckpt)
+        second = run(job + ["--output-dir", str(tmp_path / "second")], expect=2)
+        assert "is in use by run" in second.stderr and f"(pid {first.pid} on host {socket.gethostname()}" \
+            in second.stderr, second.stderr[-2000:]
+        assert "two runs must not save into one folder" in second.stderr and "Traceback" not in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1
+        assert snapshot(ckpt) == before
+        assert not (tmp_path / "second" / "metrics.jsonl").exists()
+    finally:
+        first.send_signal(signal.SIGCONT)
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0 and "SIGTERM" in out, out[-3000:]
+    assert not (ckpt / LOCK).exists()  # released at the end
+
+
+def test_every_backend_and_the_import_respect_the_lock_and_take_over_a_gone_holder(data, tmp_path):
+    # a lock whose process is gone (this host): the plain backend takes it over and trains
+    src = tmp_path / "src"
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    plant_lock(src, dead.pid)
+    proc = run(PLAIN + flags(data, "--train-iters", "2", "--save", str(src), "--output-dir", str(tmp_path / "run")))
+    assert f"took over the lock of run holder-run (pid {dead.pid}" in proc.stdout and "is gone" in proc.stdout
+    assert (src / "latest_checkpointed_iteration.txt").read_text() == "2" and not (src / LOCK).exists()
+    # a live holder (this test's own process): DeepSpeed, the plain backend and convert_from_hf are refused
+    held = tmp_path / "held"
+    plant_lock(held, os.getpid())
+    for args in (DEEPSPEED + ["launch/ds_configs/zero1.json"] + flags(data, "--train-iters", "2", "--save", str(held)),
+                 PLAIN + flags(data, "--train-iters", "2", "--save", str(held)),
+                 ["tools/convert_from_hf.py", "--hf", str(src), "--save", str(held), "--force"]):
+        proc = run(args + (["--output-dir", str(tmp_path / "refused")] if "--train-iters" in args else []), expect=2)
+        assert f"is in use by run holder-run (pid {os.getpid()}" in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    assert os.listdir(held) == [LOCK] and not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+def test_a_run_killed_during_its_first_save_can_be_resubmitted(data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = MEGATRON + flags(data, "--train-iters", "4", "--lr-decay-iters", "4", "--save", str(ckpt), "--load",
+                           str(ckpt), "--save-interval", "2", "--output-dir", str(tmp_path / "run"))
+    run(job, expect=-signal.SIGKILL, env={"MEGA_DEPTH_FAULT_KILL_IN_SAVE": "2"})
+    assert sorted(os.listdir(ckpt)) == [LOCK, "iter_0000002.tmp"]  # a dead run's lock and its half save
+    proc = run(job)  # the resubmission, unchanged
+    assert "took over the lock of run" in proc.stdout
+    assert "holds only an interrupted save (iter_0000002.tmp), no checkpoint: starting from scratch (removed it)" \
+        in proc.stdout
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(metrics(tmp_path / "run")) == [1, 2, 3, 4]
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run(MEGATRON + flags(data, "--train-iters", "3", "--save", str(ckpt), "--save-interval", "1",
+                                "--output-dir", str(tmp_path / "run")),
+               expect=2, env={"MEGA_DEPTH_FAULT_DISK_FULL_IN_SAVE": "2"})
+    assert "mega_depth: the disk is full: saving into" in proc.stderr and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert " free, and the last checkpoint took " in line and "checkpoint iter_0000001 is intact" in line, line
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    verify(str(ckpt / "iter_0000001"))
+
+
+def test_a_resume_with_a_larger_global_batch_reads_every_sample_once_and_counts_the_tokens_it_trained(data,
+                                                                                                     tmp_path):
+    """Three steps of 4 samples, then two of 8 from the checkpoint: samples 0..27, each read once; the metrics
+    count consumed samples and the tokens trained on (Megatron-LM's consumed-samples rule)."""
+    record = str(tmp_path / "samples")
+    script = [os.path.join(SCRIPTS, "record_samples.py")]
+    common = ["--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "run"), "--heatmap-interval", "1000",
+              "--lr-decay-iters", "5"]
+    run(script + flags(data, "--train-iters", "3", "--global-batch-size", "4", *common), env={"RECORD_SAMPLES": record})
+    proc = run(script + flags(data, "--train-iters", "5", "--global-batch-size", "8", "--load", str(tmp_path / "ckpt"),
+                              *common), env={"RECORD_SAMPLES": record})
+    assert "at step 3 (12 samples consumed)" in proc.stdout
+    seen = sorted(int(line) for line in open(record + ".rank0"))
+    assert seen == list(range(28)), seen
+    m = metrics(tmp_path / "run")
+    assert [m[s]["consumed_samples"] for s in range(1, 6)] == [4, 8, 12, 20, 28]
+    assert [m[s]["tokens"] for s in range(1, 6)] == [n * 32 for n in (4, 8, 12, 20, 28)]  # --seq-length 32
+
+
+@pytest.fixture(scope="module")
+def dp2(data, tmp_path_factory):
+    """dp2(stage): six steps at that ZeRO stage on two data-parallel ranks, saving at steps 3 and 6 (the reference
+    and the source; made once per stage)."""
+    made = {}
+
+    def source(stage):
+        if stage not in made:
+            d = tmp_path_factory.mktemp(f"{stage}_dp2")
+            torchrun(2, DEEPSPEED + [f"launch/ds_configs/{stage}.json"] + flags(
+                data, "--train-iters", "6", "--save", str(d / "ckpt"), "--save-interval", "3",
+                "--output-dir", str(d / "run")), str(d / "log"))
+            made[stage] = d
+        return made[stage]
+
+    return source
+
+
+@pytest.mark.parametrize("source, target", [("zero1", "zero3"), ("zero1", "zero1"), ("zero3", "zero2")])
+def test_deepspeed_resumes_at_another_zero_stage_or_data_parallel_size_with_equal_losses(dp2, data, tmp_path,
+                                                                                         source, target):
+    """A checkpoint of 2 data-parallel ranks resumed on 1, at another ZeRO stage or the same, through DeepSpeed's
+    universal checkpoint: the losses after the resume equal the uninterrupted run's."""
+    d = dp2(source)
+    proc = run(DEEPSPEED + [f"launch/ds_configs/{target}.json"] + flags(
+        data, "--train-iters", "6", "--load", str(d / "ckpt" / "iter_0000003"), "--output-dir", str(tmp_path / "run")))
+    moved = f"ZeRO-{source[-1]} at data-parallel size 2 -> ZeRO-{target[-1]} at 1"
+    assert f"resharded {d / 'ckpt' / 'iter_0000003'} through DeepSpeed's universal checkpoint ({moved})" in proc.stdout
+    ref, resumed = metrics(d / "run"), metrics(tmp_path / "run")
+    assert [resumed[s]["loss"] for s in (4, 5, 6)] == [ref[s]["loss"] for s in (4, 5, 6)]
+    assert not [n for n in os.listdir(d / "ckpt") if n.startswith(".universal-")]  # the conversion is gone
+
+
+def test_deepspeed_zero0_resume_of_a_sharded_checkpoint_is_refused_and_its_grad_norm_is_real(dp2, data, tmp_path):
+    zero1_dp2 = dp2("zero1")
+    zero0 = DEEPSPEED + ["launch/ds_configs/zero0.json"]
+    proc = run(zero0 + flags(data, "--train-iters", "6", "--lr-decay-iters", "6", "--load",
+                             str(zero1_dp2 / "ckpt" / "iter_0000003"), "--output-dir", str(tmp_path / "refused")),
+               expect=2)
+    assert "DeepSpeed's universal checkpoint converts between ZeRO stages 1-3 only" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    # ZeRO-0 steps a plain optimizer: its grad norm is measured, and equals ZeRO-1's on the same batch
+    run(zero0 + flags(data, "--train-iters", "1", "--lr-decay-iters", "6", "--output-dir", str(tmp_path / "run")))
+    norm, ref = metrics(tmp_path / "run")[1]["grad_norm"], metrics(zero1_dp2 / "run")[1]["grad_norm"]
+    assert norm == pytest.approx(ref, rel=1e-5)
+
+
+def test_kill_9_of_a_megatron_run_leaves_no_checkpoint_writer_helpers(data, tmp_path):
+    psutil = pytest.importorskip("psutil")
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([PY] + MEGATRON + flags(data, "--train-iters", "500", "--lr-decay-iters", "500",
+                                                    "--save", str(ckpt), "--save-interval", "1",
+                                                    "--output-dir", str(tmp_path / "run")),
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (ckpt / "latest_checkpointed_iteration.txt").exists(), proc, "its first checkpoint")
+    helpers = [h for h in psutil.Process(proc.pid).children(recursive=True) if "multiprocessing" in _cmdline(h)]
+    assert len(helpers) >= 2, "no writer helpers to check (the Manager and the resource tracker)"
+    proc.kill()
+    proc.communicate()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        alive = [h for h in helpers if h.is_running() and h.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive, [_cmdline(h)[:120] for h in alive]
+
+
+def _cmdline(process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except Exception:  # gone meanwhile
+        return ""

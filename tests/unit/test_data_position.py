@@ -1,0 +1,59 @@
+"""The data position of a run is its consumed samples: a global batch of any size, in any layout, takes the next
+samples after them; checkpoints written before the count existed derive it from their step and global batch.
+Metrics records are strict JSON."""
+
+import json
+import math
+
+from mega_depth.data.datasets import GlobalBatchSampler
+from mega_depth.training.trainer import consumed_samples, strict_json
+
+DATA = [{"tokens": [i], "labels": [i], "loss_mask": [1], "position_ids": [0]} for i in range(200)]
+
+
+def global_batch(layout, consumed):
+    """Sample ids of the global batch after `consumed`, gathered over every data-parallel rank."""
+    mbs, nmb, dp = layout
+    ids = []
+    for rank in range(dp):
+        for mb in GlobalBatchSampler(DATA, mbs, nmb, dp, rank).microbatches_from(consumed):
+            ids += mb["tokens"].flatten().tolist()
+    return ids
+
+
+def test_changing_the_global_batch_or_the_layout_continues_after_the_last_consumed_sample():
+    consumed, seen = 0, []
+    # global batch 4 (DP 2), then 8 (DP 2, mbs 2), then 6 (DP 3), then 4 on one rank: resumes in between
+    for layout, steps in (((1, 2, 2), 3), ((2, 2, 2), 2), ((1, 2, 3), 2), ((2, 2, 1), 3)):
+        gbs = layout[0] * layout[1] * layout[2]
+        for _ in range(steps):
+            batch = global_batch(layout, consumed)
+            assert sorted(batch) == list(range(consumed, consumed + gbs))
+            seen += batch
+            consumed += gbs
+    assert sorted(seen) == list(range(consumed)) and len(seen) == len(set(seen))
+
+
+def test_every_layout_of_one_global_batch_reads_the_same_samples():
+    for consumed in (0, 12, 36):
+        assert sorted(global_batch((1, 8, 1), consumed)) == sorted(global_batch((2, 2, 2), consumed)) \
+            == sorted(global_batch((1, 2, 4), consumed))
+
+
+def test_consumed_samples_of_old_and_new_checkpoints():
+    assert consumed_samples({"consumed_samples": 20, "config": {"training": {"global_batch_size": 8}}}, 3) == 20
+    # before the count was recorded: every step took the recorded global batch ...
+    assert consumed_samples({"config": {"training": {"global_batch_size": 8}}}, 3) == 24
+    # ... or, left to its default, one micro-batch per data-parallel rank
+    assert consumed_samples({"config": {"training": {"global_batch_size": None, "micro_batch_size": 2}},
+                             "layout": {"dp": 4}}, 3) == 24
+
+
+def test_metrics_records_are_strict_json():
+    record = {"step": 3, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3}
+    line = json.dumps(strict_json(record), allow_nan=False)
+    back = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    assert back == {"step": 3, "loss": None, "grad_norm": None, "lr": 1e-3,
+                    "nonfinite": {"loss": "nan", "grad_norm": "inf"}}
+    finite = {"step": 4, "loss": 2.5}
+    assert strict_json(finite) is finite and not any(math.isnan(v) for v in finite.values())
