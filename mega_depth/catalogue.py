@@ -10,7 +10,7 @@ from typing import Dict, List
 from mega_depth.model.config import option_flag
 from mega_depth.model.registry import catalogue
 
-MECHANISMS = tuple(catalogue(8))  # the names; the settings themselves may scale with depth
+SETTINGS = tuple(catalogue(8))  # the names; the settings themselves may scale with depth
 
 
 def residual_settings(name: str, num_layers: int, **overrides) -> Dict[str, object]:
@@ -36,7 +36,7 @@ def mechanism_flags(name: str, num_layers: int, **overrides) -> List[str]:
 def parse_mechanisms(spec: str) -> List[str]:
     """A comma-separated list from a `--mechanisms` flag, checked against the catalogue."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MECHANISMS]
+    unknown = [n for n in names if n not in SETTINGS]
     if unknown:
-        raise SystemExit(f"unknown mechanism(s) {unknown} in --mechanisms; choose from {', '.join(MECHANISMS)}")
+        raise SystemExit(f"unknown mechanism(s) {unknown} in --mechanisms; choose from {', '.join(SETTINGS)}")
     return names

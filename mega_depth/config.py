@@ -25,37 +25,47 @@ class ConfigError(ValueError):
     """A configuration that cannot work. The message says what to change."""
 
 
+def _f(default, help: str, choices=None):
+    """A config field with its --help line (and its allowed values: checked once, in validate())."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class ModelConfig:
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # None = MHA; fewer = GQA
-    ffn_hidden_size: Optional[int] = None  # None = Llama's 8/3 * hidden rounded to a multiple of 64
-    seq_length: int = 64
-    vocab_size: Optional[int] = None  # from --tokenizer-model; needed with --mock-data (default 256 there)
-    qk_layernorm: bool = True  # Qwen3-style q/k RMSNorm
-    untie_embeddings_and_output_weights: bool = False
-    rotary_base: int = 10000
-    norm_epsilon: float = 1e-6
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    # local: Megatron-core's local spec (torch ops); transformer_engine: its TE spec. None: TE where it is importable
-    # on a GPU, else local (said once at start-up)
-    transformer_impl: Optional[str] = None
-    attention_backend: str = "sdpa"  # local spec's core attention: torch SDPA (fused kernels) | unfused (Megatron's)
-    fused_single_qkv_rope: bool = False
-    # eager (mixing.py, the reference) | compiled (torch.compile'd twins) | triton (fused Functions, kernels on a GPU);
-    # None: triton on a GPU where triton is importable, else eager
-    mixing_impl: Optional[str] = None
-    # on the fast paths (compiled, triton): recompute in backward what the mixing makes (DCA's q/k/v inputs, Block
-    # AttnRes's phase-2 merge, Depth-Attention's normalised keys) instead of keeping it; trades memory-bound
-    # recompute for activation memory near the baseline's
-    mixing_recompute: bool = True
-    # torch.compile every layer's norms, attention and MLP (megatron/compile.py): fuses their elementwise chains,
-    # which dominate the launch-bound small sizes on a GPU; eager stays the reference
-    compile_layers: bool = False
+    num_layers: int = _f(4, "transformer layers (each an attention and an MLP sublayer)")
+    hidden_size: int = _f(64, "model width d")
+    num_attention_heads: int = _f(4, "query heads")
+    num_query_groups: Optional[int] = _f(None, "key/value heads for GQA (default: one per query head, MHA)")
+    ffn_hidden_size: Optional[int] = _f(None, "SwiGLU width (default: 8/3 x hidden, rounded up to a multiple of 64)")
+    seq_length: int = _f(64, "tokens per training sample")
+    vocab_size: Optional[int] = _f(None, "vocabulary size; set by --tokenizer-model (with --mock-data: default 256)")
+    qk_layernorm: bool = _f(True, "Qwen3-style RMSNorm on queries and keys")
+    untie_embeddings_and_output_weights: bool = _f(False, "separate output-layer weights instead of the "
+                                                          "embedding's")
+    rotary_base: int = _f(10000, "RoPE base")
+    norm_epsilon: float = _f(1e-6, "RMSNorm epsilon")
+    init_method_std: float = _f(0.02, "std of the normal initialisation of the weight matrices")
+    hidden_dropout: float = _f(0.0, "dropout on each sublayer's output")
+    attention_dropout: float = _f(0.0, "dropout on the attention probabilities")
+    transformer_impl: Optional[str] = _f(None, "Megatron layer spec: local (torch ops) or transformer_engine "
+                                               "(default: transformer_engine on a GPU where it imports, else local)",
+                                         (None,) + TRANSFORMER_IMPLS)
+    attention_backend: str = _f("sdpa", "core attention of the local spec: sdpa (torch's fused kernels) or unfused "
+                                        "(Megatron's)", ATTENTION_BACKENDS)
+    fused_single_qkv_rope: bool = _f(False, "Megatron's fused RoPE over the single QKV tensor (mechanisms that "
+                                            "need separate q/k/v refuse it)")
+    mixing_impl: Optional[str] = _f(None, "depth-mixing implementation: eager (mixing.py, the reference), compiled "
+                                          "(torch.compile'd twins) or triton (fused kernels; default on a GPU where "
+                                          "triton imports, else eager)", (None,) + MIXING_IMPLS)
+    mixing_recompute: bool = _f(True, "on the fast paths, recompute in backward what the mixing makes instead of "
+                                      "keeping it (activation memory near the baseline's)")
+    compile_layers: bool = _f(False, "torch.compile every layer whole, mixing included (eager stays the "
+                                     "reference)")
 
     @property
     def ffn_size(self) -> int:
@@ -70,70 +80,85 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    recompute_granularity: Optional[str] = None  # None | full | selective
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    vp_cache: bool = True  # with virtual stages, send only the depth entries the receiver does not hold yet
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages (PP)")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(None, "layers per virtual stage: the interleaved "
+                                                                    "1F1B schedule (default: plain 1F1B)")
+    sequence_parallel: bool = _f(False, "Megatron's sequence parallelism (needs TP > 1)")
+    use_distributed_optimizer: bool = _f(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
+    recompute_granularity: Optional[str] = _f(None, "activation recomputation: full (whole layers) or selective "
+                                                    "(attention's core); default none", (None, "full", "selective"))
+    recompute_method: str = _f("uniform", "with full recompute: uniform (groups of layers) or block (the first "
+                                          "N layers of each stage)", ("uniform", "block"))
+    recompute_num_layers: int = _f(1, "with full recompute: layers per group (uniform) or per stage (block)")
+    vp_cache: bool = _f(True, "with virtual stages, send only the depth-state entries the receiving rank does not "
+                              "hold yet")
 
 
 @dataclass
 class TrainingConfig:
-    micro_batch_size: int = 2
-    global_batch_size: Optional[int] = None  # None = micro_batch_size * data-parallel size
-    train_iters: int = 10
-    exit_interval: Optional[int] = None  # stop (after saving) once the step count is a multiple of this
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root | WSD
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # None = train_iters
-    lr_wsd_decay_iters: Optional[int] = None  # WSD: length of the final decay (None = 10% of lr_decay_iters)
-    lr_wsd_decay_style: str = "linear"
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
-    bf16: bool = False
-    on_nan: str = "stop"  # stop | skip: what a NaN/inf loss does
-    deepspeed: bool = False
-    deepspeed_config: Optional[str] = None
+    micro_batch_size: int = _f(2, "samples per micro-batch per data-parallel rank")
+    global_batch_size: Optional[int] = _f(None, "samples per optimizer step (default: micro-batch x data-parallel "
+                                                "size; more means gradient accumulation)")
+    train_iters: int = _f(10, "optimizer steps in all (a resumed run continues to this step)")
+    exit_interval: Optional[int] = _f(None, "save and stop once the step is a multiple of this")
+    lr: float = _f(1e-3, "peak learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = _f("cosine", "learning-rate decay after warm-up", LR_DECAY_STYLES)
+    lr_warmup_iters: int = _f(0, "linear warm-up steps")
+    lr_decay_iters: Optional[int] = _f(None, "steps over which the learning rate decays (default: --train-iters)")
+    lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: length of the final decay (default: 10% of the decay steps)")
+    lr_wsd_decay_style: str = _f("linear", "WSD: shape of the final decay",
+                                 ("linear", "cosine", "exponential", "minus_sqrt"))
+    weight_decay: float = _f(0.1, "AdamW weight decay (norm gains and mixing parameters the mechanism exempts: 0)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.95, "Adam beta2")
+    adam_eps: float = _f(1e-8, "Adam epsilon")
+    clip_grad: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = _f(1234, "seed of the keyed initialisation, dropout and data order")
+    bf16: bool = _f(False, "bf16 mixed precision (fp32 master weights)")
+    on_nan: str = _f("stop", "a non-finite loss: stop (exit 3) or skip the update", ("stop", "skip"))
+    deepspeed: bool = _f(False, "train with the DeepSpeed engine (ZeRO 0-3, data parallel only)")
+    deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON config (launch/ds_configs/zero*.json)")
+    dry_run: bool = _f(False, "build the model, print the start-up summary and the per-rank memory estimate, then "
+                              "exit without a step")
 
 
 @dataclass
 class DataConfig:
-    mock_data: bool = False
-    data_path: Optional[List[str]] = None  # Megatron-LM style: PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ...
-    split: str = "969,30,1"
-    tokenizer_model: Optional[str] = None  # sentencepiece model; sets the vocabulary
-    eval_interval: Optional[int] = None
-    eval_iters: int = 10
-    data_cache_path: Optional[str] = None
+    mock_data: bool = _f(False, "random tokens instead of --data-path (tests, benchmarks)")
+    data_path: Optional[List[str]] = _f(None, "Megatron indexed-dataset prefixes: PREFIX [PREFIX ...] or W1 PREFIX1 "
+                                              "W2 PREFIX2 ... (tools/preprocess_data.py makes them)")
+    split: str = _f("969,30,1", "training,validation,test weights of each dataset's documents")
+    tokenizer_model: Optional[str] = _f(None, "sentencepiece model the data was made with; sets the vocabulary")
+    eval_interval: Optional[int] = _f(None, "evaluate on the validation split every N steps (the last step is "
+                                            "always evaluated where a validation split exists)")
+    eval_iters: int = _f(10, "validation batches per evaluation (0: none)")
+    data_cache_path: Optional[str] = _f(None, "where Megatron caches its sample indexes (default: in memory)")
 
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    keep_last: int = 3  # this run's checkpoints kept in --save (its older ones are deleted after a save)
-    # allow a run started from scratch to save beside another run's checkpoints (a step it saves replaces the same
-    # step of the other run; pruning still removes only this run's own checkpoints)
-    overwrite_save: bool = False
+    save: Optional[str] = _f(None, "folder to save checkpoints into (iter_N/ inside; one run at a time)")
+    load: Optional[str] = _f(None, "checkpoint to resume from: a --save folder (newest intact checkpoint) or one "
+                                   "iter_N; a missing or empty folder starts from scratch")
+    save_interval: Optional[int] = _f(None, "save every N steps (the last step and SIGTERM always save)")
+    keep_last: int = _f(3, "this run's checkpoints kept in --save (older ones are deleted after a verified save)")
+    overwrite_save: bool = _f(False, "let a run started from scratch save beside another run's checkpoints")
+    use_checkpoint_args: bool = _f(False, "take the model and mechanism from the --load checkpoint (Megatron-LM's "
+                                          "flag): fine-tune an imported model without its original --config")
 
 
 @dataclass
 class LoggingConfig:
-    output_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events and heatmaps go here
-    log_interval: int = 1
-    tensorboard: bool = True
-    heatmap_interval: Optional[int] = None  # log depth-mixing weight heatmaps every N steps (None = at the end)
+    output_dir: str = _f("runs/default", "metrics.jsonl, config.yaml, TensorBoard events and heatmaps go here")
+    log_interval: int = _f(1, "print a console line every N steps (averages over the interval)")
+    tensorboard: bool = _f(True, "write TensorBoard events into --output-dir/tensorboard")
+    heatmap_interval: Optional[int] = _f(None, "depth-weight heatmaps every N steps (default: at the end)")
+    wandb_project: Optional[str] = _f(None, "log to Weights & Biases in this project (pip install "
+                                            "'mega_depth[wandb]'; WANDB_MODE=offline writes local files)")
+    wandb_exp_name: Optional[str] = _f(None, "W&B run name (default: the --output-dir folder's name)")
+    wandb_save_dir: Optional[str] = _f(None, "W&B's local folder (default: --output-dir)")
 
 
 @dataclass
@@ -266,12 +291,17 @@ class Config:
             _check(os.path.isfile(d.tokenizer_model),
                    f"--tokenizer-model {d.tokenizer_model} does not exist; train one with tools/train_tokenizer.py")
         _check(d.eval_interval is None or d.eval_interval >= 1, "--eval-interval must be >= 1")
-        _check(d.eval_iters >= 1, "--eval-iters must be >= 1")
+        _check(d.eval_iters >= 0, "--eval-iters must be >= 0 (0: no evaluation)")
         _check(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
         _check(c.save_interval is None or c.save_interval >= 1, "--save-interval must be >= 1")
         _check(c.keep_last >= 1, "--keep-last must be >= 1")
         _check(log.log_interval >= 1, "--log-interval must be >= 1")
         _check(log.heatmap_interval is None or log.heatmap_interval >= 1, "--heatmap-interval must be >= 1")
+        if log.wandb_project:  # here, before any process group, so every rank fails alike (not rank 0 alone)
+            import importlib.util
+
+            _check(importlib.util.find_spec("wandb") is not None, "--wandb-project needs the wandb package: pip "
+                   "install 'mega_depth[wandb]' (or pip install wandb)")
         if t.deepspeed:
             _check(t.deepspeed_config is not None, "--deepspeed needs --deepspeed-config ds.json")
             _check(p.pipeline_model_parallel_size == 1,
@@ -315,16 +345,10 @@ class Config:
 
 
 def _check_choices(cfg: "Config") -> None:
-    """Fields with a fixed set of values (declared once, in `choices` metadata or the tuples above)."""
-    fixed = {("model", "attention_backend"): ATTENTION_BACKENDS, ("model", "mixing_impl"): (None,) + MIXING_IMPLS,
-             ("model", "transformer_impl"): (None,) + TRANSFORMER_IMPLS,
-             ("training", "lr_decay_style"): LR_DECAY_STYLES, ("training", "on_nan"): ("stop", "skip"),
-             ("training", "lr_wsd_decay_style"): ("linear", "cosine", "exponential", "minus_sqrt"),
-             ("parallel", "recompute_granularity"): (None, "full", "selective"),
-             ("parallel", "recompute_method"): ("uniform", "block")}
+    """Fields with a fixed set of values (declared once, in each field's `choices`)."""
     for section, cls in _SECTIONS.items():
         for f in dataclasses.fields(cls):
-            choices = f.metadata.get("choices") or fixed.get((section, f.name))
+            choices = f.metadata.get("choices")
             value = getattr(getattr(cfg, section), f.name)
             if choices and value not in choices:
                 shown = ", ".join(str(c) for c in choices if c is not None)
@@ -349,16 +373,37 @@ def _field_flag(name: str) -> str:
     return option_flag(name)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a short usage line: an error prints the usage, the error and the nearest known flags (the full
+    usage lists every flag, some 150 of them)."""
+
+    def error(self, message):
+        import difflib
+
+        known = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        near = []
+        if message.startswith("unrecognized arguments:"):
+            for word in message.split(":", 1)[1].split():
+                if word.startswith("--"):
+                    near += difflib.get_close_matches(word.split("=")[0], known, n=1)
+        hint = f"\ndid you mean {' or '.join(dict.fromkeys(near))}?" if near else ""
+        self.exit(2, f"usage: {self.format_usage().split(': ', 1)[1].strip()}\n{self.prog}: error: {message}{hint}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m mega_depth.train",
-        description="Pretrain a depth-mixing language model on Megatron-core. Flags override --config YAML.",
+        usage="%(prog)s [--config YAML] [--FLAG VALUE ...]   (every flag: --help)",
+        description="Pretrain a depth-mixing language model on Megatron-core. Flags override --config YAML. "
+                    "Paths (in flags and in the YAML alike) are relative to the working directory.",
         allow_abbrev=False,
     )
     # The deepspeed launcher appends --local_rank=N (LOCAL_RANK is in the environment as well).
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, metavar="YAML",
-                        help="YAML file with sections model/residual/parallel/training/data/checkpoint/logging")
+                        help="YAML file with sections model/residual/parallel/training/data/checkpoint/logging, keys "
+                             "as the flags without dashes (launch/configs/*.yaml); a run's resolved config.yaml in "
+                             "its --output-dir is one")
     for section, cls in _SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):
@@ -366,18 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
             dest = f"{section}.{f.name}"
             kind = _base_type(f.type)
             default = f.default if f.default is not dataclasses.MISSING else None
-            choices = f.metadata.get("choices")  # checked in validate(), with the config-error message
-            help_text = f.metadata.get("help", "") + (f"; one of {', '.join(map(str, choices))}" if choices else "") \
-                + (f" (default: {default})" if default is not None else "")
+            choices = [c for c in f.metadata.get("choices") or () if c is not None]  # checked in validate()
+            help_text = f.metadata.get("help", "")
+            if default is not None and kind is not bool:
+                help_text += f" (default: {default})"
+            elif kind is bool:
+                help_text += f" (default: {'on' if default else 'off'})"
+            help_text = help_text.replace("%", "%%")  # argparse formats help with %
+            metavar = "{" + ",".join(map(str, choices)) + "}" if choices else \
+                {int: "N", float: "X", str: "STR"}.get(kind, "VALUE")
             if kind is bool:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                                   help=help_text or None)
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif "List" in str(f.type):
-                group.add_argument(flag, dest=dest, type=kind, nargs="+", default=None, metavar=f.name.upper(),
-                                   help=help_text or None)
+                group.add_argument(flag, dest=dest, type=kind, nargs="+", default=None, metavar=metavar, help=help_text)
             else:
-                group.add_argument(flag, dest=dest, type=kind, default=None, metavar=f.name.upper(),
-                                   help=help_text or None)
+                group.add_argument(flag, dest=dest, type=kind, default=None, metavar=metavar, help=help_text)
     return parser
 
 

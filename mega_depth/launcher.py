@@ -9,11 +9,16 @@ and finally raises a SignalException traceback with exit status 1 whatever the w
 prints one line and exits:
     0    every worker exited 0 (the trainer saved a checkpoint and stopped: resubmit with --load)
     143  (128 + SIGTERM) some worker had to be killed or failed: the newest complete checkpoint is the one before
-Other signals end with 128 + the signal number. A run that is not signalled ends with torchrun's own status.
+Other signals end with 128 + the signal number.
+
+A worker that fails (a configuration error, a refused --save folder, a crash) has printed its own message; the
+launcher adds one line per failed worker, "worker N exited with code X", in place of torchrun's ChildFailedError
+traceback, and exits with the first failed worker's code (128 + the signal for a killed one).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from typing import List, Optional
@@ -21,10 +26,24 @@ from typing import List, Optional
 PREEMPTED = 128 + signal.SIGTERM
 
 
+class _DropWorkerFailureLog(logging.Filter):
+    """torchrun logs each failed worker before raising; the launcher says it once, in its own line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed (exitcode")
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else (code or 1)  # a signal (-N) as the shell reports it
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+
+    logging.getLogger(api.__name__).addFilter(_DropWorkerFailureLog())
 
     exit_codes: List[Optional[int]] = []
     close = api.SubprocessContext._close
@@ -36,6 +55,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     api.SubprocessContext._close = close_and_record
     try:
         torchrun(argv)
+    except ChildFailedError as e:
+        first, failure = e.get_first_failure()  # the root cause; torchrun then stops the others (SIGTERM)
+        print(f"mega_depth.launcher: worker {first} exited with code {failure.exitcode}", file=sys.stderr)
+        others = [rank for rank, f in sorted(e.failures.items()) if rank != first]
+        if others:
+            print(f"mega_depth.launcher: worker(s) {', '.join(map(str, others))} stopped with it", file=sys.stderr)
+        return _exit_code(failure.exitcode)
     except SignalException as e:
         sig = signal.Signals(e.sigval)
         clean = sig == signal.SIGTERM and exit_codes and all(code == 0 for code in exit_codes)

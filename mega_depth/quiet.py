@@ -20,9 +20,6 @@ _WARNINGS = (
     # deprecations inside megatron-core / deepspeed / torch, not in our code
     (r".*torch\.cuda\.amp.*deprecated.*", FutureWarning),
     (r".*`torch\.distributed\._.*` is deprecated.*", FutureWarning),
-    # the pure-torch weight readers load a dist-checkpoint in one process on purpose (no_dist=True)
-    (r".*torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single "
-     r"process.*", UserWarning),
 )
 
 # (logger name, message fragment): why it cannot be acted on

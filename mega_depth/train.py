@@ -23,6 +23,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     quiet_known_warnings()
     try:
         cfg = parse_args(argv)
+        apply_checkpoint_args(cfg, say=print if os.environ.get("RANK", "0") == "0" else (lambda msg: None))
         apply_tokenizer_vocab(cfg)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group: every rank fails alike
     except ConfigError as e:
@@ -66,6 +67,48 @@ def train(cfg: Config, make_backend: Callable, prog: str = "mega_depth") -> int:
             backend.close()
 
 
+# The model fields --use-checkpoint-args takes from the checkpoint (its architecture; not how it runs)
+CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                         "vocab_size", "qk_layernorm", "untie_embeddings_and_output_weights", "rotary_base",
+                         "norm_epsilon")
+
+
+def apply_checkpoint_args(cfg: Config, say: Callable[[str], None] = lambda msg: None) -> None:
+    """--use-checkpoint-args (Megatron-LM's flag): the model's shape and the mechanism with its options come from
+    the --load checkpoint, over the flags and the YAML, so fine-tuning an imported model needs no --config. Reads
+    the metadata only (every rank, before any process group); the trainer verifies the checkpoint when it loads."""
+    import dataclasses
+
+    from mega_depth.checkpoint.rules import CheckpointError, peek_metadata
+    from mega_depth.checkpoint.weights import saved_config
+
+    ck = cfg.checkpoint
+    if not ck.use_checkpoint_args:
+        return
+    if not ck.load:
+        raise ConfigError("--use-checkpoint-args takes the model from the --load checkpoint; pass --load")
+    try:
+        found = peek_metadata(ck.load)
+    except CheckpointError as e:
+        raise ConfigError(f"--use-checkpoint-args: {e}") from None
+    if found is None:
+        raise ConfigError(f"--use-checkpoint-args: --load {ck.load} holds no checkpoint yet; drop the flag for a "
+                          "fresh run")
+    path, meta = found
+    if not {"model", "residual"} <= set(meta["config"]):
+        raise ConfigError(f"--use-checkpoint-args: {path} records no model or mechanism; pass --config instead")
+    saved = saved_config(meta)
+    recorded = [name for name in CHECKPOINT_MODEL_ARGS if name in meta["config"]["model"]]  # older: fewer fields
+    changed = [name for name in recorded if getattr(cfg.model, name) != getattr(saved.model, name)]
+    for name in recorded:
+        setattr(cfg.model, name, getattr(saved.model, name))
+    changed += [f.name for f in dataclasses.fields(saved.residual)
+                if getattr(saved.residual, f.name) != getattr(cfg.residual, f.name)]
+    cfg.residual = saved.residual
+    say(f"--use-checkpoint-args: model and mechanism from {path}" + (f" (set: {', '.join(changed)})" if changed
+                                                                     else ""))
+
+
 def apply_tokenizer_vocab(cfg: Config) -> None:
     """With --tokenizer-model the vocabulary comes from the tokenizer; an explicit different --vocab-size is an
     error (it would silently train an embedding that does not match the data)."""
@@ -77,6 +120,13 @@ def apply_tokenizer_vocab(cfg: Config) -> None:
         tok = SentencePieceTokenizer(cfg.data.tokenizer_model)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.checkpoint.use_checkpoint_args and cfg.model.vocab_size is not None:
+        # the embedding is the checkpoint's; it may be padded past the tokenizer's pieces
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"--tokenizer-model {cfg.data.tokenizer_model} has {tok.vocab_size} pieces, more than "
+                              f"the --load checkpoint's vocabulary ({cfg.model.vocab_size}); use the tokenizer "
+                              "the model was trained with")
+        return
     if cfg.model.vocab_size is not None and cfg.model.vocab_size != tok.vocab_size:
         raise ConfigError(f"--vocab-size {cfg.model.vocab_size} does not match --tokenizer-model "
                           f"{cfg.data.tokenizer_model} ({tok.vocab_size} pieces); drop --vocab-size")

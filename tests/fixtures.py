@@ -6,12 +6,13 @@ Every set is a tiny Qwen3-style model (q/k-norm, SwiGLU, RoPE, tied embeddings);
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from typing import Dict, List
 
 import pytest
+
+from mega_depth.training.distributed import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -38,9 +39,9 @@ UNIT_MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads
 
 def mechanism_flags(num_layers: int = 4) -> Dict[str, List[str]]:
     """Every catalogue setting as flags; 3 AttnRes blocks over 4 layers, so that a block straddles a stage."""
-    from mega_depth.catalogue import MECHANISMS, mechanism_flags as flags
+    from mega_depth.catalogue import SETTINGS, mechanism_flags as flags
 
-    return {name: flags(name, num_layers, attnres_num_blocks=3) for name in MECHANISMS}
+    return {name: flags(name, num_layers, attnres_num_blocks=3) for name in SETTINGS}
 
 
 def run(args, expect=0, timeout=900, env=None):
@@ -51,12 +52,6 @@ def run(args, expect=0, timeout=900, env=None):
         pytest.fail(f"{' '.join(args)} exited {proc.returncode} (expected {expect}):\n{proc.stdout[-3000:]}\n"
                     f"{proc.stderr[-5000:]}")
     return proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, script_and_args, log_path: str, env=None, timeout=900) -> None:

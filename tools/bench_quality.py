@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,16 +28,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms  # noqa: E402
+from mega_depth.training.distributed import free_port  # noqa: E402
+from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms  # noqa: E402
 
 DATA_PREFIX = os.path.join(ROOT, "data", "processed", "python-docs")
 TOKENIZER = os.path.join(ROOT, "data", "processed", "spm.model")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_flags(args) -> list:
@@ -165,7 +160,7 @@ def plot(runs: dict, names: list, out_dir: str, title: str) -> list:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    parser.add_argument("--mechanisms", default=",".join(SETTINGS))
     parser.add_argument("--seeds", default="0,1", help="comma-separated; at least 2 give a spread")
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -218,7 +213,7 @@ def main(argv=None) -> int:
                 "--seed", str(seed), "--output-dir", run_dir]
             if args.nproc_per_node > 1:
                 cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node),
-                       "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] + cmd
+                       "--master-addr", "127.0.0.1", "--master-port", str(free_port())] + cmd
             log = open(os.path.join(run_dir, "train.log"), "w")
             proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
             active.append((seed, name, proc, time.time(), log))

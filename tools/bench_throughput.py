@@ -18,13 +18,14 @@ Per mechanism it reports:
   the chip's HBM bandwidth against the baseline at --bound-mfu of its peak (--bound-device's numbers on a CPU):
       ratio >= 1 + 3 * extra_units * d * bytes_per_element / bandwidth / (FLOPs per token / (mfu * peak))
   extra_units: the forward I/O per token (units of d) the mixing adds over the plain residual's 3 per sublayer
-  (each mechanism's io_units, from SPEC's per-sublayer I/O; training is ~3x the forward).
+  (each mechanism's io_units, from the per-sublayer I/O of each mechanism; training is ~3x the forward).
 One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout.
 With --resident pair the --out JSON is rewritten after every pair ("complete": false until the last), so a run cut
 short by a time box keeps the pairs it finished.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -33,18 +34,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms, residual_settings  # noqa: E402
-
-# bf16 dense peak FLOP/s and HBM bandwidth (bytes/s) by device-name fragment (vendor datasheets, SXM parts)
-DEVICES = {"h200": (989e12, 4.8e12), "h100": (989e12, 3.35e12), "a100": (312e12, 2.0e12)}
-
-
-def flops_per_token(L, d, heads, groups, ffn, vocab, seq) -> float:
-    hn = d // heads
-    per_layer = d * heads * hn + 2 * d * groups * hn + heads * hn * d + 3 * d * ffn
-    forward = 2 * (L * per_layer + d * vocab) + 4 * L * seq * heads * hn
-    return 3.0 * forward
-
+from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms, residual_settings  # noqa: E402
+from mega_depth.training.flops import DEVICES, device_key, flops_per_token  # noqa: E402
 
 def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
     """Forward memory traffic of the depth mixing per token, in units of d: the mechanism's own model
@@ -85,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mechanism per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    parser.add_argument("--mechanisms", default=",".join(SETTINGS))
     parser.add_argument("--resident", choices=("pair", "all"), default="pair",
                         help="pair: one mechanism and the baseline at a time; all: every model up front")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's bf16 peak (default: by name)")
@@ -146,7 +137,7 @@ def main(argv=None) -> int:
     def medians(times):
         return [statistics.median(times[i * args.steps:(i + 1) * args.steps]) for i in range(args.rounds)]
 
-    key = next((k for k in DEVICES if k in device.lower()), None)
+    key = device_key(device)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (DEVICES[key][0] if key else None)
     bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
     fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length)
@@ -185,18 +176,33 @@ def main(argv=None) -> int:
         results = [result(name, runs[name], runs["standard"]) for name in names]
     else:
         for name in names:
-            base = build("standard")
-            run = base if name == "standard" else build(name)
-            rounds([base] if run is base else [base, run])
-            results.append(result(name, run, base))
+            pair = []
+            try:
+                pair.append(build("standard"))
+                base = pair[0]
+                run = base if name == "standard" else build(name)
+                pair.append(run)
+                rounds([base] if run is base else [base, run])
+                results.append(result(name, run, base))
+                summary = f"{results[-1]['step_time_ratio']:.3f}x the baseline's step"
+            except torch.OutOfMemoryError:
+                if world > 1:  # the other ranks are inside the pair's collectives: stop them all
+                    raise
+                # one pair that does not fit must not cost the pairs after it (a time-boxed GPU run)
+                held = torch.cuda.memory_allocated() / 2**20
+                results.append({"mechanism": name, "error": f"out of memory ({held:.0f} MiB allocated)"})
+                summary = results[-1]["error"]
             write(results, complete=False)
-            if torch.distributed.get_rank() == 0:
-                print(f"measured {name}: {results[-1]['step_time_ratio']:.3f}x the baseline's step", flush=True)
-            for r in {id(base): base, id(run): run}.values():
+            for r in {id(r): r for r in pair}.values():
                 r["backend"].close()
                 r["backend"] = r["sampler"] = None
+            pair = base = run = None
             if gpu:
+                gc.collect()
                 torch.cuda.empty_cache()
+                summary += f"; {torch.cuda.memory_allocated() / 2**20:.0f} MiB still allocated after the pair"
+            if torch.distributed.get_rank() == 0:
+                print(f"measured {name}: {summary}", flush=True)
     if torch.distributed.get_rank() == 0:
         print(f"\nthroughput on {device}, world {world}: {L} layers, hidden {d}, heads {heads}/{groups}, seq "
               f"{args.seq_length}, mbs {args.micro_batch_size}; median of {args.rounds} x {args.steps} steps, "
@@ -204,13 +210,18 @@ def main(argv=None) -> int:
         print(f"{'mechanism':<20}{'step s':>8}{'tokens/s':>10}{'vs base':>9}{'bound':>8}{'rounds':>16}"
               f"{'saved MiB':>11}{'x base':>8}" + (f"{'step MiB':>10}{'x base':>8}" if gpu else ""))
         for r in results:
+            if "error" in r:
+                print(f"{r['mechanism']:<20}{r['error']}")
+                continue
             spread = f"{min(r['overhead_pct_by_round']):+.1f}..{max(r['overhead_pct_by_round']):+.1f}%"
             print(f"{r['mechanism']:<20}{r['step_time_s']:>8.3f}{r['tokens_per_s']:>10.0f}"
                   f"{r['step_time_ratio']:>8.3f}x{r['analytic_bound_ratio']:>7.3f}x{spread:>16}"
                   f"{r['saved_bytes'] / 2**20:>11.1f}{r['saved_bytes_ratio']:>7.2f}x"
                   + (f"{r['step_peak_memory_mib']:>10.0f}{r['step_peak_memory_ratio']:>7.2f}x" if gpu else ""))
-        mfu = results[0]["baseline_mfu"]
-        print(f"baseline MFU: {'n/a (no GPU peak)' if mfu is None else f'{100 * mfu:.1f} %'}; bound: "
+        mfu = next((r["baseline_mfu"] for r in results if "error" not in r), None)
+        mfu_text = "n/a (no GPU peak)" if peak is None else "n/a (no pair finished)" if mfu is None else \
+            f"{100 * mfu:.1f} %"
+        print(f"baseline MFU: {mfu_text}; bound: "
               f"{args.bound_device if not key else key} bandwidth at {args.bound_mfu:.0%} MFU")
     write(results, complete=True)
     torch.distributed.destroy_process_group()

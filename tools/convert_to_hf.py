@@ -35,7 +35,13 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"convert_to_hf: {e}", file=sys.stderr)
         return 2
-    print(f"exported {args.load} to {out}")
+    import json
+
+    config = json.load(open(os.path.join(out, "config.json")))
+    remote = "auto_map" in config  # a depth-mixing export ships its own model code
+    print(f"exported {args.load} to {out}: {', '.join(config.get('architectures', []))} (model_type "
+          f"{config.get('model_type')}; load with AutoModelForCausalLM"
+          + (", trust_remote_code=True" if remote else "") + ")")
     return 0
 
 

@@ -7,7 +7,7 @@ import sys
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mega_depth.catalogue import MECHANISMS, residual_settings  # noqa: E402
+from mega_depth.catalogue import SETTINGS, residual_settings  # noqa: E402
 
 SIZES = {
     # tiny: CPU quickstart on the embedded corpus (tools/quickstart.sh prepares data/processed/)
@@ -50,7 +50,7 @@ SIZES = {
 }
 
 # config-file name -> catalogue entry ("attnres" is Block AttnRes, the paper's practical form)
-CONFIG_NAMES = {("attnres" if name == "attnres-block" else name): name for name in MECHANISMS}
+CONFIG_NAMES = {("attnres" if name == "attnres-block" else name): name for name in SETTINGS}
 
 
 def main() -> None:

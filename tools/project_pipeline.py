@@ -38,7 +38,7 @@ def load_config(name: str):
 
 def projection(cfg, mechanism_name: str, pp: int, vpp: int, links: dict, mfu: float, peak: float,
                bytes_per_element: int = 2) -> dict:
-    from bench_throughput import flops_per_token
+    from mega_depth.training.flops import flops_per_token
     from mega_depth.catalogue import residual_settings
     from mega_depth.megatron.pipeline import StageGeometry, hop_layout
     from mega_depth.model.config import ResidualConfig
@@ -85,9 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    from mega_depth.catalogue import MECHANISMS, parse_mechanisms
+    from mega_depth.catalogue import SETTINGS, parse_mechanisms
 
-    names = parse_mechanisms(args.mechanisms) if args.mechanisms else list(MECHANISMS)
+    names = parse_mechanisms(args.mechanisms) if args.mechanisms else list(SETTINGS)
     links = {k: float(v) for k, v in (item.split("=") for item in args.link.split(","))}
     rows = []
     for config in args.configs.split(","):

@@ -30,12 +30,12 @@ def main(argv=None) -> int:
     import torch
 
     from harness import megatron_run, start, train_step
-    from mega_depth.catalogue import MECHANISMS, mechanism_flags
+    from mega_depth.catalogue import SETTINGS, mechanism_flags
 
     start()
     gpu = torch.cuda.is_available()
     results = []
-    for name in MECHANISMS:
+    for name in SETTINGS:
         flags = mechanism_flags(name, args.num_layers)
         backend, sampler = megatron_run(
             ["--mock-data", "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),

@@ -19,7 +19,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mega_depth.catalogue import MECHANISMS, mechanism_flags, parse_mechanisms  # noqa: E402
+from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms  # noqa: E402
 
 
 def check_gpu(backend, microbatches) -> dict:
@@ -57,7 +57,7 @@ def check_cpu(backend, microbatches) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    parser.add_argument("--mechanisms", default=",".join(SETTINGS))
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--num-attention-heads", type=int, default=8)

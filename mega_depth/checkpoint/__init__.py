@@ -7,7 +7,13 @@
         ...                              the format's own files (dist-checkpoint shards, DeepSpeed states, ...)
       latest_checkpointed_iteration.txt  the step of the newest complete checkpoint
 
-rules.py holds the rules written once for all trainers (atomic save, verification and fall-back, pruning only the
-run's own checkpoints, refusing a stale folder); weights.py reads any format's weights in canonical names, pure
-torch; plain.py is the plain trainer's format (safetensors + a pickle-free trainer state).
+Modules, one job each:
+- rules.py: the rules written once for every trainer (atomic save, verification and fall-back, quarantine of
+  damaged checkpoints, pruning only the run's own checkpoints, refusing a stale folder, a full disk named);
+- manifest.py: each checkpoint's manifest (sizes and sha256) and its verification;
+- lock.py: one writer per --save folder (a lock file with a heartbeat);
+- weights.py: any format's weights in canonical names, in one process, without a Megatron model;
+- plain.py: the plain/XLA trainer's format (safetensors + a pickle-free trainer state) and weights-only
+  checkpoints (what an import writes);
+- writer_queue.py: megatron-core's checkpoint-writer helper processes, made to die with the trainer.
 """

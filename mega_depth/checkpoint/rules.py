@@ -352,6 +352,27 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
                           "restore the files")
 
 
+def peek_metadata(load: str) -> Optional[Tuple[str, dict]]:
+    """(directory, metadata) of the checkpoint `--load` would resume, reading only its mega_depth.json (no hashing;
+    safe on every rank): the newest readable one of the folder, or the named iter_N directory. None: nothing yet."""
+    if os.path.isfile(os.path.join(load, META)) or os.path.basename(os.path.normpath(load)).startswith("iter_"):
+        try:
+            return load, read_meta(load)
+        except CorruptCheckpoint as e:
+            raise CheckpointError(f"checkpoint {load} is damaged: {e}") from None
+    complete = list_checkpoints(load)
+    pointer = read_pointer(load)
+    steps = ([pointer] if pointer in dict(complete) else []) + [s for s, _ in reversed(complete) if s != pointer]
+    for step in steps:
+        try:
+            return iter_dir(load, step), read_meta(iter_dir(load, step))
+        except CorruptCheckpoint:
+            continue
+    if complete:
+        raise CheckpointError(f"no readable checkpoint metadata in {load}; restore the files")
+    return None
+
+
 def folder_contents(folder: str) -> List[str]:
     """What a folder holds, leaving out a save lock (a folder that holds only the lock is empty)."""
     from mega_depth.checkpoint.lock import LOCK

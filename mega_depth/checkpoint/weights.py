@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Dict, Tuple
 
 import torch
@@ -33,6 +34,11 @@ def _sharded_key(name: str) -> str:
         if f".{old}" in name:
             return name.replace(f".{old}", f".{new}")
     return name
+
+
+class UnreadableShards(CorruptCheckpoint):
+    """A shard file that torch.distributed.checkpoint cannot read (truncated, missing): the files are damaged, as
+    opposed to weights that disagree with the recorded config."""
 
 
 def saved_config(meta: dict) -> Config:
@@ -84,10 +90,15 @@ def megatron_full_state(ckpt_dir: str, dc: DecoderConfig) -> Dict[str, torch.Ten
             meta = stored[key]
             request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         where[name] = (key, index)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        dcp.load(request, storage_reader=reader, no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        raise CorruptCheckpoint(f"its shards cannot be read ({type(e).__name__}: {str(e)[:120]})") from None
+        with warnings.catch_warnings():  # one process on purpose: torch's "assuming the intent" warning is noise
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(request, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (CheckpointException is a BaseException)
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        raise UnreadableShards(f"its shards cannot be read ({type(cause).__name__}: {str(cause)[:120]})") from None
     out = {}
     for name, (key, index) in where.items():
         value = request[key] if index is None else request[key][index]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -61,24 +61,51 @@ def document_lengths(prefix: str) -> np.ndarray:
     return np.memmap(idx, dtype=np.int32, mode="r", offset=34, shape=(num_sequences,))
 
 
-def check_split_fits(prefix: str, split: str, seq_length: int, splits=("training", "validation")) -> None:
-    """Every split a run samples holds at least one sequence: --seq-length + 1 tokens. Megatron would otherwise
-    build each sample from the split's documents repeated many times over (and its sample index grows with the
-    sequence: a runaway allocation for a huge --seq-length)."""
+def split_tokens(prefix: str, split: str) -> Dict[str, Tuple[int, int]]:
+    """{"training"|"validation"|"test": (tokens, documents)} of an indexed dataset under --split (Megatron's
+    document-level split)."""
     from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
                                                                          parse_and_normalize_split)
 
     lengths = document_lengths(prefix)
     bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    out = {}
     for name, bound in zip(("training", "validation", "test"), bounds):
-        if name not in splits or bound is None:
+        if bound is None:
+            out[name] = (0, 0)
             continue
         beg, end = (int(round(b * float(len(lengths)))) for b in bound)
-        tokens = int(lengths[beg:end].sum(dtype=np.int64))
-        if 0 < tokens < seq_length + 1 or (tokens == 0 and end > beg):
+        out[name] = (int(lengths[beg:end].sum(dtype=np.int64)), end - beg)
+    return out
+
+
+def check_split_fits(prefix: str, split: str, seq_length: int, splits=("training", "validation")) -> None:
+    """Every split a run samples holds at least one sequence: --seq-length + 1 tokens. Megatron would otherwise
+    build each sample from the split's documents repeated many times over (and its sample index grows with the
+    sequence: a runaway allocation for a huge --seq-length)."""
+    for name, (tokens, documents) in split_tokens(prefix, split).items():
+        if name in splits and documents and tokens < seq_length + 1:
             raise ConfigError(f"--seq-length {seq_length} needs {seq_length + 1} tokens per sample, but the {name} "
-                              f"split of {prefix} holds {tokens} tokens in {end - beg} documents (--split {split}); "
+                              f"split of {prefix} holds {tokens} tokens in {documents} documents (--split {split}); "
                               "lower --seq-length, or add data")
+
+
+def training_tokens(cfg: Config) -> Optional[int]:
+    """Tokens in the training split of every --data-path dataset (None with --mock-data)."""
+    if cfg.data.mock_data:
+        return None
+    prefixes, _ = _blend(cfg.data.data_path)
+    return sum(split_tokens(prefix, cfg.data.split)["training"][0] for prefix in prefixes)
+
+
+def validation_fits(cfg: Config) -> bool:
+    """Whether the validation split of every dataset holds one sample (mock data always does)."""
+    if cfg.data.mock_data:
+        return True
+    prefixes, _ = _blend(cfg.data.data_path)
+    for prefix in prefixes:  # a missing or damaged pair gets its one line here, before the index is read
+        check_indexed_dataset(prefix, None)
+    return all(split_tokens(p, cfg.data.split)["validation"][0] >= cfg.model.seq_length + 1 for p in prefixes)
 
 
 def _blend(paths: List[str]) -> Tuple[List[str], Optional[List[float]]]:

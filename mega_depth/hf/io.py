@@ -5,7 +5,9 @@ depth-mixing mechanism the `mega_depth_lm` architecture (trust_remote_code=True)
 configuration_mega_depth.py, modeling_mega_depth.py and mega_depth/model/*.py (the decoder, the mechanisms, the
 math) flat beside them. Always: config.json, generation_config.json, safetensors (sharded with an index past
 max_shard_size), tokenizer.model + tokenizer_config.json and mega_depth.json (the exact training config). Written to
-a temporary folder and renamed at the end.
+a temporary folder and renamed at the end. Every export names a pad token (special_tokens: EOS `</s>` unless the
+sentencepiece model has a pad piece) in config.json, generation_config.json and tokenizer_config.json, so padded
+batches (generate, pipeline(batch_size=...)) work as with any Hugging Face causal LM.
 
 Reading: a mega_depth export (its mega_depth.json has the exact config) or a native Qwen3 / Llama folder.
 """
@@ -38,21 +40,42 @@ def code_files() -> Dict[str, str]:
     return files
 
 
-def _native_model(dc: DecoderConfig, max_positions: int):
+# mega_depth's tokenizers (tools/train_tokenizer.py) fix these ids; the pad token is looked up (special_tokens).
+BOS, EOS = ("<s>", 1), ("</s>", 2)
+
+
+def special_tokens(spm_model: str) -> Dict[str, Tuple[str, int]]:
+    """{"bos"|"eos"|"unk"|"pad": (piece, id)} of the export. The pad is the sentencepiece model's own pad piece
+    where it has one; otherwise EOS (`</s>`), as Llama-family models commonly do: pads are masked out, so which
+    token fills them does not matter, and a real piece keeps the vocabulary unchanged."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=spm_model)
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"{spm_model} is not a sentencepiece model ({str(e)[:80]}); pass --tokenizer-model (the "
+                          "sentencepiece model the data was made with)") from None
+    pad_id = sp.pad_id()
+    pad = (sp.id_to_piece(pad_id), pad_id) if 0 <= pad_id < sp.get_piece_size() else EOS
+    return {"bos": BOS, "eos": EOS, "unk": (sp.id_to_piece(sp.unk_id()), sp.unk_id()), "pad": pad}
+
+
+def _native_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS[1]):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(vocab_size=dc.vocab_size, hidden_size=dc.hidden_size, intermediate_size=dc.ffn_hidden_size,
                   num_hidden_layers=dc.num_layers, num_attention_heads=dc.num_attention_heads,
                   num_key_value_heads=dc.num_query_groups, head_dim=dc.head_dim, hidden_act="silu",
                   max_position_embeddings=max_positions, rms_norm_eps=dc.norm_epsilon,
-                  tie_word_embeddings=dc.tie_word_embeddings, attention_bias=False, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=dc.tie_word_embeddings, attention_bias=False, bos_token_id=BOS[1],
+                  eos_token_id=EOS[1], pad_token_id=pad_token_id,
                   rope_parameters={"rope_type": "default", "rope_theta": dc.rotary_base})
     if dc.qk_layernorm:
         return Qwen3ForCausalLM(Qwen3Config(**common, use_sliding_window=False))
     return LlamaForCausalLM(LlamaConfig(**common, mlp_bias=False))
 
 
-def _mega_depth_model(dc: DecoderConfig, max_positions: int):
+def _mega_depth_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS[1]):
     from mega_depth.hf.configuration_mega_depth import MegaDepthConfig
     from mega_depth.hf.modeling_mega_depth import MegaDepthForCausalLM
 
@@ -62,7 +85,7 @@ def _mega_depth_model(dc: DecoderConfig, max_positions: int):
         intermediate_size=dc.ffn_hidden_size, rms_norm_eps=dc.norm_epsilon, rope_theta=dc.rotary_base,
         qk_layernorm=dc.qk_layernorm, residual=dc.residual_values(),
         depth_mixing_inference=dc.mechanism().inference_form(), tie_word_embeddings=dc.tie_word_embeddings,
-        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
+        max_position_embeddings=max_positions, bos_token_id=BOS[1], eos_token_id=EOS[1], pad_token_id=pad_token_id)
     config.auto_map = {"AutoConfig": "configuration_mega_depth.MegaDepthConfig",
                        "AutoModelForCausalLM": "modeling_mega_depth.MegaDepthForCausalLM"}
     config.architectures = ["MegaDepthForCausalLM"]
@@ -70,11 +93,14 @@ def _mega_depth_model(dc: DecoderConfig, max_positions: int):
 
 
 def write_tokenizer(spm_model: str, out: str) -> None:
-    """tokenizer.model + a tokenizer_config.json naming the special tokens (AutoTokenizer reproduces the
-    sentencepiece ids; mega_depth trains without BOS, so none is added)."""
+    """tokenizer.model + a tokenizer_config.json naming the tokenizer class and the special tokens, the pad token
+    included (AutoTokenizer reproduces the sentencepiece ids; mega_depth trains without BOS, so none is added).
+    Padding goes on the left, where a decoder-only model's batched generation needs it."""
+    tokens = special_tokens(spm_model)
     shutil.copy(spm_model, os.path.join(out, "tokenizer.model"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": tokens["bos"][0], "eos_token": tokens["eos"][0],
+                   "unk_token": tokens["unk"][0], "pad_token": tokens["pad"][0], "padding_side": "left",
                    "add_bos_token": False, "add_eos_token": False, "model_max_length": 1 << 20,
                    "clean_up_tokenization_spaces": False, "legacy": False}, f, indent=1)
 
@@ -91,7 +117,8 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
         raise ConfigError(f"no tokenizer for this checkpoint ({tokenizer_model or 'none recorded'}); pass "
                           "--tokenizer-model (the sentencepiece model the data was made with)")
     native = not dc.mechanism().mixes_depth
-    model = (_native_model if native else _mega_depth_model)(dc, max_positions)
+    pad_id = special_tokens(tokenizer_model)["pad"][1]
+    model = (_native_model if native else _mega_depth_model)(dc, max_positions, pad_id)
     missing, unexpected = model.load_state_dict(canonical, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and dc.tie_word_embeddings)]
     if missing or unexpected:
@@ -106,7 +133,8 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
     os.chmod(tmp, 0o755)
     try:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False, max_new_tokens=64).save_pretrained(tmp)
+        GenerationConfig(bos_token_id=BOS[1], eos_token_id=EOS[1], pad_token_id=pad_id, do_sample=False,
+                         max_new_tokens=64).save_pretrained(tmp)
         if not native:
             for name, src in code_files().items():
                 shutil.copy(src, os.path.join(tmp, name))
@@ -293,20 +321,17 @@ def import_folder(source: str, save: str, force: bool = False, say=print) -> str
 
 def _weights_of(ckpt: str, meta: dict):
     """canonical_weights of a checkpoint, or a ConfigError that says the files are damaged."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     from mega_depth.checkpoint.manifest import CorruptCheckpoint
-    from mega_depth.checkpoint.weights import canonical_weights
+    from mega_depth.checkpoint.weights import UnreadableShards, canonical_weights
 
     try:
         return canonical_weights(ckpt, meta)
+    except UnreadableShards as e:
+        raise ConfigError(f"checkpoint {ckpt}: {e}: the checkpoint is damaged; export an intact one (its save folder "
+                          "falls back to one)") from None
     except CorruptCheckpoint as e:
         raise ConfigError(f"checkpoint {ckpt}: {e}: its weights do not match its recorded config; the checkpoint is "
                           "damaged or mega_depth.json was edited") from None
-    except CheckpointException as e:  # torch.distributed.checkpoint's (a BaseException): a shard it cannot read
-        cause = next(iter(e.failures.values()), (e, None))[0]  # rank -> (exception, traceback)
-        raise ConfigError(f"checkpoint {ckpt}: its weights cannot be read ({type(cause).__name__} in a shard): the "
-                          "checkpoint is damaged; export an intact one (its save folder falls back to one)") from None
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as e:
         raise ConfigError(f"checkpoint {ckpt}: its weights cannot be read ({type(e).__name__}: {str(e)[:80]}): the "
                           "checkpoint is damaged; export an intact one (its save folder falls back to one)") from None

@@ -62,12 +62,12 @@ class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 use_cache=None, labels=None, logits_to_keep=0, **kwargs):
         cache = cache if cache is not None else past_key_values
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("mega_depth models take unpadded batches (attention_mask all ones); generate prompts "
-                             "one at a time or pad to equal length without masking")
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        hidden = self.model(input_ids, position_ids, cache if use_cache or cache is not None else None)
+        # Padded batches (left or right): attention_mask [b, cached + current] (1 = token, 0 = pad) masks the pads'
+        # keys and, without position_ids, numbers the real tokens from 0 (decoder.py: padding_mask). An all-ones mask
+        # is the unpadded computation, exactly.
+        hidden = self.model(input_ids, position_ids, cache if use_cache or cache is not None else None, attention_mask)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) and logits_to_keep else slice(None)
         logits = self.lm_head(hidden[:, keep])
         loss = None

@@ -63,7 +63,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         fused_single_qkv_rope=m.fused_single_qkv_rope,
-        # Depth-mixing payloads change width from hop to hop: exchange shapes first (SPEC.md section 4).
+        # Depth-mixing payloads change width from hop to hop: exchange shapes first (docs/mechanisms.md §11).
         variable_seq_lengths=needs_variable_shapes,
         moe_token_dispatcher_type="alltoall",
         recompute_granularity=p.recompute_granularity,

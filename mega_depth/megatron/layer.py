@@ -94,15 +94,18 @@ class DepthMixingLayer(TransformerLayer):
             self.add_module(name, module)
         mark_replicated(self, mechanism, config)
 
-    def bind(self, layer_kwargs: dict) -> "_BoundLayer":
+    def bind(self, layer_kwargs: dict) -> "MegatronHost":
         """The host for one forward call (attention mask, RoPE, ... of this micro-batch)."""
-        return _BoundLayer(self, layer_kwargs)
+        return MegatronHost(self, layer_kwargs)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("DepthMixingLayer is driven by its mechanism through DepthMixingBlock, not called")
 
 
-class _BoundLayer:
+class MegatronHost:
+    """The host a mechanism runs one Megatron layer on (model/base.py), bound to one forward call's attention mask,
+    RoPE and the rest of this micro-batch's layer arguments. Its twin for the plain decoder: model/decoder.py."""
+
     def __init__(self, layer: DepthMixingLayer, layer_kwargs: dict):
         self._layer, self._kwargs = layer, layer_kwargs
         self.layer_index = layer.layer_index

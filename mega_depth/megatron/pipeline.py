@@ -6,8 +6,8 @@ dim (hidden state first where there is one); gradients reach every entry through
 
 Immutable entries never change once made (AttnRes completed blocks, DCA block outputs, Depth-Attention keys and
 values), so with virtual stages a rank keeps those it held at its previous chunk of the same micro-batch and the
-hop sends only the rest (SPEC §4, cross-stage caching). One `DepthPipeline` per rank holds that stash and the
-hop counter; the training step calls `start_step()` before each forward-backward pass.
+hop sends only the rest (cross-stage caching; docs/mechanisms.md §11). One `DepthPipeline` per rank holds that stash
+and the hop counter; the training step calls `start_step()` before each forward-backward pass.
 """
 
 from __future__ import annotations

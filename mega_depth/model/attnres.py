@@ -1,11 +1,11 @@
-"""Attention Residuals (arXiv 2603.15031, SPEC §1) with the paper's ablation switches (SPEC-more §9).
+"""Attention Residuals (arXiv 2603.15031) with the paper's ablation switches (§5.3); the math: docs/mechanisms.md §4.
 
 Each sublayer reads a softmax mix of earlier outputs (Full: every sublayer output; Block: block sums plus the
-running partial sum of the current block); one more mix feeds the final norm. Switches: an input-dependent query
-(§9.1), sigmoid weights (§9.2), multi-head depth weights (§9.3), no key norm (§9.4), input-independent scalar
-mixing (§9.5). With the static query (the default) Block AttnRes runs the exact two-phase computation, in training
-as at inference: all queries of a block meet the completed blocks in one pass (phase 1), then each sublayer merges
-the partial sum by an online-softmax update (phase 2). The input-dependent query depends on the running state, so
+running partial sum of the current block); one more mix feeds the final norm. Switches: an input-dependent query,
+sigmoid weights, multi-head depth weights, no key norm, input-independent scalar mixing. With the static query (the
+default) Block AttnRes runs the exact two-phase computation, in training as at inference: all queries of a block
+meet the completed blocks in one pass (phase 1), then each sublayer merges the partial sum by an online-softmax
+update (phase 2). The input-dependent query depends on the running state, so
 it (and scalar mixing, which has no query) mixes sublayer by sublayer.
 """
 
@@ -28,7 +28,7 @@ class AttnResLayout:
     """Which AttnRes block each sublayer belongs to. num_blocks == num_sublayers is Full AttnRes.
 
     Blocks are numbered 1..N (block 0 is the embedding). Blocks 1..N-1 hold S = L // N sublayers; the remainder
-    goes to the last block (SPEC §1).
+    goes to the last block (docs/mechanisms.md §4).
     """
 
     num_sublayers: int
@@ -96,7 +96,7 @@ class AttnResState:
         return torch.stack(self.source_list())
 
     def newest(self) -> Tensor:
-        """The newest source: the partial sum, or the last completed block (input-dependent query, §9.1)."""
+        """The newest source: the partial sum, or the last completed block (input-dependent query)."""
         return self.partial if self.partial is not None else self.blocks[-1]
 
     def record(self, output: Tensor) -> None:
@@ -131,15 +131,15 @@ class AttnRes(Mechanism):
     options = (
         Option("attnres_num_blocks", int, None, "AttnRes blocks N (omit for Full AttnRes: one block per sublayer)"),
         Option("attnres_query", str, "static", "static: a learned pseudo-query per sublayer (two-phase block "
-               "computation in training and inference); input: projected from the newest source (§9.1; "
-               "mixes sublayer by sublayer)", ("static", "input")),
+               "computation in training and inference); input: projected from the newest source "
+               "(mixes sublayer by sublayer)", ("static", "input")),
         Option("attnres_weight", str, "softmax", "depth weights: softmax over sources, or an independent "
-               "sigmoid per source (§9.2)", ("softmax", "sigmoid")),
+               "sigmoid per source", ("softmax", "sigmoid")),
         Option("attnres_heads", int, 1, "multi-head depth weights: one weight per source and per group of "
-               "hidden/H channels (§9.3)"),
-        Option("attnres_key_norm", bool, True, "RMSNorm on the keys (§9.4: false drops it)"),
+               "hidden/H channels"),
+        Option("attnres_key_norm", bool, True, "RMSNorm on the keys (--no-attnres-key-norm drops it)"),
         Option("attnres_mixing", str, "query", "query: attention over sources; scalar: input-independent "
-               "learned logits per source (§9.5)", ("query", "scalar")),
+               "learned logits per source", ("query", "scalar")),
     )
     module_names = ("attn_mixer", "mlp_mixer", "final_mixer")
 
@@ -210,7 +210,7 @@ class AttnRes(Mechanism):
         return mixer.key_norm_weight if self.key_norm else None
 
     def _query(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
-        """The static pseudo-query [d], or the input-dependent one [*, d] from the newest source (§9.1)."""
+        """The static pseudo-query [d], or the input-dependent one [*, d] from the newest source."""
         if self.query_kind == "static":
             return mixer.query
         s = state.newest()
@@ -221,7 +221,8 @@ class AttnRes(Mechanism):
     def mix(self, mixer: AttnResMixer, state: AttnResState, sublayer: int) -> Tensor:
         """The input h of `sublayer` (or of the final norm, sublayer L+1) from the state's sources."""
         if self.recorder is not None:
-            self.recorder.add("attnres", *sublayer_label(sublayer), self.weights(mixer, state))
+            self.recorder.add("attnres", *sublayer_label(sublayer, self.shape.num_sublayers),
+                              self.weights(mixer, state))
         if sublayer in state.phase1:
             m, z, o = state.phase1[sublayer]
             return self.kernel("attnres_phase2", attnres_block_phase2)(

@@ -76,16 +76,22 @@ class ModelShape:
 
 
 class Recorder:
-    """Mean depth weights of one forward pass, for heatmaps: {figure: {(order, label): [K] weights}}.
+    """Mean depth weights of one forward pass, for heatmaps: {figure: {(order, label): weights}}.
 
-    A mechanism records only while `mechanism.recorder` is set (a probe forward); the weights are averaged over
-    every dim but the first (tokens, samples, heads, channels)."""
+    A mechanism records only while `mechanism.recorder` is set (a probe forward). `add` keeps [K] weights per row
+    (averaged over every dim but the first: tokens, samples, heads, channels); `add_matrix` keeps an [n, n] map per
+    row (a stream mix: averaged over every dim but the first two), drawn as one small grid per row."""
 
     def __init__(self):
-        self.figures: Dict[str, Dict[Tuple[float, str], List[float]]] = {}
+        self.figures: Dict[str, Dict[Tuple[float, str], list]] = {}
 
     def add(self, figure: str, order: float, label: str, weights: Tensor) -> None:
         mean = weights.detach().float().flatten(1).mean(1) if weights.dim() > 1 else weights.detach().float()
+        self.figures.setdefault(figure, {})[(order, label)] = mean.cpu().tolist()
+
+    def add_matrix(self, figure: str, order: float, label: str, weights: Tensor) -> None:
+        """weights [n_out, n_in, *]: entry (i, j) is what stream j gives to stream i."""
+        mean = weights.detach().float().flatten(2).mean(2)
         self.figures.setdefault(figure, {})[(order, label)] = mean.cpu().tolist()
 
 
@@ -120,8 +126,10 @@ def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
     return norm(x)
 
 
-def sublayer_label(sublayer: int) -> Tuple[float, str]:
-    """Heatmap row of sublayer 1..L (and L+1 = the output aggregation)."""
+def sublayer_label(sublayer: int, num_sublayers: int) -> Tuple[float, str]:
+    """Heatmap row of sublayer 1..L, and of L+1: the output aggregation (the final norm's input)."""
+    if sublayer > num_sublayers:
+        return float(sublayer), "output (final norm)"
     layer, kind = (sublayer - 1) // 2, ("attn", "mlp")[(sublayer - 1) % 2]
     return float(sublayer), f"sublayer {sublayer} ({kind} {layer})"
 

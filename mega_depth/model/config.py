@@ -20,7 +20,8 @@ ResidualConfig = dataclasses.make_dataclass(
     [("mechanism", str, field(default="standard", metadata={"help": "the depth-mixing mechanism (--residual)",
                                                            "choices": tuple(MECHANISMS)}))]
     + option_fields(list(MECHANISMS.values())),
-    namespace={"__doc__": "The mechanism (--residual) and every mechanism's options (flat: --attnres-num-blocks, ...)."},
+    namespace={"__doc__": "The mechanism (--residual) and every mechanism's options (flat: --attnres-num-blocks, "
+                          "...)."},
 )
 ResidualConfig.__module__ = __name__
 
@@ -33,7 +34,7 @@ def option_flag(name: str) -> str:
 def residual_config(values: Dict[str, Any]) -> "ResidualConfig":
     """A ResidualConfig from saved values (a checkpoint's or an exported config's); unknown keys are errors."""
     values = dict(values)
-    if "residual" in values:  # written before the field was renamed
+    if "residual" in values:  # saved configs name the mechanism as its flag does (residual_values)
         values["mechanism"] = values.pop("residual")
     known = {f.name for f in dataclasses.fields(ResidualConfig)}
     unknown = sorted(set(values) - known)

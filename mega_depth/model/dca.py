@@ -1,6 +1,6 @@
-"""DeepCrossAttention (arXiv 2502.06785, SPEC §2): generalised residuals (GRNs) over the stack of the embedding
-and earlier block outputs feed attention's query, key and value; f_t = a + MLP(norm(a + q_in)). k-DCA keeps the
-embedding, the sum of older outputs and the last k outputs. A final GRN over the whole stack feeds the final norm.
+"""DeepCrossAttention (arXiv 2502.06785, docs/mechanisms.md §5): generalised residuals (GRNs) over the stack of the
+embedding and earlier block outputs feed attention's query, key and value; f_t = a + MLP(norm(a + q_in)). k-DCA keeps
+the embedding, the sum of older outputs and the last k outputs. A final GRN over the whole stack feeds the final norm.
 """
 
 from __future__ import annotations

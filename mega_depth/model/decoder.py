@@ -9,6 +9,12 @@ Layout: activations [b, s, d]; attention heads [b, s, h, hn]. A cache object nee
 layer_idx) -> (keys, values)` over the sequence dim 2 of [b, h, s, hn] and `get_seq_length()` (Hugging Face's
 DynamicCache fits). Depth state never enters the cache: it is per token and rebuilt within each forward
 (Depth-Attention's mixed values are the cache's values).
+
+Padding: a 2D attention_mask [b, past + s] (1 = real token, 0 = pad; Hugging Face's, left or right padded) removes
+the pads from every query's keys; positions then count real tokens only. Depth mixing is per token, so a pad's own
+mixing reaches a real token only through attention, which masks it. Every query keeps its own key (a left pad
+would otherwise attend to nothing: NaN, which would leak through `0 * NaN` in later layers). Without a mask, or
+with an all-ones one, the computation is exactly the unpadded one.
 """
 
 from __future__ import annotations
@@ -66,8 +72,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hn, cfg.norm_epsilon)
             self.k_norm = RMSNorm(hn, cfg.norm_epsilon)
 
-    def forward(self, x_q: Tensor, x_k: Tensor, x_v: Tensor, rope, cache=None, value_mixer=None) -> Tensor:
-        """x_*: [b, s, d], already normalised (DCA feeds three different inputs; the others one, three times)."""
+    def forward(self, x_q: Tensor, x_k: Tensor, x_v: Tensor, rope, cache=None, value_mixer=None,
+                allowed: Optional[Tensor] = None) -> Tensor:
+        """x_*: [b, s, d], already normalised (DCA feeds three different inputs; the others one, three times).
+        allowed: None (causal over the cached prefix) or [b, 1, s, past + s] bool, True where a query may see a key
+        (padding_mask)."""
         cfg = self.cfg
         b, s, _ = x_q.shape
         hn = cfg.head_dim
@@ -86,9 +95,15 @@ class Attention(nn.Module):
         hq = q.shape[1]
         k = k.repeat_interleave(hq // k.shape[1], dim=1) if k.shape[1] != hq else k
         v = v.repeat_interleave(hq // v.shape[1], dim=1) if v.shape[1] != hq else v
-        # Causal over the cached prefix: query i (absolute position past + i) sees keys 0..past + i.
-        past = k.shape[2] - s
-        mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        if allowed is None:
+            # Causal over the cached prefix: query i (absolute position past + i) sees keys 0..past + i.
+            past = k.shape[2] - s
+            mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        else:
+            if allowed.shape[-1] != k.shape[2]:
+                raise ValueError(f"the attention mask covers {allowed.shape[-1]} keys but layer {self.layer} has "
+                                 f"{k.shape[2]} (cached + current)")
+            mask = allowed
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hn))
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -118,11 +133,35 @@ class Layer(nn.Module):
             self.add_module(name, module)
 
 
-class _LayerCall:
-    """The host a mechanism runs one layer on (base.py), bound to one forward call's RoPE tables and cache."""
+def padding_mask(attention_mask: Tensor, s: int, past: int):
+    """(allowed [b, 1, s, past + s] bool, positions [b, s]) of a 2D padding mask over the cached and current tokens
+    (1 = real, 0 = pad), or (None, None) when nothing is padded (the unpadded computation, exactly).
 
-    def __init__(self, layer: Layer, rope, cache):
-        self._layer, self._rope, self._cache = layer, rope, cache
+    allowed = causal & (key is real | key is the query itself): a pad never feeds a real token, and no query row is
+    empty. positions = the number of real tokens before each one (Hugging Face's cumsum - 1; a left pad gets 0)."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be 2D [batch, cached + current tokens] (1 = token, 0 = pad); got "
+                         f"shape {tuple(attention_mask.shape)}")
+    total = past + s
+    if attention_mask.shape[1] != total:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens but the cache holds {past} and the "
+                         f"input {s}: pass the mask of all {total} tokens (cached + current), as generate does")
+    real = attention_mask.bool()
+    if bool(real.all()):
+        return None, None
+    query = torch.arange(past, total, device=real.device).unsqueeze(1)  # absolute positions [s, 1]
+    key = torch.arange(total, device=real.device).unsqueeze(0)  # [1, total]
+    allowed = (key <= query) & (real.unsqueeze(1) | (key == query))  # [b, s, total]
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    return allowed.unsqueeze(1), positions
+
+
+class PlainHost:
+    """The host a mechanism runs one layer on (base.py), bound to one forward call's RoPE tables, cache and padding
+    mask (padding_mask; None: causal). Its twin for Megatron's layers: megatron/layer.py (MegatronHost)."""
+
+    def __init__(self, layer: Layer, rope, cache, allowed: Optional[Tensor] = None):
+        self._layer, self._rope, self._cache, self._allowed = layer, rope, cache, allowed
         self.layer_index = layer.layer_index
 
     def __getattr__(self, name):  # the mechanism's own modules
@@ -136,7 +175,7 @@ class _LayerCall:
         q = normed(norm, x)
         k = q if k_in is None else norm(k_in)
         v = q if v_in is None else norm(v_in)
-        return self._dropout(self._layer.self_attn(q, k, v, self._rope, self._cache, value_mixer))
+        return self._dropout(self._layer.self_attn(q, k, v, self._rope, self._cache, value_mixer, self._allowed))
 
     def attention_sublayer_recomputed(self, make_inputs, sources):
         q_in, k_in, v_in = make_inputs(*sources)  # no fast path here: the plain composition
@@ -157,16 +196,22 @@ class Decoder(nn.Module):
         for name, module in self.mechanism.final_modules().items():
             self.add_module(name, module)
 
-    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None) -> Tensor:
-        """Final hidden states [b, s, d] (after the final norm)."""
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        """Final hidden states [b, s, d] (after the final norm). attention_mask: None or [b, past + s], 1 = token,
+        0 = pad (left or right padding); positions default to the real tokens' count (padding_mask)."""
         cfg = self.cfg
         x = self.embed_tokens(input_ids)
+        s = input_ids.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        allowed, mask_positions = (None, None) if attention_mask is None else padding_mask(attention_mask, s, past)
         if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            position_ids = (mask_positions if allowed is not None
+                            else torch.arange(past, past + s, device=input_ids.device).expand_as(input_ids))
         rope = rope_cos_sin(position_ids, cfg.head_dim, cfg.rotary_base, x.dtype)
         mech = self.mechanism
-        state = mech.run_layers([_LayerCall(layer, rope, cache) for layer in self.layers], mech.initial_state(x))
+        hosts = [PlainHost(layer, rope, cache, allowed) for layer in self.layers]
+        state = mech.run_layers(hosts, mech.initial_state(x))
         return self.norm(mech.final_hidden(state, self))
 
 
@@ -186,5 +231,6 @@ class CausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None) -> Tensor:
-        return self.lm_head(self.model(input_ids, position_ids, cache))
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None, cache=None,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        return self.lm_head(self.model(input_ids, position_ids, cache, attention_mask))

@@ -1,12 +1,12 @@
-"""DenseFormer (arXiv 2402.02622, SPEC-more §8): after every p-th block (or sublayer, `--denseformer-granularity
-sublayer`), a depth-weighted average (DWA) of the outputs X_j of the blocks so far with j = i (mod k) replaces the
-next block's input: Y_i = sum_j alpha_ij X_j. The alphas are plain scalars (no softmax, no input dependence),
-initialised to the identity (alpha_ii = 1, others 0), so at init the model is the baseline bit for bit. Blocks
-keep their standard pre-norm residual inside. `k x p`-DenseFormer: --denseformer-dilation k, --denseformer-period
-p; 1 x 1 is the full model.
+"""DenseFormer (arXiv 2402.02622, docs/mechanisms.md §9): after every p-th block (or sublayer,
+`--denseformer-granularity sublayer`), a depth-weighted average (DWA) of the outputs X_j of the blocks so far with j =
+i (mod k) replaces the next block's input: Y_i = sum_j alpha_ij X_j. The alphas are plain scalars (no softmax, no
+input dependence), initialised to the identity (alpha_ii = 1, others 0), so at init the model is the baseline bit for
+bit. Blocks keep their standard pre-norm residual inside. `k x p`-DenseFormer: --denseformer-dilation k,
+--denseformer-period p; 1 x 1 is the full model.
 
-The pipeline carries Y_i and every stored X_j a later DWA still reads (§8); X_j never change once made, so virtual
-stages cache them like AttnRes blocks. Only X_j a later DWA reads are kept at all.
+The pipeline carries Y_i and every stored X_j a later DWA still reads (docs/mechanisms.md §11); X_j never change
+once made, so virtual stages cache them like AttnRes blocks. Only X_j a later DWA reads are kept at all.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class DenseFormer(Mechanism):
         return state.y
 
     def io_units(self, fused=True):
-        """The standard residual's, plus per DWA after unit i: reads |S_i| d, writes Y_i, stores X_i (SPEC-more §8)."""
+        """The standard residual's, plus per DWA after unit i: reads |S_i| d, writes Y_i, stores X_i
+        (docs/mechanisms.md §9)."""
         return 3.0 * self.shape.num_sublayers + sum(len(dwa_sources(i, self.k)) + 2
                                                     for i in dwa_units(self.num_units, self.p))
 

@@ -1,6 +1,6 @@
-"""Depth-Attention (arXiv 2606.05014, SPEC §3): inside attention, each layer's values are a softmax mix over the
-stored values of earlier candidate layers (scored with this layer's query against their keys, normalised by this
-layer's key norm) and its own. The residual stream stays standard; no new parameters. The mixed values replace
+"""Depth-Attention (arXiv 2606.05014, docs/mechanisms.md §6): inside attention, each layer's values are a softmax mix
+over the stored values of earlier candidate layers (scored with this layer's query against their keys, normalised by
+this layer's key norm) and its own. The residual stream stays standard; no new parameters. The mixed values replace
 the layer's values in attention and in the KV cache.
 
 Candidates of layer l: earlier layers j with j % stride == 0, plus the `window` most recent. The default is the

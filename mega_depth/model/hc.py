@@ -1,6 +1,7 @@
-"""Hyper-Connections (arXiv 2409.19606, SPEC-more §6): n residual streams per token. Each sublayer reads a learned
-(dynamic: input-dependent) mix of the streams, and writes its output into every stream while the streams mix among
-themselves. The embedding enters as n copies; the streams are summed before the final norm (the paper's collapse).
+"""Hyper-Connections (arXiv 2409.19606, docs/mechanisms.md §7): n residual streams per token. Each sublayer reads a
+learned (dynamic: input-dependent) mix of the streams, and writes its output into every stream while the streams mix
+among themselves. The embedding enters as n copies; the streams are summed before the final norm (the paper's
+collapse).
 
 The pipeline carries the streams, n*d per token, packed [s, b, n*d]; every sublayer rewrites them, so nothing is
 cached across virtual stages. Shared with mHC (mhc.py): the stream state, the payload and the learned collapse head.
@@ -27,7 +28,8 @@ class StreamsState:
 
 
 class CollapseHead(nn.Module):
-    """The learned collapse (DeepSeek-V4's hc_head, SPEC-more §7): w_i = sigmoid(alpha (x~ phi)_i / r + b_i) + eps,
+    """The learned collapse (DeepSeek-V4's hc_head; docs/mechanisms.md §8):
+    w_i = sigmoid(alpha (x~ phi)_i / r + b_i) + eps,
     y = sum_i w_i X_i. phi = 0, b = 0, alpha = 0.01 at init [choice]."""
 
     def __init__(self, n: int, hidden_size: int, dtype=None):
@@ -187,10 +189,10 @@ class HC(StreamMechanism):
         a_m, a_r, b = self.coefficients(lambda s: hc_coefficients(s, mixer.A_m, mixer.A_r, mixer.B, dynamic,
                                                                   self.residual.hc_tanh, self.shape.norm_epsilon),
                                         streams)
-        if self.recorder is not None:  # token means; A_r flattened row-major: entry i*n + j is stream i -> j
-            order, label = sublayer_label(sublayer)
+        if self.recorder is not None:  # token means; A_r[i, *, j] is stream i -> j: drawn as rows j (to), columns i
+            order, label = sublayer_label(sublayer, self.shape.num_sublayers)
             tokens = streams.shape[1:-1]
             self.recorder.add("hc-A_m", order, label, a_m.expand(-1, *tokens))
             self.recorder.add("hc-B", order, label, b.expand(-1, *tokens))
-            self.recorder.add("hc-A_r", order, label, a_r.expand(-1, *tokens, -1).movedim(-1, 1).flatten(0, 1))
+            self.recorder.add_matrix("hc-A_r", order, label, a_r.expand(-1, *tokens, -1).movedim(-1, 0))
         return self.update(streams, run, a_m, a_r, b)

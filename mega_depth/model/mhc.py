@@ -1,9 +1,9 @@
-"""Manifold-constrained Hyper-Connections (arXiv 2512.24880, SPEC-more §7): HC's n streams, with coefficients read
-from all n*d values of a token at once (a gain-less RMS, one projection phi, three scales alpha, biases b), a
+"""Manifold-constrained Hyper-Connections (arXiv 2512.24880, docs/mechanisms.md §8): HC's n streams, with coefficients
+read from all n*d values of a token at once (a gain-less RMS, one projection phi, three scales alpha, biases b), a
 sigmoid for the sublayer's input weights H_pre, 2*sigmoid for its output weights H_post, and a doubly stochastic
 stream mix H_res from Sinkhorn-Knopp. All coefficient math runs in fp32. Streams, payload and collapse as HC (hc.py).
 
-Choices (SPEC-more §7 table; each an option): Sinkhorn order (paper: columns then rows, rows exact; megatron: rows
+Choices (docs/mechanisms.md §8; each an option): Sinkhorn order (paper: columns then rows, rows exact; megatron: rows
 then columns), epsilon style (clamp; deepseek), init (default: phi = 0, alpha = 0.01, LUMIA's biases so that
 H_pre = 1/n, H_post = 1, H_res ~ 0.99 I; megatron: xavier phi, zero biases; lumia: N(0, 0.01) phi [unverified]),
 collapse (mean; sum; learned head).
@@ -104,10 +104,10 @@ class MHC(StreamMechanism):
             return pre, post, project(res_logits, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style)
 
         pre, post, res = self.coefficients(compute, streams)
-        if self.recorder is not None:  # token means; H_res flattened row-major: entry i*n + j is stream j -> i
-            order, label = sublayer_label(sublayer)
+        if self.recorder is not None:  # token means; H_res[i, j]: stream j -> i, one n x n grid per sublayer
+            order, label = sublayer_label(sublayer, self.shape.num_sublayers)
             self.recorder.add("mhc-H_pre", order, label, pre)
             self.recorder.add("mhc-H_post", order, label, post)
-            self.recorder.add("mhc-H_res", order, label, res.flatten(-2).movedim(-1, 0))
+            self.recorder.add_matrix("mhc-H_res", order, label, res.movedim(-2, 0).movedim(-1, 1))
         mix = res.transpose(-1, -2).movedim(-2, 0)  # [j (in), *, i (out)] as streams_out takes it
         return self.update(streams, run, pre, mix, post)

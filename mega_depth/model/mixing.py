@@ -1,4 +1,4 @@
-"""The depth-mixing math of SPEC.md and SPEC-more.md, in plain PyTorch: the eager reference.
+"""The depth-mixing math (docs/mechanisms.md), in plain PyTorch: the eager reference.
 
 Pure functions of tensors. Parameters live in the mechanism files (attnres.py, dca.py, ...), cross-layer state
 and pipeline payloads too; nothing here knows about modules, parallelism, pipelines or Megatron. Fast paths
@@ -31,7 +31,7 @@ def rms_inverse(x: Tensor, eps: float) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# AttnRes (arXiv 2603.15031, SPEC §1) and its ablation variants (SPEC-more §9)
+# AttnRes (arXiv 2603.15031, docs/mechanisms.md §4) and its ablation variants
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -41,7 +41,7 @@ def attnres_logits(sources: Tensor, query: Tensor, key_norm_weight: Optional[Ten
 
     RMSNorm(v) . w = (v . (g * w)) / rms(v), so the gain folds into the query and the keys are never
     materialised normalised. key_norm_weight None: no key norm (`--attnres-key-norm false`). With heads > 1 the
-    full-width norm is applied first, then the dot product is split into `heads` groups of d / heads (§9.3).
+    full-width norm is applied first, then the dot product is split into `heads` groups of d / heads.
     """
     folded = fp32(query) if key_norm_weight is None else fp32(key_norm_weight) * fp32(query)
     d = sources.shape[-1]
@@ -49,7 +49,7 @@ def attnres_logits(sources: Tensor, query: Tensor, key_norm_weight: Optional[Ten
     folded = folded.unflatten(-1, (heads, d // heads)).to(sources.dtype)
     if query.dim() == 1:  # one pseudo-query for every token
         logits = fp32(torch.einsum("k...hc,hc->k...h", grouped, folded))
-    else:  # an input-dependent query per token [*, d] (§9.1)
+    else:  # an input-dependent query per token [*, d]
         logits = fp32((grouped * folded.unsqueeze(0)).sum(-1))
     if key_norm_weight is not None:
         logits = logits * rms_inverse(sources, eps).unsqueeze(-1)
@@ -57,7 +57,7 @@ def attnres_logits(sources: Tensor, query: Tensor, key_norm_weight: Optional[Ten
 
 
 def depth_weights(logits: Tensor, weight: str = "softmax") -> Tensor:
-    """Weights over the source dim 0: softmax (SPEC §1) or an independent sigmoid per source (§9.2), fp32."""
+    """Weights over the source dim 0: softmax, or an independent sigmoid per source (docs/mechanisms.md §4); fp32."""
     return torch.softmax(logits, dim=0) if weight == "softmax" else torch.sigmoid(logits)
 
 
@@ -132,13 +132,13 @@ def attnres_phase1_sources(completed: Sequence[Tensor], queries: Tensor, key_nor
 
 
 def scalar_mix(sources: Tensor, logits: Tensor) -> Tensor:
-    """Input-independent mixing (§9.5): softmax over learned scalars c [K], shared by every token."""
+    """Input-independent mixing: softmax over learned scalars c [K], shared by every token."""
     alpha = torch.softmax(fp32(logits), dim=0)
     return torch.einsum("k,k...d->...d", alpha.to(sources.dtype), sources)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# DeepCrossAttention (arXiv 2502.06785, SPEC §2)
+# DeepCrossAttention (arXiv 2502.06785, docs/mechanisms.md §5)
 # --------------------------------------------------------------------------------------------------------------
 
 GRN_VERSIONS = ("v1", "v2", "v3")
@@ -184,7 +184,7 @@ def grn_mean_weights(stack: Tensor, bias: Tensor, proj: Optional[Tensor], versio
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Depth-Attention (arXiv 2606.05014, SPEC §3)
+# Depth-Attention (arXiv 2606.05014, docs/mechanisms.md §6)
 # --------------------------------------------------------------------------------------------------------------
 
 DEPTH_ATTN_GQA_MODES = ("query", "group")
@@ -224,7 +224,7 @@ def depth_attention_weights(query: Tensor, keys: Tensor, gqa_mode: str) -> Tenso
 
 def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Optional[Tensor],
                         cand_values: Optional[Tensor], gqa_mode: str = "query") -> Tensor:
-    """Depth-mixed value of one layer (SPEC §3).
+    """Depth-mixed value of one layer (docs/mechanisms.md §6).
 
     query [*, hq, hn] after q-norm (RoPE cancels at equal positions, so none is applied); key [*, hkv, hn] this
     layer's normalised key; value [*, hkv, hn]; cand_keys [C, *, hkv, hn] earlier layers' keys normalised with
@@ -240,7 +240,7 @@ def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Op
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Hyper-Connections (arXiv 2409.19606, SPEC-more §6). Streams X [n, *, d]: n residual streams per token.
+# Hyper-Connections (arXiv 2409.19606, docs/mechanisms.md §7). Streams X [n, *, d]: n residual streams per token.
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -294,7 +294,7 @@ def hc_unfold(a_m: List[Tensor], a_r: List[Tensor], b: List[Tensor]) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Manifold-constrained Hyper-Connections (arXiv 2512.24880, SPEC-more §7). All coefficient math in fp32.
+# Manifold-constrained Hyper-Connections (arXiv 2512.24880, docs/mechanisms.md §8). All coefficient math in fp32.
 # --------------------------------------------------------------------------------------------------------------
 
 MHC_SK_ORDERS = ("paper", "megatron")
@@ -372,7 +372,7 @@ def mhc_head_weights(streams: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# DenseFormer (arXiv 2402.02622, SPEC-more §8): depth-weighted averages of block outputs
+# DenseFormer (arXiv 2402.02622, docs/mechanisms.md §9): depth-weighted averages of block outputs
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -387,7 +387,8 @@ def dwa_units(num_units: int, period: int) -> List[int]:
 
 
 def dwa_needed_after(unit: int, num_units: int, dilation: int, period: int) -> List[int]:
-    """Outputs X_j, j <= unit, that a DWA after `unit` still reads (what a pipeline hop carries, §8)."""
+    """Outputs X_j, j <= unit, that a DWA after `unit` still reads (what a pipeline hop carries,
+    docs/mechanisms.md §11)."""
     later = {i % dilation for i in dwa_units(num_units, period) if i > unit}
     return [j for j in range(unit + 1) if j % dilation in later]
 

@@ -1,5 +1,6 @@
-"""The standard pre-norm residual (SPEC §0): x_{l+1} = x_l + f_l(norm_l(x_l)). The baseline every mechanism is
-compared with. On Megatron-core it is Megatron's own layer, unmodified (this class serves the plain decoder)."""
+"""The standard pre-norm residual (docs/mechanisms.md §3): x_{l+1} = x_l + f_l(norm_l(x_l)). The baseline every
+mechanism is compared with. On Megatron-core it is Megatron's own layer, unmodified (this class serves the plain
+decoder)."""
 
 from __future__ import annotations
 

@@ -67,6 +67,17 @@ class Collectives:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item())
 
+    def gather(self, obj) -> list:
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
+
+    def peak_flops(self):
+        """The bf16 peak of this rank's GPU (None on a CPU or an unlisted device: no MFU)."""
+        from mega_depth.training.flops import peak_flops
+
+        return peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+
     def memory_gb(self) -> float:
         if torch.cuda.is_available():
             return torch.cuda.max_memory_allocated() / 2**30
@@ -76,8 +87,7 @@ class Collectives:
 
     def gather_figures(self, figures):
         """Depth-weight figures of every rank, merged on rank 0 (None elsewhere)."""
-        gathered = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, figures)
+        gathered = self.gather(figures)
         if self.rank != 0:
             return None
         merged = {}

@@ -1,4 +1,5 @@
-"""The one training loop, for every backend (Megatron-core, DeepSpeed, plain/XLA: training/backends/).
+"""The one training loop, for every backend (Megatron-core and DeepSpeed: training/backends/; plain/XLA:
+xla/backend.py).
 
 Written once here: data order, resuming, the NaN policy, evaluation, logging (metrics.jsonl, TensorBoard, depth
 heatmaps), SIGTERM save-and-exit, and the checkpoint rules (mega_depth/checkpoint/rules.py). A backend supplies:
@@ -8,16 +9,18 @@ heatmaps), SIGTERM save-and-exit, and the checkpoint rules (mega_depth/checkpoin
     sampler_shape -> (mbs, nmb, dp, dp_rank)        how it reads the global batch (GlobalBatchSampler)
     build(initial_weights)                          model, optimizer, schedule (weights: a full Megatron state dict
                                                     of a weights-only checkpoint, or None)
-    forward_backward(microbatches, fault) -> loss   the step's mean loss, the same on every rank; grads accumulated
+    forward_backward(microbatches, poison) -> loss  the step's mean loss, the same on every rank; grads accumulated
+                                                    (poison: the NaN fault injection, FAULT_NAN_AT_STEP)
     update() -> (grad_norm, applied)                apply the accumulated update (and advance the LR schedule)
     discard()                                       skip it: weights, optimizer state and schedule stay as they are
-    lr, evaluate(microbatches) -> loss, depth_weights(microbatches) -> figures on rank 0 (or None)
+    lr, evaluate(microbatches) -> loss, heatmap_figures(microbatches) -> figures on rank 0 (or None)
     save_files(tmp_dir, step), load(ckpt_dir, meta) -> step, layout(), memory_gb(), close()
+    gather(obj) -> [obj of every rank], parameters_on_rank(), peak_flops() -> FLOP/s of one device or None,
+    zero_stage (DeepSpeed's; the others 0)                                        (the summary and --dry-run)
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -26,6 +29,8 @@ from typing import List
 
 from mega_depth.checkpoint import rules
 from mega_depth.config import Config, ConfigError, to_dict
+from mega_depth.training import report
+from mega_depth.training.logger import Logger
 
 FAULT_NAN_AT_STEP = "MEGA_DEPTH_FAULT_NAN_AT_STEP"  # fault injection: a NaN loss (and grads) at this step
 
@@ -109,20 +114,20 @@ class Trainer:
         return found
 
     def _samplers(self, start: int = 0, consumed: int = 0):
-        """Training and validation samplers; the training data covers the samples consumed so far and those the
-        remaining steps take."""
+        """Training and validation samplers (validation: None where the run does not evaluate, see evaluates); the
+        training data covers the samples consumed so far and those the remaining steps take."""
         from mega_depth.data.datasets import GlobalBatchSampler, build_datasets, tokenizer_for
 
         cfg, (mbs, nmb, dp, dp_rank) = self.cfg, self.backend.sampler_shape
         gbs = mbs * nmb * dp
-        eval_batches = (cfg.training.train_iters // cfg.data.eval_interval + 1) * cfg.data.eval_iters \
-            if cfg.data.eval_interval else 0
+        evaluating = evaluates(cfg)
         needed = consumed + max(cfg.training.train_iters - start, 0) * gbs
         train_ds, valid_ds, _ = build_datasets(cfg, tokenizer_for(cfg), (max(needed, gbs),
-                                                                          eval_batches * gbs or None, None))
+                                                                          cfg.data.eval_iters * gbs if evaluating
+                                                                          else None, None))
         train = GlobalBatchSampler(train_ds, mbs, nmb, dp, dp_rank)
         valid = None
-        if cfg.data.eval_interval:
+        if evaluating:
             if valid_ds is None:
                 raise ConfigError("--eval-interval needs a validation split: give --split with a non-zero second part")
             # Evaluation always samples the same batches, so validation losses compare across steps and runs.
@@ -151,6 +156,8 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> List[dict]:
+        if self.cfg.training.dry_run:
+            return self._dry_run()
         preemption = Preemption()  # first: a SIGTERM while the model builds is honoured at the first step's end
         lock = None
         try:
@@ -160,6 +167,40 @@ class Trainer:
             if lock is not None:
                 lock.release()
             preemption.restore()
+
+    def _summary(self, start: int, evaluating: bool) -> report.ModelCounts:
+        """The start-up summary on rank 0; the model's counts for the interval line's MFU."""
+        from mega_depth.data.datasets import training_tokens
+        from mega_depth.init import padded_vocab_size
+
+        cfg, b = self.cfg, self.backend
+        counts = report.model_counts(cfg, padded_vocab_size(cfg.model.vocab_size))
+        data_tokens = training_tokens(cfg) if b.rank == 0 else None
+        for line in report.summary_lines(cfg, counts, b.layout(), b.sampler_shape, b.world_size, data_tokens, start,
+                                         evaluating):
+            self.say(line)
+        return counts
+
+    def _dry_run(self) -> List[dict]:
+        """--dry-run: build, print the summary and every rank's memory estimate, exit; nothing is written."""
+        cfg, b = self.cfg, self.backend
+        b.build(None)
+        found = rules.peek_metadata(cfg.checkpoint.load) if cfg.checkpoint.load else None
+        start = 0 if found is None or found[1].get("model_only") else int(found[1]["step"])
+        self._summary(start, evaluates(cfg))
+        dp = b.sampler_shape[2]
+        # the depth state the mechanism carries past its last layer, in units of d per token (pipeline.py's payload)
+        state = cfg.decoder_config().mechanism().layout(cfg.model.num_layers)
+        units = sum(e.width for e in state) / cfg.model.hidden_size
+        estimate = report.memory_estimate(cfg, b.parameters_on_rank(), dp, getattr(b, "zero_stage", 0), units,
+                                          b.world_size)
+        estimates = b.gather((b.rank, estimate))
+        if b.rank == 0:
+            rank, peak = max(estimates, key=lambda e: e[1].total)
+            for line in report.memory_lines(peak):
+                self.say(line + (f" [rank {rank}, the largest of {len(estimates)}]" if len(estimates) > 1 else ""))
+            self.say("--dry-run: built and sized; no step taken, nothing written")
+        return []
 
     def _run(self, preemption: Preemption, lock) -> List[dict]:
         cfg, b, ck = self.cfg, self.backend, self.cfg.checkpoint
@@ -183,33 +224,46 @@ class Trainer:
         if lock is not None:
             lock.update(run_id)
         train, valid = self._samplers(start, consumed)
-        logger = Logger(cfg, start) if b.rank == 0 else None
-        meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
+        counts = self._summary(start, valid is not None)
         gbs, seq = train.global_batch_size, cfg.model.seq_length
+        peak = b.peak_flops() if cfg.training.bf16 else None  # MFU is against the bf16 dense peak: none in fp32
+        meter = report.IntervalMeter(cfg.training.train_iters, gbs * seq, counts.flops_per_token * gbs * seq, peak,
+                                     b.world_size)
+        logger, error = None, ""
+        if b.rank == 0:
+            try:
+                logger = Logger(cfg, start, meter)
+            except Exception as e:  # W&B's start, an unwritable --output-dir: every rank stops, not rank 0 alone
+                error = f"could not start the run's logging: {type(e).__name__}: {e}"
+        error = b.broadcast(error)
+        if error:
+            raise ConfigError(error)
+        meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
         history, train_time = [], 0.0
         try:
             for step in range(start, cfg.training.train_iters):
                 done = step + 1
+                last = done == cfg.training.train_iters
                 t0 = time.perf_counter()
                 result = self.step(train.microbatches_from(consumed), done)
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
+                meter.add(elapsed)
                 consumed += gbs  # a skipped step consumed its batch too (Megatron-LM's count)
                 record = {"step": done, "loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
                           "tokens_per_s": gbs * seq / elapsed, "consumed_samples": consumed,
                           "tokens": consumed * seq, "train_time_s": train_time}
                 if result["skipped"]:
                     record["skipped"] = True
-                if valid is not None and done % cfg.data.eval_interval == 0:
+                if valid is not None and ((cfg.data.eval_interval and done % cfg.data.eval_interval == 0) or last):
                     record["val_loss"] = self.evaluate(valid)
                     record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
                 history.append(record)
                 if logger is not None:
                     logger.step(record, b.memory_gb())
-                last = done == cfg.training.train_iters
                 every = cfg.logging.heatmap_interval
                 if (every and done % every == 0) or (last and not every):
-                    figures = b.depth_weights(train.microbatches_from(consumed - gbs))
+                    figures = b.heatmap_figures(train.microbatches_from(consumed - gbs))
                     paths = logger.heatmaps(figures, done) if figures and logger is not None else []
                     if paths:
                         self.say(f"depth-weight heatmaps: {', '.join(paths)}")
@@ -231,73 +285,13 @@ class Trainer:
         return history
 
 
-class Logger:
-    """Rank 0: metrics.jsonl, the console line, TensorBoard scalars and depth-weight heatmaps. On resume, records
-    past the resumed step (left by the interrupted run) are dropped from metrics.jsonl and TensorBoard."""
+def evaluates(cfg) -> bool:
+    """Whether the run evaluates: every --eval-interval steps and at the last step, or (no interval) at the last
+    step wherever a validation split can give a sample (Megatron-LM evaluates at the end of training too).
+    --eval-iters 0 turns evaluation off."""
+    from mega_depth.data.datasets import validation_fits
 
-    def __init__(self, cfg: Config, start_step: int):
-        self.cfg = cfg
-        out = cfg.logging.output_dir
-        os.makedirs(out, exist_ok=True)
-        self.metrics_path = os.path.join(out, "metrics.jsonl")
-        _truncate_metrics(self.metrics_path, start_step)
-        self.writer = None
-        if cfg.logging.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # the XLA test environment has no tensorboard; metrics.jsonl has everything
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1)
-
-    def step(self, record: dict, memory_gb: float) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-        done = record["step"]
-        if done % self.cfg.logging.log_interval == 0 or "val_loss" in record or record.get("skipped"):
-            line = (f"step {done:>6} | loss {record['loss']:.6f} | lr {record['lr']:.3e} | "
-                    f"grad norm {record['grad_norm']:.4f} | {record['tokens_per_s']:.0f} tokens/s")
-            if "val_loss" in record:
-                line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
-            print(line + (" | skipped (non-finite loss)" if record.get("skipped") else ""), flush=True)
-        if self.writer is None:
-            return
-        w = self.writer
-        w.add_scalar("train/loss", record["loss"], done)
-        w.add_scalar("train/perplexity", math.exp(min(record["loss"], 50.0)), done)
-        w.add_scalar("train/lr", record["lr"], done)
-        w.add_scalar("train/grad_norm", record["grad_norm"], done)
-        w.add_scalar("perf/tokens_per_s", record["tokens_per_s"], done)
-        w.add_scalar("perf/memory_gb", memory_gb, done)
-        if "val_loss" in record:
-            w.add_scalar("val/loss", record["val_loss"], done)
-            w.add_scalar("val/perplexity", record["val_ppl"], done)
-
-    def heatmaps(self, figures: dict, step: int) -> List[str]:
-        """One PNG (and TensorBoard figure) per recorded figure; returns the paths."""
-        try:
-            import matplotlib.pyplot as plt
-        except ImportError:  # e.g. a TPU VM's minimal environment: training goes on without pictures
-            print("matplotlib is not installed: depth-weight heatmaps skipped (pip install matplotlib)", flush=True)
-            return []
-        from mega_depth.training.depth_weights import heatmap_figure
-
-        paths = []
-        for name, rows in sorted(figures.items()):
-            fig = heatmap_figure(rows, f"{name} depth weights, step {step}")
-            path = os.path.join(self.cfg.logging.output_dir, "heatmaps", f"{name}_step{step:07d}.png")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fig.savefig(path, dpi=110)
-            if self.writer is not None:
-                self.writer.add_figure(f"depth_weights/{name}", fig, step)
-            plt.close(fig)
-            paths.append(path)
-        return paths
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
+    return bool(cfg.data.eval_iters) and (bool(cfg.data.eval_interval) or validation_fits(cfg))
 
 
 def consumed_samples(meta: dict, step: int) -> int:
@@ -311,32 +305,3 @@ def consumed_samples(meta: dict, step: int) -> int:
     if gbs is None:
         gbs = training.get("micro_batch_size", 1) * max(1, int(meta.get("layout", {}).get("dp", 1)))
     return step * int(gbs)
-
-
-def strict_json(record: dict) -> dict:
-    """A metrics record that strict JSON parsers accept: a non-finite number becomes null and the record's
-    "nonfinite" field names it with its value ("nan", "inf", "-inf")."""
-    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
-    if not bad:
-        return record
-    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
-
-
-def _truncate_metrics(path: str, start_step: int) -> None:
-    """Keep only the records up to `start_step` (a resumed run rewrites the steps after it)."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= start_step:
-                kept.append(line)
-        except (ValueError, KeyError):
-            continue  # a line cut by a kill
-    if len(kept) != len(lines):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)

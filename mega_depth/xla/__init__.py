@@ -1,4 +1,4 @@
-"""The TPU path: the plain-PyTorch mega_depth model (mega_depth/model.py, the one the Hugging Face export uses)
+"""The TPU path: the plain-PyTorch mega_depth model (mega_depth/model/decoder.py, the one the Hugging Face export uses)
 trained with torch-xla SPMD. Megatron-core does not run on XLA.
 
 Nothing here imports torch-xla at module level: `python -m mega_depth.xla.train` imports it when it starts on an

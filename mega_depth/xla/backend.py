@@ -84,6 +84,15 @@ class PlainBackend:
     def any(self, flag: bool) -> bool:
         return flag
 
+    def gather(self, obj) -> list:
+        return [obj]
+
+    def peak_flops(self):
+        return None  # TPU peaks are not tabulated: no MFU on the console
+
+    def parameters_on_rank(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def memory_gb(self) -> float:
         import psutil
 
@@ -175,7 +184,7 @@ class PlainBackend:
             self.model.train()
         return sum(losses) / len(losses)
 
-    def depth_weights(self, microbatches):
+    def heatmap_figures(self, microbatches):
         from mega_depth.model.base import Recorder
 
         mechanism = self.model.model.mechanism

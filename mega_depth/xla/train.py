@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from mega_depth.config import ConfigError, parse_args
 from mega_depth.quiet import quiet_known_warnings
-from mega_depth.train import apply_tokenizer_vocab, train
+from mega_depth.train import apply_checkpoint_args, apply_tokenizer_vocab, train
 
 INSTALL_HINT = ("torch-xla is not installed. On a TPU VM: pip install torch==2.9.0 'torch-xla[tpu]==2.9.0' "
                 "(see launch/tpu.sh); on CPU for tests: bash tools/test_xla.sh. Or run this trainer eagerly with "
@@ -61,6 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         own, cfg = _parse(argv)
         _refuse_megatron_only(cfg)
+        apply_checkpoint_args(cfg, say=print)
         apply_tokenizer_vocab(cfg)
     except ConfigError as e:
         print(f"mega_depth.xla: configuration error: {e}", file=sys.stderr)

@@ -22,81 +22,85 @@ def saved(data, tmp_path_factory):
     return d
 
 
+def _data_copy(damage):
+    """Flags for a copy of the test corpus, damaged by `damage(prefix)`."""
+    def make(data, saved, tmp):
+        prefix = tmp / "copy"
+        shutil.copy(data["dir"] / "docs.bin", str(prefix) + ".bin")
+        shutil.copy(data["dir"] / "docs.idx", str(prefix) + ".idx")
+        damage(str(prefix))
+        return ["--data-path", str(prefix)]
+    return make
+
+
+def _yaml(text):
+    def make(data, saved, tmp):
+        (tmp / "c.yaml").write_text(text)
+        return ["--config", str(tmp / "c.yaml")]
+    return make
+
+
+def _other_tokenizer(data, saved, tmp):
+    run(["tools/train_tokenizer.py", "--input", CORPUS, "--vocab-size", "700", "--output-prefix", str(tmp / "small")])
+    return ["--tokenizer-model", str(tmp / "small.model")]
+
+
+def _junk_folder(data, saved, tmp):
+    (tmp / "junk").mkdir()
+    (tmp / "junk" / "notes.txt").write_text("not a checkpoint")
+    return ["--load", str(tmp / "junk")]
+
+
+def _truncate(path, by):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - by)
+
+
+def _overwrite_start(path, data):
+    with open(path, "r+b") as f:
+        f.write(data)
+
+
+def _flags(*flags):
+    return lambda data, saved, tmp: list(flags)
+
+
+# case: (the flags it adds to a good run, made in its own tmp folder; the message it must get)
 TRAINER_CASES = {
-    "missing-idx": "does not exist; build",
-    "corrupt-idx": "is not a Megatron indexed-dataset index",
-    "truncated-bin": "truncated or mismatched",
-    "tokenizer-mismatch": "the data was made with another tokenizer",
-    "other-mechanism": "--residual: checkpoint 'attnres', this run 'dca'",
-    "other-shape": "--hidden-size: checkpoint 32, this run 64",
-    "unknown-config-key": "unknown key model.num_layer",
-    "not-a-checkpoint": "holds no checkpoint",
-    "negative-lr": "--lr -0.1 must be positive",
-    "bad-choice-in-yaml": "unknown --attnres-query 'dynamic'; choose one of static, input",
-    "deepspeed-config-missing": "--deepspeed-config /nowhere.json does not exist",
-    "negative-global-batch": "--global-batch-size -4 must be >= 1",
-    "sequence-longer-than-the-data": "--seq-length 2000000 needs 2000001 tokens per sample, but the training split",
-    "yaml-float-for-int": "model.num_layers in",
-    "yaml-list-for-section": "section 'training' in",
+    "missing-idx": (_data_copy(lambda p: os.remove(p + ".idx")), "does not exist; build"),
+    "corrupt-idx": (_data_copy(lambda p: _overwrite_start(p + ".idx", b"GARBAGE!!")),
+                    "is not a Megatron indexed-dataset index"),
+    "truncated-bin": (_data_copy(lambda p: _truncate(p + ".bin", 10)), "truncated or mismatched"),
+    "tokenizer-mismatch": (_other_tokenizer, "the data was made with another tokenizer"),
+    "other-mechanism": (lambda data, saved, tmp: ["--residual", "dca", "--load", str(saved / "ckpt")],
+                        "--residual: checkpoint 'attnres', this run 'dca'"),
+    "other-shape": (lambda data, saved, tmp: ["--hidden-size", "64", "--load", str(saved / "ckpt")],
+                    "--hidden-size: checkpoint 32, this run 64"),
+    "unknown-config-key": (_yaml("model:\n  num_layer: 4\n"),
+                           "unknown key model.num_layer in {tmp}/c.yaml; did you mean model.num_layers?"),
+    "not-a-checkpoint": (_junk_folder, "holds no checkpoint"),
+    "negative-lr": (_flags("--lr", "-0.1"), "--lr -0.1 must be positive"),
+    "bad-choice-in-yaml": (_yaml("residual:\n  mechanism: attnres\n  attnres_query: dynamic\n"),
+                           "unknown --attnres-query 'dynamic'; choose one of static, input"),
+    "deepspeed-config-missing": (_flags("--deepspeed", "--deepspeed-config", "/nowhere.json"),
+                                 "--deepspeed-config /nowhere.json does not exist"),
+    "negative-global-batch": (_flags("--global-batch-size", "-4"), "--global-batch-size -4 must be >= 1"),
+    "sequence-longer-than-the-data": (_flags("--seq-length", "2000000"),
+                                      "--seq-length 2000000 needs 2000001 tokens per sample, but the training split"),
+    "yaml-float-for-int": (_yaml("model:\n  num_layers: 2.9\n"),
+                           "model.num_layers in {tmp}/c.yaml must be an integer, got 2.9 (float)"),
+    "yaml-list-for-section": (_yaml("training:\n  - lr\n"), "section 'training' in {tmp}/c.yaml must map keys"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(TRAINER_CASES))
 def test_trainer_bad_input(data, saved, tmp_path, case):
-    d = data["dir"]
+    make_flags, expected = TRAINER_CASES[case]
     flags = TRAIN_MODEL + data["flags"] + ["--train-iters", "3", "--output-dir", str(tmp_path / "run")]
-    if case in ("missing-idx", "corrupt-idx", "truncated-bin"):
-        prefix = tmp_path / "copy"
-        shutil.copy(d / "docs.bin", str(prefix) + ".bin")
-        shutil.copy(d / "docs.idx", str(prefix) + ".idx")
-        if case == "missing-idx":
-            os.remove(str(prefix) + ".idx")
-        elif case == "corrupt-idx":
-            with open(str(prefix) + ".idx", "r+b") as f:
-                f.write(b"GARBAGE!!")
-        else:
-            with open(str(prefix) + ".bin", "r+b") as f:
-                f.truncate(os.path.getsize(str(prefix) + ".bin") - 10)
-        flags += ["--data-path", str(prefix)]
-    elif case == "tokenizer-mismatch":
-        run(["tools/train_tokenizer.py", "--input", CORPUS, "--vocab-size", "700", "--output-prefix",
-             str(tmp_path / "small")])
-        flags += ["--tokenizer-model", str(tmp_path / "small.model")]
-    elif case == "other-mechanism":
-        flags += ["--residual", "dca", "--load", str(saved / "ckpt")]
-    elif case == "other-shape":
-        flags += ["--hidden-size", "64", "--load", str(saved / "ckpt")]
-    elif case == "unknown-config-key":
-        (tmp_path / "c.yaml").write_text("model:\n  num_layer: 4\n")
-        flags += ["--config", str(tmp_path / "c.yaml")]
-    elif case == "not-a-checkpoint":
-        (tmp_path / "junk").mkdir()
-        (tmp_path / "junk" / "notes.txt").write_text("not a checkpoint")
-        flags += ["--load", str(tmp_path / "junk")]
-    elif case == "negative-lr":
-        flags += ["--lr", "-0.1"]
-    elif case == "negative-global-batch":
-        flags += ["--global-batch-size", "-4"]
-    elif case == "sequence-longer-than-the-data":
-        flags += ["--seq-length", "2000000"]
-    elif case == "yaml-float-for-int":
-        (tmp_path / "c.yaml").write_text("model:\n  num_layers: 2.9\n")
-        flags += ["--config", str(tmp_path / "c.yaml")]
-    elif case == "yaml-list-for-section":
-        (tmp_path / "c.yaml").write_text("training:\n  - lr\n")
-        flags += ["--config", str(tmp_path / "c.yaml")]
-    elif case == "bad-choice-in-yaml":
-        (tmp_path / "c.yaml").write_text("residual:\n  mechanism: attnres\n  attnres_query: dynamic\n")
-        flags += ["--config", str(tmp_path / "c.yaml")]
-    else:
-        flags += ["--deepspeed", "--deepspeed-config", "/nowhere.json"]
-    proc = run(["-m", "mega_depth.train"] + flags, expect=2)
-    assert_clean_error(proc, TRAINER_CASES[case])
-    if case == "unknown-config-key":
-        assert "did you mean model.num_layers?" in proc.stderr
-    if case == "yaml-float-for-int":
-        assert "must be an integer, got 2.9 (float)" in proc.stderr
+    proc = run(["-m", "mega_depth.train"] + flags + make_flags(data, saved, tmp_path), expect=2)
+    assert_clean_error(proc, expected.format(tmp=tmp_path))
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_preprocess_bad_json_lines_and_empty_input(data, tmp_path):

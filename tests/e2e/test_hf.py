@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fixtures import SAVE_MODEL, SCRIPTS, mechanism_flags, run, torchrun
-from mega_depth.catalogue import MECHANISMS
+from mega_depth.catalogue import SETTINGS
 
 SCRIPT = os.path.join(SCRIPTS, "train_and_save.py")
 
@@ -32,7 +32,7 @@ def exports(trained, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("hf")
     for layout in ("tp1", "tp2pp2"):
-        for mech in MECHANISMS:
+        for mech in SETTINGS:
             export_checkpoint(str(trained / layout / mech / "ckpt"), str(out / layout / mech))
     return out
 
@@ -89,7 +89,7 @@ def prompt(data):
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", SETTINGS)
 def test_exported_logits_equal_the_training_model(megatron_world, trained, exports, prompt, layout, mechanism):
     ckpt = trained / layout / mechanism / "ckpt"
     ref = training_model(str(ckpt))
@@ -110,7 +110,7 @@ def test_exported_logits_equal_the_training_model(megatron_world, trained, expor
     assert diff <= 1e-4, f"{layout}/{mechanism}: max |logit diff| {diff}"
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", SETTINGS)
 def test_kv_cache_generation_matches_no_cache_and_the_training_model(megatron_world, trained, exports, prompt,
                                                                     mechanism):
     model = hf_model(exports / "tp1" / mechanism)
@@ -194,6 +194,111 @@ def test_offline_tokenizer_and_pipeline(data, exports):
         generator = pipeline("text-generation", model=folder, tokenizer=folder, trust_remote_code=True)
         out = generator("The tutorial", max_new_tokens=8, do_sample=False)[0]["generated_text"]
         assert out.startswith("The tutorial") and len(out) > len("The tutorial")
+
+
+# Three prompts of different lengths (a padded batch), and a fourth for the pipeline's batch of 4.
+PROMPTS = ["The tutorial explains how Python handles exceptions and", "A list", "Strings are immutable, so"]
+
+
+def test_every_export_names_a_pad_token(exports):
+    """config.json (native Qwen3 and mega_depth_lm), generation_config.json and tokenizer_config.json: the pad is
+    EOS `</s>` (id 2; mega_depth's sentencepiece models have no pad piece), padding on the left."""
+    for mechanism in SETTINGS:
+        folder = exports / "tp1" / mechanism
+        assert json.load(open(folder / "config.json"))["pad_token_id"] == 2, mechanism
+        assert json.load(open(folder / "generation_config.json"))["pad_token_id"] == 2, mechanism
+        tokenizer = json.load(open(folder / "tokenizer_config.json"))
+        assert (tokenizer["tokenizer_class"], tokenizer["pad_token"], tokenizer["padding_side"]) == \
+            ("LlamaTokenizer", "</s>", "left"), mechanism
+
+
+@pytest.mark.parametrize("mechanism", SETTINGS)
+def test_padded_batches_generate_and_score_as_each_prompt_alone(exports, mechanism):
+    """Left padding (generate, with and without the KV cache) and right padding (forward): every row's tokens and
+    real-position logits are its prompt's alone; an all-ones mask is the unpadded computation bit for bit."""
+    from transformers import AutoTokenizer
+
+    folder = exports / "tp1" / mechanism
+    model = hf_model(folder)
+    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+    alone = [tok(p, return_tensors="pt")["input_ids"] for p in PROMPTS]
+    lengths = [ids.shape[1] for ids in alone]
+    assert len(set(lengths)) == len(PROMPTS)
+    left = tok(PROMPTS, padding=True, return_tensors="pt")  # the export's own pad token and side
+    tok.padding_side = "right"
+    right = tok(PROMPTS, padding=True, return_tensors="pt")
+    width, pad = left["input_ids"].shape[1], model.config.pad_token_id
+    assert tok.pad_token_id == pad == 2 and (left["attention_mask"][:, 0] == 0).any()
+    with torch.no_grad():
+        if mechanism != "standard":  # (the native export is transformers' own Qwen3)
+            ones = torch.ones_like(alone[0])
+            assert torch.equal(model(alone[0], attention_mask=ones).logits, model(alone[0]).logits)
+        reference = [model(ids).logits[0] for ids in alone]
+        for padded, side in ((left, "left"), (right, "right")):
+            logits = model(**padded).logits
+            assert torch.isfinite(logits).all(), side  # the pads' rows too
+            for i, n in enumerate(lengths):
+                real = slice(width - n, width) if side == "left" else slice(0, n)
+                torch.testing.assert_close(logits[i, real], reference[i], rtol=0, atol=1e-5)
+        for use_cache in (True, False):
+            batch = model.generate(**left, max_new_tokens=6, do_sample=False, use_cache=use_cache)
+            for i, ids in enumerate(alone):
+                one = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=use_cache)[0, ids.shape[1]:]
+                new = batch[i, width:].tolist()  # (a row that met EOS goes on with pads: EOS is the pad)
+                assert new[:len(one)] == one.tolist() and set(new[len(one):]) <= {pad}, (use_cache, i, new, one)
+
+
+@pytest.mark.parametrize("mechanism", ["standard", "attnres-block", "depth-attention"])
+def test_text_generation_pipeline_batches_padded_prompts(exports, mechanism):
+    from transformers import pipeline
+
+    folder = str(exports / "tp1" / mechanism)
+    generator = pipeline("text-generation", model=folder, tokenizer=folder, trust_remote_code=True)
+    prompts = PROMPTS + ["Python"]
+    batched = [out[0]["generated_text"] for out in generator(prompts, batch_size=4, max_new_tokens=6,
+                                                              do_sample=False)]
+    assert all(text.startswith(p) for text, p in zip(batched, prompts)), batched
+    assert batched == [generator(p, max_new_tokens=6, do_sample=False)[0]["generated_text"] for p in prompts]
+
+
+def test_depth_mixing_tokenizer_loads_without_trust_remote_code(data, exports):
+    """AutoTokenizer on a depth-mixing export without trust_remote_code (stdin closed: a prompt that waited for an
+    answer would fail here instead of hanging): tokenizer_config.json names LlamaTokenizer, so no remote code is
+    needed. transformers 5 reads config.json through AutoConfig first, whose remote-code question an absent
+    trust_remote_code still meets (and, with no answer, passes over); trust_remote_code=False skips it."""
+    import subprocess
+
+    from fixtures import ENV, PY, ROOT
+
+    folder = str(exports / "tp1" / "attnres-block")
+    for flag in ("", ", trust_remote_code=False"):
+        code = f"""
+import json
+import sentencepiece as spm
+from transformers import AutoTokenizer
+sp = spm.SentencePieceProcessor(model_file={str(data["dir"] / "spm.model")!r})
+tok = AutoTokenizer.from_pretrained({folder!r}{flag})
+text = {PROMPTS[0]!r}
+batch = tok([text, "A list"], padding=True)
+print("RESULT", json.dumps([type(tok).__name__, tok.pad_token, tok.pad_token_id, tok.padding_side,
+                            tok(text)["input_ids"] == sp.encode(text), batch["attention_mask"][1][0]]))
+"""
+        proc = subprocess.run([PY, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=ROOT,
+                              env=ENV, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.split("RESULT ")[-1]) == ["LlamaTokenizer", "</s>", 2, "left", True, 0]
+        if flag:
+            assert "[y/N]" not in proc.stdout + proc.stderr, proc.stdout
+
+
+@pytest.mark.parametrize("mechanism", ["attnres-block", "depth-attention"])
+def test_save_pretrained_round_trip_keeps_the_logits(exports, prompt, tmp_path, mechanism):
+    model = hf_model(exports / "tp1" / mechanism)
+    model.save_pretrained(str(tmp_path / "saved"))
+    again = hf_model(tmp_path / "saved")  # from the code files save_pretrained copied along
+    assert again.config.residual == model.config.residual and again.config.pad_token_id == 2
+    with torch.no_grad():
+        assert torch.equal(again(prompt).logits, model(prompt).logits)
 
 
 def test_generate_tool_samples_without_deprecation_noise(exports):

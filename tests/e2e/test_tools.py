@@ -3,7 +3,7 @@
 import json
 
 from fixtures import run
-from mega_depth.catalogue import MECHANISMS
+from mega_depth.catalogue import SETTINGS
 
 
 def test_bench_throughput_reports_time_memory_and_bounds_against_the_baseline(tmp_path):
@@ -12,7 +12,7 @@ def test_bench_throughput_reports_time_memory_and_bounds_against_the_baseline(tm
                   "--steps", "1", "--rounds", "2", "--out", str(out)]).stdout
     report = json.loads(out.read_text())
     results = {r["mechanism"]: r for r in report["results"]}
-    assert list(results) == list(MECHANISMS)
+    assert list(results) == list(SETTINGS)
     for r in results.values():
         assert r["step_time_s"] > 0 and r["baseline_step_time_s"] > 0 and len(r["overhead_pct_by_round"]) == 2
         assert r["step_time_ratio"] == r["step_time_s"] / r["baseline_step_time_s"]
@@ -26,12 +26,12 @@ def test_bench_throughput_reports_time_memory_and_bounds_against_the_baseline(tm
     assert "vs base" in stdout and "baseline MFU" in stdout
     # pair by pair, the JSON is rewritten as each mechanism finishes (a time-boxed GPU run keeps what it measured)
     assert report["complete"] is True
-    assert all(f"measured {name}: " in stdout for name in MECHANISMS)
+    assert all(f"measured {name}: " in stdout for name in SETTINGS)
 
 
 def test_analytic_io_model_follows_spec():
-    """SPEC's per-sublayer I/O: the plain residual 3d; two-phase Block AttnRes n/S + 5; Full AttnRes reads every
-    earlier output, so it overtakes Block as depth grows."""
+    """The per-sublayer I/O of each mechanism: the plain residual 3d; two-phase Block AttnRes n/S + 5; Full AttnRes
+    reads every earlier output, so it overtakes Block as depth grows."""
     import sys
 
     sys.path.insert(0, "tools")
@@ -47,7 +47,7 @@ def test_analytic_io_model_follows_spec():
     assert io_units(hc, 24, 2048, 16, 16, fused=True) == 48 * 18 + 5  # the stream kernels: (3n+1) + (n+1)
     from mega_depth.catalogue import residual_settings
 
-    for name in MECHANISMS:  # every setting has an I/O model
+    for name in SETTINGS:  # every setting has an I/O model
         assert io_units(residual_settings(name, 24), 24, 2048, 16, 8) >= 3 * 48
 
 
@@ -56,7 +56,7 @@ def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
     run(["tools/bench_comm.py", "--grid", "2x2", "--num-layers", "4", "--hidden-size", "32", "--seq-length", "16",
          "--out", str(out)])
     report = json.loads(out.read_text())
-    assert {(r["mechanism"], r["cache"]) for r in report} == {(m, c) for m in MECHANISMS for c in (True, False)}
+    assert {(r["mechanism"], r["cache"]) for r in report} == {(m, c) for m in SETTINGS for c in (True, False)}
     assert all(r["matches_formula"] for r in report)
     full = {r["cache"]: r for r in report if r["mechanism"] == "attnres-full"}
     assert full[True]["peak_hop_bytes"] < full[False]["peak_hop_bytes"]  # cross-stage caching pays
@@ -111,7 +111,7 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     with tarfile.open(tmp_path / "device_check.tar.gz") as tar:
         tar.extractall(tmp_path / "results")
     syncs = json.loads((tmp_path / "results" / "sync_check.json").read_text())["results"]
-    assert set(syncs) == set(MECHANISMS) and all(r["forward_backward_syncs"] == [] for r in syncs.values())
+    assert set(syncs) == set(SETTINGS) and all(r["forward_backward_syncs"] == [] for r in syncs.values())
     profile = json.loads((tmp_path / "results" / "profile.json").read_text())["results"]
     assert list(profile) == ["standard", "attnres-block"]
     assert profile["attnres-block"]["mixing_kernels_ms"] > 0 == profile["standard"]["mixing_kernels_ms"]

@@ -5,6 +5,7 @@ the shipped configs; and a plain run's console output (no third-party warnings a
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,8 +56,10 @@ def test_a_plain_run_prints_only_what_a_user_can_act_on(baseline):
     stderr = (baseline / "stderr.txt").read_text()
     assert stderr.strip() == "", stderr[-3000:]
     lines = (baseline / "stdout.txt").read_text().splitlines()
-    own = ("step ", "saved checkpoint", "depth-weight heatmaps")
-    assert all(line.startswith(own) for line in lines), [l for l in lines if not l.startswith(own)]
+    own = re.compile(r"step |saved checkpoint|depth-weight heatmaps|"  # and the start-up summary:
+                     r"model: |  \d+ layers, hidden |  parameters |layout: |data: |evaluation: |outputs: |"
+                     r"checkpoints: ")
+    assert all(own.match(line) for line in lines), [line for line in lines if not own.match(line)]
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint(data, tmp_path):
@@ -134,12 +137,12 @@ def test_every_shipped_config_validates(data):
 
 
 def test_smoke_test_tool_passes_on_cpu(tmp_path):
-    from mega_depth.catalogue import MECHANISMS
+    from mega_depth.catalogue import SETTINGS
 
     out = run(["tools/smoke_test.py", "--steps", "4", "--hidden-size", "32", "--seq-length", "32",
                "--num-layers", "2", "--out", str(tmp_path / "smoke.json")]).stdout
     results = json.load(open(tmp_path / "smoke.json"))["results"]
-    assert [r["mechanism"] for r in results] == list(MECHANISMS)
+    assert [r["mechanism"] for r in results] == list(SETTINGS)
     assert all(r["ok"] for r in results) and "peak MiB" in out
 
 

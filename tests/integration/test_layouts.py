@@ -2,7 +2,7 @@
 
 One torchrun launch per layout trains every catalogue setting (tests/scripts/run_layout.py), then each
 (layout, mechanism) pair is compared with the single-process run. Also: the pipeline payload of Block AttnRes
-with virtual stages, with and without cross-stage caching, against the formula of SPEC.md section 4.
+with virtual stages, with and without cross-stage caching, against the formula of docs/mechanisms.md §11.
 """
 
 import glob
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fixtures import LAYOUT_MODEL, SCRIPTS, run, torchrun
-from mega_depth.catalogue import MECHANISMS
+from mega_depth.catalogue import SETTINGS
 
 SCRIPT = os.path.join(SCRIPTS, "run_layout.py")
 NUM_LAYERS = int(LAYOUT_MODEL[LAYOUT_MODEL.index("--num-layers") + 1])
@@ -71,7 +71,7 @@ def load(root, layout, mechanism):
 
 
 CASES = [(layout, mech) for layout, (_, _, _, only) in LAYOUTS.items() if layout != "single"
-         for mech in MECHANISMS if only is None or mech in only.split(",")]
+         for mech in SETTINGS if only is None or mech in only.split(",")]
 
 
 @pytest.mark.parametrize("layout, mechanism", CASES)
@@ -103,7 +103,7 @@ def test_compiled_layers_were_compiled_whole(runs, layout):
     included, and Dynamo captured graphs (an eager run writes zeros). In one process not one graph break, for
     every mechanism: the mixing's custom ops, its recomputation and Depth-Attention's value mixer are traced."""
     only = LAYOUTS[layout][3]
-    for mechanism in (only.split(",") if only else MECHANISMS):
+    for mechanism in (only.split(",") if only else SETTINGS):
         compiled = json.loads((runs / layout / mechanism / "compiled.json").read_text())
         # no pipeline split in these layouts: rank 0 holds every layer
         assert compiled["layers"] == NUM_LAYERS, (layout, mechanism, compiled)
@@ -118,17 +118,17 @@ def test_losses_fall_and_mechanisms_act(runs):
     """Every setting learns; DCA starts as the baseline (its init identity); every other setting has moved away
     from the baseline by step 3 by far more than the ~1e-7 that separates layouts of one model (a mechanism that
     silently ran the plain residual would not; mHC and HC start as the baseline and move slowly)."""
-    finals = {m: load(runs, "single", m)[0] for m in MECHANISMS}
+    finals = {m: load(runs, "single", m)[0] for m in SETTINGS}
     for m, losses in finals.items():
         assert losses[-1] < losses[0], (m, losses)
     assert finals["dca"][0] == pytest.approx(finals["standard"][0], abs=1e-6)
-    for m in MECHANISMS:
+    for m in SETTINGS:
         if m != "standard":
             assert abs(finals[m][-1] - finals["standard"][-1]) > 2e-6, (m, finals[m], finals["standard"])
 
 
 def block_attnres_hop_widths(num_layers, num_blocks, pp, vpp, cache):
-    """SPEC.md section 4, Block AttnRes: completed blocks (b_0 included) + the partial sum, in units of d.
+    """docs/mechanisms.md §11, Block AttnRes: completed blocks (b_0 included) + the partial sum, in units of d.
     With caching, a rank does not receive the blocks it already held at the end of its previous virtual stage."""
     L = 2 * num_layers
     S = L // num_blocks
@@ -164,7 +164,7 @@ def test_plain_trainer_matches_the_megatron_trainer(runs, tmp_path):
     """The XLA path's trainer, run eagerly (--device cpu), starts from the same keyed weights and reads the same
     batches: its losses are the Megatron single-process losses, for every mechanism."""
     run([os.path.join(SCRIPTS, "run_plain.py"), str(tmp_path), "--device", "cpu"])
-    for mech in MECHANISMS:
+    for mech in SETTINGS:
         plain = json.loads((tmp_path / mech / "losses.json").read_text())
         ref = load(runs, "single", mech)[0]
         assert len(plain) == len(ref) == 3
@@ -174,5 +174,5 @@ def test_plain_trainer_matches_the_megatron_trainer(runs, tmp_path):
 
 def test_fused_kernels_leave_the_pipeline_payload_unchanged(runs):
     """--mixing-impl triton sends exactly the bytes per hop of the eager reference, virtual-stage cache included."""
-    for mechanism in MECHANISMS:
+    for mechanism in SETTINGS:
         assert load(runs, "pp2-vpp-fused", mechanism)[2] == load(runs, "pp2-vpp", mechanism)[2], mechanism

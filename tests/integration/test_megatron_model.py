@@ -1,4 +1,5 @@
-"""The Megatron-core model against SPEC's identities and against the plain decoder (one process, gloo).
+"""The Megatron-core model against the identities of docs/mechanisms.md and against the plain decoder (one process,
+gloo).
 
 The plain decoder is what the Hugging Face export ships and the XLA trainer trains; the direct check below gives
 both models the same weights with every mixing parameter and norm gain randomised (at initialisation AttnRes
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from fixtures import UNIT_MODEL, mechanism_flags
-from mega_depth.catalogue import MECHANISMS
+from mega_depth.catalogue import SETTINGS
 from mega_depth.config import parse_args
 
 
@@ -85,7 +86,7 @@ def test_depth_attention_with_candidates_changes_the_model_by_its_mixing(baselin
 
 
 def test_attnres_first_sublayer_reads_the_embedding_and_mixers_start_at_zero(megatron_world, tokens):
-    """With zero pseudo-queries every sublayer reads the uniform average of its sources (SPEC.md section 1)."""
+    """With zero pseudo-queries every sublayer reads the uniform average of its sources (docs/mechanisms.md §4)."""
     _, model = build(["--residual", "attnres"])
     layer0 = model.decoder.layers[0]
     assert torch.count_nonzero(layer0.attn_mixer.query) == 0
@@ -112,7 +113,7 @@ def test_mixing_parameters_are_in_the_sharded_state_dict(megatron_world):
         [(3, 32, 1), (3, 32, 2), (3, 32, 3)]
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", SETTINGS)
 def test_megatron_model_equals_the_plain_decoder_with_trained_like_parameters(megatron_world, tokens, mechanism):
     """Same weights, every mixing parameter and norm gain randomised: the Megatron-core model and the plain
     decoder give the same logits (fp32, ~1e-4 relative). Ties the Megatron host layer, block, final mix and the
@@ -134,6 +135,12 @@ def test_megatron_model_equals_the_plain_decoder_with_trained_like_parameters(me
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = plain.load_state_dict(to_canonical(state, dc), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
+    # the start-up summary counts parameters on the plain decoder (meta device): the Megatron model's count
+    from mega_depth.training.report import model_counts
+
+    counts = model_counts(cfg, dc.vocab_size)
+    assert counts.parameters == sum(p.numel() for p in model.parameters()), mechanism
+    assert counts.mixing == sum(p.numel() for n, p in model.named_parameters() if mech.owns(n)), mechanism
     ref = logits(model, tokens).float()
     with torch.no_grad():
         out = plain(tokens).float()
@@ -146,8 +153,8 @@ def test_megatron_model_equals_the_plain_decoder_with_trained_like_parameters(me
                                    ["--residual", "denseformer", "--denseformer-granularity", "sublayer"],
                                    ["--residual", "hc", "--hc-expansion", "1", "--no-hc-dynamic"]])
 def test_identities_against_megatrons_own_layer_bit_for_bit(baseline, tokens, flags):
-    """SPEC-more §11: DenseFormer at init, and one-stream HC with unit weights, are Megatron's own layer bit for bit
-    (the depth-mixing host runs the same attention and MLP; its additions are exact)."""
+    """docs/mechanisms.md §3: DenseFormer at init, and one-stream HC with unit weights, are Megatron's own layer bit
+    for bit (the depth-mixing host runs the same attention and MLP; its additions are exact)."""
     _, model = build(flags)
     copy_baseline_weights(baseline, model)
     assert torch.equal(logits(model, tokens), logits(baseline, tokens))

@@ -1,4 +1,4 @@
-"""SPEC-more §11: the identities of Hyper-Connections, mHC, DenseFormer and AttnRes's ablation variants, on the
+"""docs/mechanisms.md §3: the identities of Hyper-Connections, mHC, DenseFormer and AttnRes's ablation variants, on the
 math and on the plain decoder (the Megatron model is tied to the plain decoder in tests/integration)."""
 
 import itertools
@@ -185,8 +185,8 @@ def test_denseformer_sparsity_pattern_and_parameter_count(k, p):
 
 
 def test_denseformer_payload_widths_of_the_spec():
-    """§8, checked for 48 blocks: 1 x 1 after block 24 sends 26 d; 4 x 4 sends 8 d; nothing a later DWA reads is
-    dropped and nothing else is carried."""
+    """docs/mechanisms.md §11, checked for 48 blocks: 1 x 1 after block 24 sends 26 d; 4 x 4 sends 8 d; nothing a
+    later DWA reads is dropped and nothing else is carried."""
     from mega_depth.model.base import ModelShape
     from mega_depth.model.denseformer import DenseFormer
 
@@ -207,7 +207,7 @@ def test_dwa_at_identity_is_exact_even_for_extreme_values():
     assert torch.equal(mixing.dwa(outputs, torch.tensor([0.0, 0.0, 1.0])), outputs[-1])
 
 
-# --- AttnRes ablations (§9) -----------------------------------------------------------------------------------
+# --- AttnRes ablations (§4) -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", [dict(attnres_query="input"), dict(attnres_heads=4),

@@ -6,7 +6,8 @@ import json
 import math
 
 from mega_depth.data.datasets import GlobalBatchSampler
-from mega_depth.training.trainer import consumed_samples, strict_json
+from mega_depth.training.logger import strict_json
+from mega_depth.training.trainer import consumed_samples
 
 DATA = [{"tokens": [i], "labels": [i], "loss_mask": [1], "position_ids": [0]} for i in range(200)]
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from mega_depth.catalogue import MECHANISMS, mechanism_flags, residual_settings
+from mega_depth.catalogue import SETTINGS, mechanism_flags, residual_settings
 from mega_depth.config import Config, parse_args
 from mega_depth.model.config import DecoderConfig, ResidualConfig
-from mega_depth.model.decoder import CausalLM, _LayerCall, rope_cos_sin
+from mega_depth.model.decoder import CausalLM, PlainHost, rope_cos_sin
 from mega_depth.model.registry import MECHANISMS as REGISTRY, owner_of
 
 LAYERS = 4
@@ -48,7 +48,7 @@ def test_every_option_is_a_flag_and_a_yaml_key(tmp_path):
     assert parse_args(["--config", str(tmp_path / "c.yaml")]).residual.attnres_heads == 2
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_catalogue_settings_validate_and_own_exactly_their_parameters(name):
     cfg = parse_args(["--mock-data", "--num-layers", str(LAYERS), "--hidden-size", "32", "--num-attention-heads",
                       "4"] + mechanism_flags(name, LAYERS))
@@ -61,7 +61,7 @@ def test_catalogue_settings_validate_and_own_exactly_their_parameters(name):
     assert bool(owned) == (mech.module_names != ())
 
 
-@pytest.mark.parametrize("name", MECHANISMS)
+@pytest.mark.parametrize("name", SETTINGS)
 def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identically(name):
     """At every layer boundary: the entries a state holds are exactly layout(boundary), with the declared
     widths, and state_from(entries) continues to the same output (what a pipeline hop or a recompute relies on)."""
@@ -72,7 +72,7 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
     rope = rope_cos_sin(torch.arange(6).expand(2, 6), dc.head_dim, dc.rotary_base, x.dtype)
     rope = tuple(r.transpose(0, 1) for r in rope)  # [s, b, 1, hn]
 
-    class SeqFirst(_LayerCall):  # the plain layer expects [b, s, d]; the payload is checked in [s, b, d]
+    class SeqFirst(PlainHost):  # the plain layer expects [b, s, d]; the payload is checked in [s, b, d]
         def attention_sublayer(self, h, k_in=None, v_in=None, value_mixer=None):
             t = lambda a: None if a is None else a.transpose(0, 1)  # noqa: E731
             mixer = None if value_mixer is None else (lambda rq, rk, v, qn, kn: value_mixer(
@@ -88,8 +88,9 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
         state = mech.initial_state(x)
         for boundary in range(LAYERS + 1):
             entries, layout = mech.entries(state), mech.layout(boundary)
-            assert list(entries) == [e.name for e in layout] or sorted(entries) == sorted(e.name for e in layout), \
-                (boundary, list(entries), [e.name for e in layout])
+            # the same names (the hop packs them in the layout's order, so the dict's own order does not matter)
+            names = [e.name for e in layout]
+            assert sorted(entries) == sorted(names), (boundary, list(entries), names)
             for e in layout:
                 assert mech.flat(e.name, entries[e.name]).shape[-1] == e.width, (boundary, e)
                 assert mech.unflat(e.name, mech.flat(e.name, entries[e.name])).shape == entries[e.name].shape
@@ -99,7 +100,7 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
         torch.testing.assert_close(mech.final_hidden(state, model.model), reference, rtol=1e-6, atol=1e-6)
 
 
-FAST = [n for n in MECHANISMS
+FAST = [n for n in SETTINGS
         if residual_settings(n, LAYERS)["mechanism"] in ("attnres", "dca", "depth-attention", "hc", "mhc")]
 
 
@@ -154,13 +155,13 @@ def test_every_mechanism_brings_its_own_io_model():
     """tools/bench_throughput.py asks each mechanism for its forward I/O (Mechanism.io_units): none is missing,
     none is below the standard residual's 3 per sublayer, and the fused stream kernels move less than the
     unfused reference."""
-    from mega_depth.catalogue import MECHANISMS, residual_settings
+    from mega_depth.catalogue import SETTINGS, residual_settings
     from mega_depth.model.base import ModelShape
     from mega_depth.model.config import residual_config
     from mega_depth.model.registry import build
 
     shape = ModelShape(6, 64, 4, 2)
-    for name in MECHANISMS:
+    for name in SETTINGS:
         mech = build(residual_config(residual_settings(name, 6)), shape)
         assert mech.io_units(True) >= 3 * shape.num_sublayers, name
         assert mech.io_units(True) <= mech.io_units(False), name

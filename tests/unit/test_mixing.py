@@ -1,4 +1,4 @@
-"""The depth-mixing math (mega_depth/model/mixing.py) against SPEC.md, in plain PyTorch.
+"""The depth-mixing math (mega_depth/model/mixing.py) against docs/mechanisms.md, in plain PyTorch.
 
 Reference-precision checks build their tensors in float64 explicitly; nothing changes torch's default dtype.
 """
@@ -21,7 +21,7 @@ def randn(*shape, scale=1.0):
 
 
 def naive_attnres(sources, query, gain, eps):
-    """SPEC.md section 1 written out: softmax_i(w . RMSNorm(v_i)), a weighted sum."""
+    """docs/mechanisms.md §4 written out: softmax_i(w . RMSNorm(v_i)), a weighted sum."""
     normed = sources / torch.sqrt(sources.pow(2).mean(-1, keepdim=True) + eps) * gain
     alpha = torch.softmax((normed * query).sum(-1), dim=0)
     return (alpha.unsqueeze(-1) * sources).sum(0)
@@ -41,7 +41,8 @@ def test_attnres_matches_naive_formula_and_weights_are_fp32():
 
 
 def test_attnres_variants_follow_their_definitions():
-    """SPEC-more §9: multi-head (per channel group), sigmoid (no normalisation), no key norm, per-token query."""
+    """docs/mechanisms.md §4: multi-head (per channel group), sigmoid (no normalisation), no key norm, per-token
+    query."""
     sources, query, gain, eps = randn(4, 3, 8), randn(8), 0.5 + torch.rand(8, dtype=F64), 1e-6
     normed = sources / torch.sqrt(sources.pow(2).mean(-1, keepdim=True) + eps) * gain
     heads = mixing.attnres_mix(sources, query, gain, eps, heads=2)
@@ -78,8 +79,8 @@ def test_attnres_layout_blocks_and_remainder():
 @pytest.mark.parametrize("completed", [1, 3])
 def test_two_phase_block_equals_sequential_in_values_and_gradients(completed, weight, heads):
     """Phase 1 (all queries of a block against the completed blocks at once) + phase 2 (online-softmax merge of
-    the partial sum) gives the sequential computation's values AND gradients (SPEC §1; the speed issue needs it
-    in training, so the stabilising max must not leak into the gradient)."""
+    the partial sum) gives the sequential computation's values AND gradients (docs/mechanisms.md §4; the speed issue
+    needs it in training, so the stabilising max must not leak into the gradient)."""
     d, S, eps = 12, 4, 1e-6
     queries = randn(S, d).requires_grad_()
     gains = (0.5 + torch.rand(S, d, dtype=F64)).requires_grad_()

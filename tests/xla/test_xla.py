@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run
-from mega_depth.catalogue import MECHANISMS
+from mega_depth.catalogue import SETTINGS
 
 # 2-device layouts, data parallel and FSDP-sharded, on four settings with different parameter shapes (AttnRes's
 # per-sublayer queries, Depth-Attention's none, DCA's depth-growing GRNs, mHC's [n*n+2n, n*d] projections): the
@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", SETTINGS)
 def test_xla_losses_equal_the_eager_run(runs, mechanism):
     xla, eager = losses(runs / "xla1", mechanism), losses(runs / "eager", mechanism)
     assert len(xla) == len(eager) == 3 and xla[-1] < xla[0]

@@ -193,6 +193,15 @@ class DeepSpeedBackend(Collectives):
     def layout(self) -> Dict[str, int]:
         return {"pp": 1, "tp": 1, "dp": self.dp, "zero_stage": self.engine.zero_optimization_stage()}
 
+    def parameters_on_rank(self) -> int:
+        """The parameters this rank's model holds (ZeRO-3's partitioned ones by their full size: the memory
+        estimate divides them)."""
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.engine.module.parameters())
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
     def build(self, initial_weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
         import deepspeed
 
@@ -286,7 +295,7 @@ class DeepSpeedBackend(Collectives):
         finally:
             self.engine.train()
 
-    def depth_weights(self, microbatches):
+    def heatmap_figures(self, microbatches):
         from mega_depth.model.base import Recorder
 
         if self.mechanism is None:

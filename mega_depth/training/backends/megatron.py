@@ -4,6 +4,7 @@ distributed), the pipeline schedules, and torch_dist checkpoints that reshard be
 from __future__ import annotations
 
 import os
+import warnings
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -54,6 +55,9 @@ class MegatronBackend(Collectives):
 
         return {"pp": ps.get_pipeline_model_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
                 "dp": ps.get_data_parallel_world_size()}
+
+    def parameters_on_rank(self) -> int:
+        return sum(p.numel() for chunk in self.model for p in chunk.parameters())
 
     # --- build ------------------------------------------------------------------------------------------------------
     def build(self, initial_weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
@@ -168,7 +172,7 @@ class MegatronBackend(Collectives):
             for m in self.model:
                 m.train()
 
-    def depth_weights(self, microbatches):
+    def heatmap_figures(self, microbatches):
         """Collective: a forward-only probe of a whole step (interleaved schedules need every micro-batch); the
         last micro-batch's weights of every rank's layers, merged on rank 0."""
         from mega_depth.model.base import Recorder
@@ -218,7 +222,10 @@ class MegatronBackend(Collectives):
         from megatron.core import dist_checkpointing, tensor_parallel
 
         same_layout = all(meta.get("layout", {}).get(k) == v for k, v in self.layout().items())
-        loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), ckpt_dir)
+        with warnings.catch_warnings():  # megatron-core 0.16.1's own use of torch APIs it has yet to move off
+            for message in (".*`load_state_dict` is deprecated", ".*Please use DTensor instead"):
+                warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+            loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), ckpt_dir)
         for i, module in enumerate(self.modules):
             module.load_state_dict(loaded[f"model{i}"])
         self.optimizer.load_state_dict(loaded["optimizer"])

@@ -1,0 +1,158 @@
+"""Where a run's records go (rank 0): metrics.jsonl, the console, TensorBoard, Weights & Biases, heatmaps, and the
+resolved config.
+
+- `--output-dir/config.yaml`: the run's full resolved configuration, loadable with --config.
+- `metrics.jsonl`: one strict-JSON record per step (a non-finite value is null, and "nonfinite" names it).
+- The console: one line per --log-interval with the interval's averages (loss, ms/step, tokens/s), % done, memory,
+  ETA and, on a GPU, MFU (training/report.py: IntervalMeter).
+- TensorBoard (`--output-dir/tensorboard`) and W&B (`--wandb-project`): the same scalars and heatmaps.
+On resume, records past the resumed step (left by the interrupted run) are dropped from metrics.jsonl and
+TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import List, Optional
+
+from mega_depth.config import Config, to_dict
+from mega_depth.training.report import IntervalMeter
+
+
+def config_yaml(cfg: Config) -> str:
+    """The resolved config as YAML that --config reads back (sections, keys as the flags without dashes)."""
+    import yaml
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+class Logger:
+    def __init__(self, cfg: Config, start_step: int, meter: IntervalMeter):
+        self.cfg, self.meter = cfg, meter
+        out = cfg.logging.output_dir
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            f.write(config_yaml(cfg))
+        self.metrics_path = os.path.join(out, "metrics.jsonl")
+        _truncate_metrics(self.metrics_path, start_step)
+        self.interval_losses: List[float] = []
+        self.writer = None
+        if cfg.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # the XLA test environment has no tensorboard; metrics.jsonl has everything
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.writer = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=start_step + 1)
+        self.wandb = _wandb_run(cfg) if cfg.logging.wandb_project else None
+
+    # --- per step ---------------------------------------------------------------------------------------------------
+    def step(self, record: dict, memory_gb: float) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+        done = record["step"]
+        if math.isfinite(record["loss"]):
+            self.interval_losses.append(record["loss"])
+        if done % self.cfg.logging.log_interval == 0 or "val_loss" in record or record.get("skipped") \
+                or done == self.meter.total_steps:
+            self._console(record, memory_gb)
+        scalars = {"train/loss": record["loss"], "train/perplexity": math.exp(min(record["loss"], 50.0)),
+                   "train/lr": record["lr"], "train/grad_norm": record["grad_norm"],
+                   "perf/tokens_per_s": record["tokens_per_s"], "perf/memory_gb": memory_gb,
+                   "data/consumed_samples": record["consumed_samples"]}
+        if "val_loss" in record:
+            scalars.update({"val/loss": record["val_loss"], "val/perplexity": record["val_ppl"]})
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, done)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=done)
+
+    def _console(self, record: dict, memory_gb: float) -> None:
+        done, total = record["step"], self.meter.total_steps
+        losses, self.interval_losses = self.interval_losses, []
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        line = (f"step {done:>6}/{total} ({100 * done / total:5.1f}%) | loss {loss:.6f} | lr {record['lr']:.3e} | "
+                f"grad norm {record['grad_norm']:.4f} | {self.meter.line(done)} | mem {memory_gb:.2f} GB")
+        if "val_loss" in record:
+            line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
+        print(line + (" | skipped (non-finite loss)" if record.get("skipped") else ""), flush=True)
+
+    # --- heatmaps ---------------------------------------------------------------------------------------------------
+    def heatmaps(self, figures: dict, step: int) -> List[str]:
+        """One PNG (and TensorBoard / W&B image) per recorded figure; returns the paths."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:  # e.g. a TPU VM's minimal environment: training goes on without pictures
+            print("matplotlib is not installed: depth-weight heatmaps skipped (pip install matplotlib)", flush=True)
+            return []
+        from mega_depth.training.heatmaps import heatmap_figure
+
+        paths = []
+        for name, rows in sorted(figures.items()):
+            fig = heatmap_figure(rows, f"{name} depth weights, step {step}")
+            path = os.path.join(self.cfg.logging.output_dir, "heatmaps", f"{name}_step{step:07d}.png")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fig.savefig(path, dpi=110)
+            if self.writer is not None:
+                self.writer.add_figure(f"depth_weights/{name}", fig, step)
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.log({f"depth_weights/{name}": wandb.Image(path)}, step=step)
+            plt.close(fig)
+            paths.append(path)
+        return paths
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(cfg: Config):
+    """A W&B run with Megatron-LM's flags: --wandb-project, --wandb-exp-name, --wandb-save-dir (WANDB_MODE=offline
+    writes local files only)."""
+    import wandb  # Config.validate checked that it is installed
+
+    lg = cfg.logging
+    save_dir = lg.wandb_save_dir or lg.output_dir
+    os.makedirs(save_dir, exist_ok=True)
+    return wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name or os.path.basename(
+        os.path.abspath(lg.output_dir)), dir=save_dir, config=to_dict(cfg))
+
+
+def strict_json(record: dict) -> dict:
+    """A metrics record that strict JSON parsers accept: a non-finite number becomes null and the record's
+    "nonfinite" field names it with its value ("nan", "inf", "-inf")."""
+    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
+def _truncate_metrics(path: str, start_step: int) -> None:
+    """Keep only the records up to `start_step` (a resumed run rewrites the steps after it)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= start_step:
+                kept.append(line)
+        except (ValueError, KeyError):
+            continue  # a line cut by a kill
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
+__all__ = ["Logger", "config_yaml", "strict_json"]

@@ -1,0 +1,75 @@
+"""The memory estimate of --dry-run, term by term: what each precision, ZeRO stage and the distributed optimizer
+divide, and the activation formula's pieces."""
+
+import pytest
+
+from mega_depth.config import parse_args
+from mega_depth.training.report import IntervalMeter, memory_estimate
+
+P = 1_000_000  # parameters on the rank
+
+
+def cfg(*flags):
+    return parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "128", "--micro-batch-size", "2"] + list(flags))
+
+
+def test_weights_gradients_and_adam_by_precision_and_sharding():
+    e = memory_estimate(cfg(), P, dp=4, zero_stage=0, depth_state_units=0, world_size=4)
+    assert (e.weights, e.gradients, e.optimizer) == (4 * P, 4 * P, 8 * P)  # fp32: weights, grads, two moments
+    e = memory_estimate(cfg("--bf16"), P, dp=4, zero_stage=0, depth_state_units=0, world_size=4)
+    assert (e.weights, e.gradients, e.optimizer) == (2 * P, 4 * P, 12 * P)  # + fp32 masters in the optimizer
+    e = memory_estimate(cfg("--use-distributed-optimizer"), P, dp=4, zero_stage=0, depth_state_units=0, world_size=4)
+    assert (e.weights, e.gradients, e.optimizer) == (4 * P, 4 * P, 2 * P)
+    z2 = memory_estimate(cfg(), P, dp=4, zero_stage=2, depth_state_units=0, world_size=4)
+    z3 = memory_estimate(cfg(), P, dp=4, zero_stage=3, depth_state_units=0, world_size=4)
+    assert (z2.weights, z2.gradients, z2.optimizer) == (4 * P, P, 2 * P) and z3.weights == P
+
+
+def test_activations_follow_the_layer_formula_and_add_the_carried_depth_state():
+    s, b, h = 128, 2, 64
+    e = memory_estimate(cfg(), P, dp=1, zero_stage=0, depth_state_units=0, world_size=1)
+    assert e.activations == pytest.approx(4 * s * b * h * 34 * 2)  # 4 layers, SDPA (no score term), fp32 = 2x
+    unfused = memory_estimate(cfg("--attention-backend", "unfused"), P, dp=1, zero_stage=0, depth_state_units=0,
+                              world_size=1)
+    assert unfused.activations == pytest.approx(4 * s * b * h * (34 + 5 * 4 * s / h) * 2)
+    # the state carried past the one hidden state the layer formula counts (the standard residual's: none)
+    assert memory_estimate(cfg(), P, dp=1, zero_stage=0, depth_state_units=1, world_size=1) == e
+    with_state = memory_estimate(cfg(), P, dp=1, zero_stage=0, depth_state_units=10, world_size=1)
+    assert with_state.activations - e.activations == pytest.approx(9 * s * b * h * 4)
+    sp = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+    sp_base = memory_estimate(cfg(*sp), P, dp=1, zero_stage=0, depth_state_units=1, world_size=2)
+    sp_state = memory_estimate(cfg(*sp), P, dp=1, zero_stage=0, depth_state_units=10, world_size=2)
+    assert sp_state.activations - sp_base.activations == pytest.approx(9 * s * b * h * 4 / 2)  # sharded by sequence
+    full = memory_estimate(cfg("--recompute-granularity", "full"), P, dp=1, zero_stage=0, depth_state_units=0,
+                           world_size=1)
+    assert full.activations == pytest.approx(4 * 2 * s * b * h * 2)
+    # 1F1B: the first of 2 stages holds 2 micro-batches of its 2 layers
+    pp = memory_estimate(cfg("--pipeline-model-parallel-size", "2", "--global-batch-size", "8"), P, dp=1,
+                         zero_stage=0, depth_state_units=0, world_size=2)
+    assert pp.activations == pytest.approx(e.activations)
+
+
+def test_the_interval_line_averages_the_interval_and_takes_the_eta_after_the_first_step():
+    meter = IntervalMeter(total_steps=10, tokens_per_step=1000, flops_per_step=2e12, peak_flops=1e12, world_size=2)
+    for seconds in (5.0, 1.0):  # the first step compiles
+        meter.add(seconds)
+    line = meter.line(2)
+    assert line.startswith("3,000.0 ms/step | 333 tokens/s | MFU 33.3% | ETA 0:00:08"), line
+    meter.add(3.0)
+    assert meter.line(3).startswith("3,000.0 ms/step | 333 tokens/s | MFU 33.3% | ETA 0:00:14")  # (1 + 3) / 2 x 7
+
+
+@pytest.mark.parametrize("flags, line", [
+    ((), "evaluation: at the last step (10 batches)"),
+    (("--eval-interval", "5"), "evaluation: every 5 steps and at the last step (10 batches)"),
+    (("--eval-iters", "0"), "evaluation: none"),
+])
+def test_the_summary_says_when_the_run_evaluates(flags, line):
+    from mega_depth.training.report import ModelCounts, summary_lines
+    from mega_depth.training.trainer import evaluates
+
+    c = cfg("--train-iters", "20", *flags).validate(1)
+    lines = summary_lines(c, ModelCounts(1000, 10, 6e3), {"tp": 1, "pp": 1, "dp": 1}, (2, 1, 1, 0), 1, None, 0,
+                          evaluates(c))
+    assert line in lines, lines
