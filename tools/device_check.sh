@@ -15,6 +15,7 @@
 #   7. --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole).
 #   FULL=1 adds the quickstart's train -> export -> sample and a short GPU quality run (past the 560 s box).
 #   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels)
+#   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
 # status; the timeouts add up to 535 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
@@ -31,6 +32,7 @@ SUMMARY=""
 step() {  # step NAME TIMEOUT_S command...
   local name=$1 limit=$2 start rc
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then return; fi
   echo "== $name: $*"
   start=$(date +%s)
   timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
@@ -67,7 +69,7 @@ else
             --mechanisms "$TARGETS,attnres-input-query,hc,denseformer")
   # the 1B class: micro-batch 4 at seq 2048 leaves room for the baseline and one mechanism on an 80 GB card
   TP_LARGE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --num-query-groups 8 --seq-length 2048
-            --micro-batch-size 4 --steps 3 --rounds 2 --mechanisms "$TARGETS")
+            --micro-batch-size 4 --steps 3 --rounds 2 --mechanisms "${MECHS_1B:-$TARGETS}")
   PROFILE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --num-query-groups 8 --seq-length 2048
            --micro-batch-size 4)
   QUALITY=(--num-layers 8 --hidden-size 256 --seq-length 256 --global-batch-size 32 --micro-batch-size 32
@@ -75,7 +77,7 @@ else
   QUICK=()
 fi
 
-step environment 10 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
+step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
   $PY -c 'import sys, torch, megatron.core, transformers; print(sys.version.split()[0], torch.__version__,
   megatron.core.__version__, transformers.__version__, torch.cuda.is_available())';
   $PY -c 'import triton; print(\"triton\", triton.__version__)'"
@@ -84,7 +86,7 @@ step throughput_1b 190 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing
   --out "$WORK/throughput_1b.json"
 step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
   --out-dir "$WORK"
-step throughput_d512 100 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
+step throughput_d512 80 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
   --out "$WORK/throughput_d512.json"
 step kernels 50 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained"
 step throughput_d512_compiled 50 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
