@@ -8,19 +8,30 @@ and turns them into trainer flags, so that a benchmark, a layout test and a ship
 from typing import Dict, List
 
 from mega_depth.model.config import option_flag
-from mega_depth.model.registry import catalogue
+from mega_depth.model.registry import catalogue, mechanism_class
 
 SETTINGS = tuple(catalogue(8))  # the names; the settings themselves may scale with depth
 
 
 def residual_settings(name: str, num_layers: int, **overrides) -> Dict[str, object]:
     """`ResidualConfig` fields of the named setting for a model of `num_layers` layers. An override replaces a
-    field the setting has (e.g. attnres_num_blocks=3 for a block that straddles a pipeline stage in tests)."""
+    field the setting has (e.g. attnres_num_blocks=3 for a block that straddles a pipeline stage in tests).
+    A variant adds options to a named setting: "attnres-input-query+attnres_query_scale=rsqrt_d" (benchmarks
+    compare readings of one mechanism this way without a catalogue entry each)."""
+    base, *extras = name.split("+")
     settings = catalogue(num_layers)
-    if name not in settings:
-        raise ValueError(f"unknown mechanism {name!r}; choose from {', '.join(settings)}")
-    out = dict(settings[name])
+    if base not in settings:
+        raise ValueError(f"unknown mechanism {base!r}; choose from {', '.join(settings)}")
+    out = dict(settings[base])
     out.update({k: v for k, v in overrides.items() if k in out and v is not None})
+    options = {o.name: o for o in mechanism_class(out["mechanism"]).options}
+    for extra in extras:
+        key, _, text = extra.partition("=")
+        if key not in options or not text:
+            raise ValueError(f"{extra!r} in {name!r} is not OPTION=VALUE of {out['mechanism']} (options: "
+                             f"{', '.join(options)})")
+        kind = options[key].type
+        out[key] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
     return out
 
 
@@ -36,7 +47,7 @@ def mechanism_flags(name: str, num_layers: int, **overrides) -> List[str]:
 def parse_mechanisms(spec: str) -> List[str]:
     """A comma-separated list from a `--mechanisms` flag, checked against the catalogue."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
+    unknown = [n for n in names if n.split("+")[0] not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown mechanism(s) {unknown} in --mechanisms; choose from {', '.join(SETTINGS)}")
     return names

@@ -37,11 +37,17 @@ UNIT_MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads
               "--seq-length", "16", "--vocab-size", "100", "--seed", "3", "--mock-data"]
 
 
+# Options beyond the catalogue that the layout, export and XLA tests cover too: the input-dependent query's
+# readings, all at once (source = the sum of all sources, 1/sqrt(d) scale, RMSNorm on the projected query).
+READINGS = ("attnres-input-query+attnres_query_source=sum+attnres_query_scale=rsqrt_d+attnres_query_norm=true",)
+
+
 def mechanism_flags(num_layers: int = 4) -> Dict[str, List[str]]:
-    """Every catalogue setting as flags; 3 AttnRes blocks over 4 layers, so that a block straddles a stage."""
+    """Every catalogue setting (and READINGS) as flags; 3 AttnRes blocks over 4 layers, so that a block straddles
+    a stage."""
     from mega_depth.catalogue import SETTINGS, mechanism_flags as flags
 
-    return {name: flags(name, num_layers, attnres_num_blocks=3) for name in SETTINGS}
+    return {name: flags(name, num_layers, attnres_num_blocks=3) for name in SETTINGS + READINGS}
 
 
 def run(args, expect=0, timeout=900, env=None):

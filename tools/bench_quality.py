@@ -45,7 +45,9 @@ def model_flags(args) -> list:
             "--weight-decay", "0.1", "--clip-grad", "1.0", "--data-path", args.data_path,
             "--tokenizer-model", args.tokenizer_model, "--split", "95,5,0",
             "--eval-interval", str(args.eval_interval or max(1, args.train_iters // 8)),
-            "--eval-iters", str(args.eval_iters), "--log-interval", str(max(1, args.train_iters // 10))]
+            "--eval-iters", str(args.eval_iters), "--log-interval", str(max(1, args.train_iters // 10)),
+            # heatmaps and the depth-weight traces (entropy, logit spread) at every evaluation
+            "--heatmap-interval", str(args.eval_interval or max(1, args.train_iters // 8))]
 
 
 def parameter_counts(flags: list) -> dict:
@@ -114,6 +116,52 @@ def summarise(runs: dict, names: list, params: dict) -> list:
             if "standard" in params else None,
         })
     return results
+
+
+def depth_stats(run_dir: str) -> dict:
+    """{stat: [(step, mean over readers)]} of a run's AttnRes depth-weight traces (TensorBoard), empty if none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    return {stat: [(e.step, e.value) for e in events.Scalars(f"depth_stats/attnres/{stat}/mean")]
+            for stat in ("entropy", "logit_std") if f"depth_stats/attnres/{stat}/mean" in tags}
+
+
+def plot_depth_stats(out_dir: str, names: list, seeds: list, title: str) -> list:
+    """depth_stats.png: the softmax's entropy and logit spread over sources (mean over readers) through training,
+    per AttnRes setting (band: seeds' min..max); saturation shows as entropy falling to 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = {n: [depth_stats(os.path.join(out_dir, f"{n}-seed{s}")) for s in seeds] for n in names}
+    traces = {n: t for n, t in traces.items() if all(t)}
+    if not traces:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, stat, label in zip(axes, ("entropy", "logit_std"), ("entropy of the depth weights, nats",
+                                                                 "logit spread (std of log w over sources)")):
+        for i, (name, runs) in enumerate(traces.items()):
+            steps = [step for step, _ in runs[0][stat]]
+            values = [[v for _, v in r[stat]] for r in runs]
+            ax.plot(steps, [statistics.mean(v[j] for v in values) for j in range(len(steps))], color=f"C{i}",
+                    lw=1.4, label=name)
+            ax.fill_between(steps, [min(v[j] for v in values) for j in range(len(steps))],
+                            [max(v[j] for v in values) for j in range(len(steps))], color=f"C{i}", alpha=0.15, lw=0)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title("mean over sublayers", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "depth_stats.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def plot(runs: dict, names: list, out_dir: str, title: str) -> list:
@@ -238,7 +286,7 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     title = (f"{args.num_layers} layers, d={args.hidden_size}, seq {args.seq_length}, "
              f"{results[0]['tokens'] / 1e6:.2f}M tokens, seeds {args.seeds}, {device}")
-    plots = plot(runs, names, args.out_dir, title)
+    plots = plot(runs, names, args.out_dir, title) + plot_depth_stats(args.out_dir, names, seeds, title)
     for name in names:  # what each layer reads, after training (first seed): every figure of the last heatmap step
         folder = os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps")
         pictures = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
@@ -246,7 +294,7 @@ def main(argv=None) -> int:
         for picture in last:
             figure = picture.rsplit("_step", 1)[0]
             label = name if len(last) == 1 else figure if figure.startswith(name) else f"{name}-{figure}"
-            dest = os.path.join(args.out_dir, f"heatmap_{label}.png")
+            dest = os.path.join(args.out_dir, f"heatmap_{label.replace(' ', '-')}.png")
             shutil.copy(os.path.join(folder, picture), dest)
             plots.append(dest)
 

@@ -48,7 +48,7 @@ def saved_config(meta: dict) -> Config:
     model = ModelConfig(**{k: v for k, v in saved["model"].items() if k in model_fields})
     known = {f.name for f in dataclasses.fields(type(Config().residual))} | {"residual"}  # (the old name)
     residual = {k: v for k, v in saved["residual"].items() if k in known}
-    cfg = Config(model=model, residual=residual_config(residual))
+    cfg = Config(model=model, residual=residual_config(residual, saved=True))
     cfg.data.mock_data = True  # only the model matters here
     return cfg
 

@@ -116,7 +116,7 @@ class AttnResMixer(nn.Module):
     of w. Scalar mixing: one learned logit per source (init zero) and nothing else."""
 
     def __init__(self, hidden_size: int, num_sources: int, query: str, mixing: str, key_norm: bool,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, query_norm: bool = False):
         super().__init__()
         if mixing == "scalar":
             self.logits = nn.Parameter(torch.zeros(num_sources, dtype=dtype))
@@ -124,6 +124,8 @@ class AttnResMixer(nn.Module):
         shape = (hidden_size,) if query == "static" else (hidden_size, hidden_size)
         self.query = nn.Parameter(torch.zeros(shape, dtype=dtype))
         self.key_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype)) if key_norm else None
+        # --attnres-query-norm: the gain of the RMSNorm on the projected query (init one)
+        self.query_norm_weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype)) if query_norm else None
 
 
 class AttnRes(Mechanism):
@@ -140,6 +142,17 @@ class AttnRes(Mechanism):
         Option("attnres_key_norm", bool, True, "RMSNorm on the keys (--no-attnres-key-norm drops it)"),
         Option("attnres_mixing", str, "query", "query: attention over sources; scalar: input-independent "
                "learned logits per source", ("query", "scalar")),
+        # The input-dependent query's readings (the paper gives one line: "projecting it from the current hidden
+        # state"; none of these is the authors' code). docs/mechanisms.md §4.
+        Option("attnres_query_source", str, "newest", "input-dependent query: projected from the newest source, or "
+               "from the sum of all sources (what a standard residual stream would hold)", ("newest", "sum")),
+        Option("attnres_query_scale", str, "inv_d", "input-dependent query: a fixed multiplier on the projection "
+               "(inv_d: 1/d, the default since it trained best; rsqrt_d: 1/sqrt(d), a softmax temperature; one: "
+               "none, the default before). From the zero init, under Adam this is also the projection's "
+               "learning-rate scale, as muP sets it for a d x d map", ("inv_d", "rsqrt_d", "one"),
+               unrecorded="one"),
+        Option("attnres_query_norm", bool, False, "input-dependent query: an RMSNorm (gain init one) on the "
+               "projected query"),
     )
     module_names = ("attn_mixer", "mlp_mixer", "final_mixer")
 
@@ -149,6 +162,9 @@ class AttnRes(Mechanism):
         self.attnres_layout = AttnResLayout(shape.num_sublayers, r.attnres_num_blocks or shape.num_sublayers)
         self.query_kind, self.weight, self.heads = r.attnres_query, r.attnres_weight, r.attnres_heads
         self.key_norm, self.mixing = r.attnres_key_norm, r.attnres_mixing
+        self.query_source, self.query_norm = r.attnres_query_source, r.attnres_query_norm
+        self.query_scale = {"one": 1.0, "rsqrt_d": shape.hidden_size ** -0.5,
+                            "inv_d": 1.0 / shape.hidden_size}[r.attnres_query_scale]
         self.eps = shape.norm_epsilon
         # The two-phase form needs queries that do not depend on the state, and blocks of several sublayers.
         self.two_phase = (self.mixing == "query" and self.query_kind == "static"
@@ -186,11 +202,18 @@ class AttnRes(Mechanism):
              "--attnres-mixing scalar has no query; drop --attnres-query input")
         fail(not (r.attnres_mixing == "scalar" and r.attnres_weight == "sigmoid"),
              "--attnres-mixing scalar is a softmax over learned logits; drop --attnres-weight sigmoid")
+        defaults = {o.name: o.default for o in cls.options}
+        readings = ["--" + name.replace("_", "-") for name in ("attnres_query_source", "attnres_query_scale",
+                                                   "attnres_query_norm") if getattr(r, name) != defaults[name]]
+        fail(r.attnres_query == "input" or not readings,
+             f"{', '.join(readings)} only apply to the input-dependent query; add --attnres-query input or drop "
+             "them")
 
     # --- parameters ---------------------------------------------------------------------------------------------
     def _mixer(self, sublayer: int, dtype) -> AttnResMixer:
         return AttnResMixer(self.shape.hidden_size, self.attnres_layout.num_sources_before(sublayer),
-                            self.query_kind, self.mixing, self.key_norm, dtype)
+                            self.query_kind, self.mixing, self.key_norm, dtype,
+                            query_norm=self.query_kind == "input" and self.query_norm)
 
     def layer_modules(self, layer, dtype=None):
         return {"attn_mixer": self._mixer(2 * layer + 1, dtype), "mlp_mixer": self._mixer(2 * layer + 2, dtype)}
@@ -210,19 +233,23 @@ class AttnRes(Mechanism):
         return mixer.key_norm_weight if self.key_norm else None
 
     def _query(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
-        """The static pseudo-query [d], or the input-dependent one [*, d] from the newest source."""
+        """The static pseudo-query [d], or the input-dependent one [*, d]:
+        q = c * [RMSNorm_q](W^Q RMSNorm_l(s)), s the newest source (or the sum of all sources), c the scale."""
         if self.query_kind == "static":
             return mixer.query
-        s = state.newest()
-        if self.key_norm:  # W^Q RMSNorm_l(s): the mixer's own key norm, gain included
+        s = state.newest() if self.query_source == "newest" else torch.stack(state.source_list()).sum(0)
+        if self.key_norm:  # the mixer's own key norm, gain included
             s = (s.float() * rms_inverse(s, self.eps).unsqueeze(-1)).to(s.dtype) * mixer.key_norm_weight
-        return F.linear(s, mixer.query)
+        q = F.linear(s, mixer.query)
+        if self.query_norm:
+            q = (q.float() * rms_inverse(q, self.eps).unsqueeze(-1)).to(q.dtype) * mixer.query_norm_weight
+        return q * self.query_scale if self.query_scale != 1.0 else q
 
     def mix(self, mixer: AttnResMixer, state: AttnResState, sublayer: int) -> Tensor:
         """The input h of `sublayer` (or of the final norm, sublayer L+1) from the state's sources."""
         if self.recorder is not None:
             self.recorder.add("attnres", *sublayer_label(sublayer, self.shape.num_sublayers),
-                              self.weights(mixer, state))
+                              self.weights(mixer, state), softmax=self.weight == "softmax" and self.mixing == "query")
         if sublayer in state.phase1:
             m, z, o = state.phase1[sublayer]
             return self.kernel("attnres_phase2", attnres_block_phase2)(
@@ -291,8 +318,9 @@ class AttnRes(Mechanism):
     def io_units(self, fused=True):
         S, lay = self.shape.num_sublayers, self.attnres_layout
         if not self.two_phase:  # sublayer by sublayer: sublayer l reads its l sources, writes its input
-            extra = 1.0 if self.query_kind == "input" else 0.0  # the query reads the newest source
-            return sum(l + 1 + extra for l in range(1, S + 1)) + (S + 2)
+            def query_reads(l):  # the input-dependent query reads the newest source, or all l of them
+                return 0.0 if self.query_kind != "input" else float(l) if self.query_source == "sum" else 1.0
+            return sum(l + 1 + query_reads(l) for l in range(1, S + 1)) + (S + 2)
         total = 0.0  # two-phase: per sublayer n/S (phase 1's read of the n completed blocks, shared) + 5
         for b in range(1, lay.num_blocks + 1):
             members = lay.block_end(b) - lay.block_start(b) + 1

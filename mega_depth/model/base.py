@@ -45,6 +45,9 @@ class Option:
     default: Any
     help: str
     choices: Optional[Tuple[Any, ...]] = None
+    # What a saved config (checkpoint, export) that does not record the option meant, where that differs from the
+    # default: an option whose default changed, so an older model loads as it was trained.
+    unrecorded: Any = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,11 @@ class ModelShape:
         return 2 * self.num_layers
 
 
+STATS = " stats"  # a Recorder figure of [entropy, logit spread] per reader: scalars, not a heatmap
+TOKEN_SPREAD = " token spread"  # a Recorder figure of the std over tokens of each source's weight
+STAT_NAMES = ("entropy", "logit_std")
+
+
 class Recorder:
     """Mean depth weights of one forward pass, for heatmaps: {figure: {(order, label): weights}}.
 
@@ -85,9 +93,19 @@ class Recorder:
     def __init__(self):
         self.figures: Dict[str, Dict[Tuple[float, str], list]] = {}
 
-    def add(self, figure: str, order: float, label: str, weights: Tensor) -> None:
-        mean = weights.detach().float().flatten(1).mean(1) if weights.dim() > 1 else weights.detach().float()
-        self.figures.setdefault(figure, {})[(order, label)] = mean.cpu().tolist()
+    def add(self, figure: str, order: float, label: str, weights: Tensor, softmax: bool = False) -> None:
+        """softmax: the weights are a softmax over sources per token; then also record, per reader, the mean
+        entropy and logit spread (the std over sources of log w: the logits' own, as a softmax is shift-invariant)
+        as figure + STATS, and the std over tokens of each source's weight as figure + TOKEN_SPREAD."""
+        w = weights.detach().float().flatten(1) if weights.dim() > 1 else weights.detach().float()
+        self.figures.setdefault(figure, {})[(order, label)] = (w.mean(1) if w.dim() > 1 else w).cpu().tolist()
+        if softmax and w.dim() > 1:
+            log_w = w.clamp_min(1e-30).log()
+            entropy = -(w * log_w).sum(0).mean()
+            self.figures.setdefault(figure + STATS, {})[(order, label)] = [
+                entropy.item(), log_w.std(0, unbiased=False).mean().item()]
+            self.figures.setdefault(figure + TOKEN_SPREAD, {})[(order, label)] = \
+                w.std(1, unbiased=False).cpu().tolist()
 
     def add_matrix(self, figure: str, order: float, label: str, weights: Tensor) -> None:
         """weights [n_out, n_in, *]: entry (i, j) is what stream j gives to stream i."""
@@ -300,6 +318,6 @@ def option_fields(mechanisms: Sequence[type]) -> List[Tuple[str, Any, dataclasse
     fields = []
     for opt in seen.values():
         kind = Optional[opt.type] if opt.default is None else opt.type
-        fields.append((opt.name, kind, dataclasses.field(default=opt.default, metadata={"help": opt.help,
-                                                                                        "choices": opt.choices})))
+        fields.append((opt.name, kind, dataclasses.field(default=opt.default, metadata={
+            "help": opt.help, "choices": opt.choices, "unrecorded": opt.unrecorded})))
     return fields

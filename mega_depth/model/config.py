@@ -31,8 +31,9 @@ def option_flag(name: str) -> str:
     return "--residual" if name == "mechanism" else "--" + name.replace("_", "-")
 
 
-def residual_config(values: Dict[str, Any]) -> "ResidualConfig":
-    """A ResidualConfig from saved values (a checkpoint's or an exported config's); unknown keys are errors."""
+def residual_config(values: Dict[str, Any], saved: bool = False) -> "ResidualConfig":
+    """A ResidualConfig from values (a named setting's, or with saved=True a checkpoint's or an exported config's,
+    where an option the config does not record takes the value it meant then); unknown keys are errors."""
     values = dict(values)
     if "residual" in values:  # saved configs name the mechanism as its flag does (residual_values)
         values["mechanism"] = values.pop("residual")
@@ -40,6 +41,9 @@ def residual_config(values: Dict[str, Any]) -> "ResidualConfig":
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown residual option(s) {unknown}: saved by a newer mega_depth?")
+    for f in dataclasses.fields(ResidualConfig):  # saved before the option's default changed: the old meaning
+        if saved and f.name not in values and f.metadata.get("unrecorded") is not None:
+            values[f.name] = f.metadata["unrecorded"]
     return ResidualConfig(**values)
 
 
@@ -83,4 +87,4 @@ class DecoderConfig:
     def from_dict(cls, values: Dict[str, Any]) -> "DecoderConfig":
         values = dict(values)
         residual = values.pop("residual", {"mechanism": "standard"})
-        return cls(**values, residual=residual_config(residual))
+        return cls(**values, residual=residual_config(residual, saved=True))

@@ -11,21 +11,24 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 COLORBAR_LABEL = "mean depth weight (over tokens)"
+SPREAD_LABEL = "std of the depth weight over tokens"  # how much the weights vary with the input
 
 
-def heatmap_figure(rows: Dict[Tuple[float, str], list], title: str):
-    """A matplotlib figure of one recorded figure (rows keyed by (order, label), each a [K] list or an [n][n]
-    matrix)."""
+def heatmap_figure(rows: Dict[Tuple[float, str], list], title: str, name: str = ""):
+    """A matplotlib figure of one recorded figure `name` (rows keyed by (order, label), each a [K] list or an
+    [n][n] matrix)."""
     import matplotlib
+
+    from mega_depth.model.base import TOKEN_SPREAD
 
     matplotlib.use("Agg")
     ordered = sorted(rows.items())
     if ordered and isinstance(ordered[0][1][0], list):
         return _stream_grids(ordered, title)
-    return _rows(ordered, title)
+    return _rows(ordered, title, SPREAD_LABEL if name.endswith(TOKEN_SPREAD) else COLORBAR_LABEL)
 
 
-def _rows(ordered: List[Tuple[Tuple[float, str], List[float]]], title: str):
+def _rows(ordered: List[Tuple[Tuple[float, str], List[float]]], title: str, colorbar: str = COLORBAR_LABEL):
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -38,7 +41,7 @@ def _rows(ordered: List[Tuple[Tuple[float, str], List[float]]], title: str):
     ax.set_yticks(range(len(ordered)), [label for (_, label), _ in ordered], fontsize=7)
     ax.set_xlabel("source (depth order; last = newest / self)")
     ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=ax, label=COLORBAR_LABEL)
+    fig.colorbar(im, ax=ax, label=colorbar)
     fig.tight_layout()
     return fig
 

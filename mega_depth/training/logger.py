@@ -88,11 +88,15 @@ class Logger:
         except ImportError:  # e.g. a TPU VM's minimal environment: training goes on without pictures
             print("matplotlib is not installed: depth-weight heatmaps skipped (pip install matplotlib)", flush=True)
             return []
+        from mega_depth.model.base import STATS
         from mega_depth.training.heatmaps import heatmap_figure
 
         paths = []
         for name, rows in sorted(figures.items()):
-            fig = heatmap_figure(rows, f"{name} depth weights, step {step}")
+            if name.endswith(STATS):
+                self._depth_stats(name[: -len(STATS)], rows, step)
+                continue
+            fig = heatmap_figure(rows, f"{name} depth weights, step {step}", name)
             path = os.path.join(self.cfg.logging.output_dir, "heatmaps", f"{name}_step{step:07d}.png")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fig.savefig(path, dpi=110)
@@ -105,6 +109,22 @@ class Logger:
             plt.close(fig)
             paths.append(path)
         return paths
+
+    def _depth_stats(self, figure: str, rows: dict, step: int) -> None:
+        """Per reader and averaged over readers: the softmax's entropy and logit spread (saturation shows as
+        entropy near 0 and a growing spread), as scalars depth_stats/<figure>/<stat>/<reader>."""
+        from mega_depth.model.base import STAT_NAMES
+
+        scalars = {}
+        for i, stat in enumerate(STAT_NAMES):
+            for (_, label), values in rows.items():
+                scalars[f"depth_stats/{figure}/{stat}/{label.replace(' ', '_')}"] = values[i]
+            scalars[f"depth_stats/{figure}/{stat}/mean"] = sum(v[i] for v in rows.values()) / len(rows)
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from fixtures import SAVE_MODEL, SCRIPTS, mechanism_flags, run, torchrun
+from fixtures import READINGS, SAVE_MODEL, SCRIPTS, mechanism_flags, run, torchrun
 from mega_depth.catalogue import SETTINGS
 
 SCRIPT = os.path.join(SCRIPTS, "train_and_save.py")
@@ -32,7 +32,7 @@ def exports(trained, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("hf")
     for layout in ("tp1", "tp2pp2"):
-        for mech in SETTINGS:
+        for mech in SETTINGS + READINGS:
             export_checkpoint(str(trained / layout / mech / "ckpt"), str(out / layout / mech))
     return out
 
@@ -89,7 +89,7 @@ def prompt(data):
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
-@pytest.mark.parametrize("mechanism", SETTINGS)
+@pytest.mark.parametrize("mechanism", SETTINGS + READINGS)
 def test_exported_logits_equal_the_training_model(megatron_world, trained, exports, prompt, layout, mechanism):
     ckpt = trained / layout / mechanism / "ckpt"
     ref = training_model(str(ckpt))
@@ -110,7 +110,7 @@ def test_exported_logits_equal_the_training_model(megatron_world, trained, expor
     assert diff <= 1e-4, f"{layout}/{mechanism}: max |logit diff| {diff}"
 
 
-@pytest.mark.parametrize("mechanism", SETTINGS)
+@pytest.mark.parametrize("mechanism", SETTINGS + READINGS)
 def test_kv_cache_generation_matches_no_cache_and_the_training_model(megatron_world, trained, exports, prompt,
                                                                     mechanism):
     model = hf_model(exports / "tp1" / mechanism)

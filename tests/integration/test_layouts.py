@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from fixtures import LAYOUT_MODEL, SCRIPTS, run, torchrun
+from fixtures import LAYOUT_MODEL, READINGS, SCRIPTS, run, torchrun
 from mega_depth.catalogue import SETTINGS
 
 SCRIPT = os.path.join(SCRIPTS, "run_layout.py")
@@ -71,7 +71,7 @@ def load(root, layout, mechanism):
 
 
 CASES = [(layout, mech) for layout, (_, _, _, only) in LAYOUTS.items() if layout != "single"
-         for mech in SETTINGS if only is None or mech in only.split(",")]
+         for mech in SETTINGS + READINGS if only is None or mech in only.split(",")]
 
 
 @pytest.mark.parametrize("layout, mechanism", CASES)
@@ -87,8 +87,9 @@ def test_layout_matches_single_process(runs, layout, mechanism):
     # pseudo-query) and layer 0's attention mixer (its only source is the embedding); HC's stream-norm gain and
     # scales, and mHC's scales (they multiply the zero-initialised W / phi). Everything else must move.
     zero = [name for name, ref in ref_grads.items() if ref.abs().max() == 0]
+    # The input-dependent query's RMSNorm gain multiplies RMSNorm(W^Q s) = 0 at W^Q's zero init.
     math_zero = ("_mixer.key_norm_weight", "layers.0.attn_mixer", "_hc.norm_weight", "_hc.s_alpha", "_hc.s_beta",
-                 "_mhc.alpha_")
+                 "_mhc.alpha_", "_mixer.query_norm_weight")
     assert all(any(k in name for k in math_zero) for name in zero), zero
     for name, ref in ref_grads.items():
         # atol: relative to the tensor's scale, with a floor for gradients that cancel to ~1e-6 (HC's A_m at init,
@@ -103,7 +104,7 @@ def test_compiled_layers_were_compiled_whole(runs, layout):
     included, and Dynamo captured graphs (an eager run writes zeros). In one process not one graph break, for
     every mechanism: the mixing's custom ops, its recomputation and Depth-Attention's value mixer are traced."""
     only = LAYOUTS[layout][3]
-    for mechanism in (only.split(",") if only else SETTINGS):
+    for mechanism in (only.split(",") if only else SETTINGS + READINGS):
         compiled = json.loads((runs / layout / mechanism / "compiled.json").read_text())
         # no pipeline split in these layouts: rank 0 holds every layer
         assert compiled["layers"] == NUM_LAYERS, (layout, mechanism, compiled)

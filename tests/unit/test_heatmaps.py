@@ -1,6 +1,10 @@
 """The depth-weight figures: rows read as what they are (the output aggregation by name), the colour bar says what
 its numbers are, and a stream mix (mHC's H_res, HC's A_r) is an n x n grid per sublayer."""
 
+import math
+import os
+
+import pytest
 import torch
 
 from mega_depth.catalogue import residual_settings
@@ -46,3 +50,33 @@ def test_mhc_stream_mix_is_an_n_by_n_grid_per_sublayer():
     assert panels[0].get_xlabel() == "from stream" and panels[0].get_ylabel() == "to stream"
     hc = recorded("hc", layers=2)["hc-A_r"]
     assert all(len(m) == 4 and len(m[0]) == 4 for m in hc.values())
+
+
+def test_the_input_dependent_querys_weights_are_drawn_with_their_spread_and_traced_in_tensorboard(tmp_path):
+    """Beside the mean weights: a figure of how much they vary over tokens, and the softmax's entropy and logit
+    spread per sublayer as TensorBoard scalars (where saturation shows), not as a picture."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mega_depth.model.base import STATS, TOKEN_SPREAD
+    from mega_depth.training.heatmaps import SPREAD_LABEL
+    from mega_depth.training.logger import Logger
+    from mega_depth.training.report import IntervalMeter
+
+    figures = recorded("attnres-input-query")
+    assert {"attnres", "attnres" + TOKEN_SPREAD, "attnres" + STATS} <= set(figures)
+    assert heatmap_figure(figures["attnres" + TOKEN_SPREAD], "spread", "attnres" + TOKEN_SPREAD
+                          ).axes[-1].get_ylabel() == SPREAD_LABEL
+    cfg = parse_args(["--mock-data", "--output-dir", str(tmp_path)])
+    logger = Logger(cfg, 0, IntervalMeter(10, 1, 1.0, None, 1))
+    paths = logger.heatmaps(figures, 5)
+    logger.close()
+    assert sorted(os.path.basename(p) for p in paths) == ["attnres token spread_step0000005.png",
+                                                          "attnres_step0000005.png"]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for stat in ("entropy", "logit_std"):
+        assert f"depth_stats/attnres/{stat}/mean" in tags
+        assert f"depth_stats/attnres/{stat}/output_(final_norm)" in tags
+    entropy = events.Scalars("depth_stats/attnres/entropy/sublayer_2_(mlp_0)")[0]
+    assert entropy.step == 5 and entropy.value == pytest.approx(math.log(2), abs=1e-5)  # zero init: uniform

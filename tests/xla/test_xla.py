@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from fixtures import READINGS
 from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run
 from mega_depth.catalogue import SETTINGS
 
@@ -34,7 +35,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("mechanism", SETTINGS)
+@pytest.mark.parametrize("mechanism", SETTINGS + READINGS)
 def test_xla_losses_equal_the_eager_run(runs, mechanism):
     xla, eager = losses(runs / "xla1", mechanism), losses(runs / "eager", mechanism)
     assert len(xla) == len(eager) == 3 and xla[-1] < xla[0]
