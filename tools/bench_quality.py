@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from mega_depth.training.distributed import free_port  # noqa: E402
 from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms  # noqa: E402
+from mega_depth.model.base import TOKEN_SPREAD  # noqa: E402
 
 DATA_PREFIX = os.path.join(ROOT, "data", "processed", "python-docs")
 TOKENIZER = os.path.join(ROOT, "data", "processed", "spm.model")
@@ -291,9 +292,13 @@ def main(argv=None) -> int:
         folder = os.path.join(args.out_dir, f"{name}-seed{seeds[0]}", "heatmaps")
         pictures = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
         last = [p for p in pictures if pictures and p.endswith(pictures[-1].rsplit("_step", 1)[1])]
+        primary = [p for p in last if not p.rsplit("_step", 1)[0].endswith(TOKEN_SPREAD)]  # not the spreads
         for picture in last:
             figure = picture.rsplit("_step", 1)[0]
-            label = name if len(last) == 1 else figure if figure.startswith(name) else f"{name}-{figure}"
+            if len(primary) == 1:  # one figure (and maybe its spread over tokens): named by the setting
+                label = name + ("-token-spread" if figure.endswith(TOKEN_SPREAD) else "")
+            else:
+                label = figure if figure.startswith(name) else f"{name}-{figure}"
             dest = os.path.join(args.out_dir, f"heatmap_{label.replace(' ', '-')}.png")
             shutil.copy(os.path.join(folder, picture), dest)
             plots.append(dest)
