@@ -84,6 +84,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (PP)")
     num_layers_per_virtual_pipeline_stage: Optional[int] = _f(None, "layers per virtual stage: the interleaved "
                                                                     "1F1B schedule (default: plain 1F1B)")
+    context_parallel_size: int = _f(1, "context-parallel size (CP): each sequence split over CP ranks in 2 x CP "
+                                       "load-balanced chunks; attention all-gathers K and V")
     sequence_parallel: bool = _f(False, "Megatron's sequence parallelism (needs TP > 1)")
     use_distributed_optimizer: bool = _f(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
     recompute_granularity: Optional[str] = _f(None, "activation recomputation: full (whole layers) or selective "
@@ -184,7 +186,7 @@ class Config:
 
     def data_parallel_size(self, world_size: int) -> int:
         p = self.parallel
-        return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
 
     def num_microbatches(self, world_size: int) -> int:
         t = self.training
@@ -226,13 +228,16 @@ class Config:
             except ImportError:
                 raise ConfigError("--mixing-impl triton needs triton (pip install triton==3.6.0, the version the "
                                   "GPU's torch uses); or use --mixing-impl eager") from None
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        _check(tp >= 1 and pp >= 1, "parallel sizes must be >= 1")
-        _check(
-            world_size % (tp * pp) == 0,
-            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}; launch a multiple of {tp * pp} "
-            "processes (torchrun --nproc-per-node)",
-        )
+        tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+        _check(tp >= 1 and pp >= 1 and cp >= 1, "parallel sizes must be >= 1")
+        if cp == 1:
+            _check(world_size % (tp * pp) == 0,
+                   f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}; launch a multiple of "
+                   f"{tp * pp} processes (torchrun --nproc-per-node)")
+        else:
+            _check(world_size % (tp * cp * pp) == 0,
+                   f"world size {world_size} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}; launch a "
+                   f"multiple of {tp * cp * pp} processes (torchrun --nproc-per-node), the rest is data parallel")
         _check(m.num_attention_heads % tp == 0,
                f"--num-attention-heads {m.num_attention_heads} is not divisible by "
                f"--tensor-model-parallel-size {tp}")
@@ -249,6 +254,16 @@ class Config:
             _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
             _check(m.seq_length % tp == 0,
                    f"--seq-length {m.seq_length} is not divisible by TP={tp}, which --sequence-parallel needs")
+        if cp > 1:
+            _check(m.seq_length % (2 * cp) == 0,
+                   f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
+                   "sequence is split into 2 x CP chunks); pick a sequence length that is")
+            _check(not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
+                   f"--sequence-parallel splits each CP rank's {m.seq_length // cp} tokens over TP={tp}; pick a "
+                   f"--seq-length divisible by CP x TP = {cp * tp}")
+            _check(m.attention_backend == "sdpa" or m.transformer_impl == "transformer_engine",
+                   "--context-parallel-size needs --attention-backend sdpa (the unfused reference attention has no "
+                   "context parallelism)")
         _check(m.num_layers % pp == 0,
                f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
         if p.num_layers_per_virtual_pipeline_stage is not None:
@@ -310,9 +325,9 @@ class Config:
             _check(not p.use_distributed_optimizer,
                    "--use-distributed-optimizer is Megatron's ZeRO-1; with --deepspeed use the ZeRO stage in the "
                    "DeepSpeed config instead")
-            _check(p.tensor_model_parallel_size == 1,
+            _check(p.tensor_model_parallel_size == 1 and p.context_parallel_size == 1,
                    "--deepspeed trains with data parallelism (ZeRO); use the Megatron path (no --deepspeed) for "
-                   "tensor or pipeline parallelism")
+                   "tensor, context or pipeline parallelism")
         dp = self.data_parallel_size(world_size)
         if t.global_batch_size is not None:
             _check(

@@ -19,7 +19,9 @@ Per mechanism it reports:
       ratio >= 1 + 3 * extra_units * d * bytes_per_element / bandwidth / (FLOPs per token / (mfu * peak))
   extra_units: the forward I/O per token (units of d) the mixing adds over the plain residual's 3 per sublayer
   (each mechanism's io_units, from the per-sublayer I/O of each mechanism; training is ~3x the forward).
-One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout.
+One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout,
+e.g. `torchrun --nproc-per-node 2 tools/bench_throughput.py --context-parallel-size 2` (rank 0's saved bytes: a
+CP2 rank keeps about half of a CP1 rank's).
 With --resident pair the --out JSON is rewritten after every pair ("complete": false until the last), so a run cut
 short by a time box keeps the pairs it finished.
 """

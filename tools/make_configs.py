@@ -49,6 +49,19 @@ SIZES = {
     ),
 }
 
+# A long-context phase for the 1B model (Block AttnRes, as Kimi K3): 32k tokens per sequence split over 4
+# context-parallel ranks (x TP 2 = 8 GPUs per replica), 2M tokens per step, a larger RoPE base for the longer range.
+LONG_CONTEXT = ("1b-long-context", "attnres-block", dict(
+    model=dict(num_layers=24, hidden_size=2048, num_attention_heads=16, num_query_groups=8, seq_length=32768,
+               rotary_base=500000),
+    parallel=dict(use_distributed_optimizer=True, tensor_model_parallel_size=2, sequence_parallel=True,
+                  context_parallel_size=4),
+    training=dict(micro_batch_size=1, global_batch_size=64, train_iters=4000, lr=1e-4, min_lr=1e-5,
+                  lr_warmup_iters=200, lr_decay_style="cosine", bf16=True),
+    data=dict(split="969,30,1", eval_interval=500, eval_iters=10),
+    checkpoint=dict(save_interval=250),
+))
+
 # config-file name -> catalogue entry ("attnres" is Block AttnRes, the paper's practical form)
 CONFIG_NAMES = {("attnres" if name == "attnres-block" else name): name for name in SETTINGS}
 
@@ -56,21 +69,23 @@ CONFIG_NAMES = {("attnres" if name == "attnres-block" else name): name for name 
 def main() -> None:
     out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs")
     os.makedirs(out, exist_ok=True)
-    for size_name, size in SIZES.items():
-        for mech_name, entry in CONFIG_NAMES.items():
-            doc = {k: dict(v) for k, v in size.items()}
-            doc["residual"] = residual_settings(entry, size["model"]["num_layers"])
-            if "logging" in doc:
-                doc["logging"]["output_dir"] = f"runs/{size_name}-{mech_name}"
-            else:
-                doc["logging"] = {"output_dir": f"runs/{size_name}-{mech_name}"}
-            doc.setdefault("checkpoint", {})["save"] = f"runs/{size_name}-{mech_name}/checkpoints"
-            path = os.path.join(out, f"{size_name}-{mech_name}.yaml")
-            with open(path, "w") as f:
-                f.write(f"# {size_name} {mech_name}: python -m mega_depth.train --config {os.path.relpath(path)}"
-                        " [--flag value ...]\n")
-                yaml.safe_dump(doc, f, sort_keys=False)
-    print(f"wrote {len(SIZES) * len(CONFIG_NAMES)} configs to {out}")
+    jobs = [(size_name, mech_name, entry, size) for size_name, size in SIZES.items()
+            for mech_name, entry in CONFIG_NAMES.items()]
+    jobs.append((LONG_CONTEXT[0], "attnres", LONG_CONTEXT[1], LONG_CONTEXT[2]))
+    for size_name, mech_name, entry, size in jobs:
+        doc = {k: dict(v) for k, v in size.items()}
+        doc["residual"] = residual_settings(entry, size["model"]["num_layers"])
+        if "logging" in doc:
+            doc["logging"]["output_dir"] = f"runs/{size_name}-{mech_name}"
+        else:
+            doc["logging"] = {"output_dir": f"runs/{size_name}-{mech_name}"}
+        doc.setdefault("checkpoint", {})["save"] = f"runs/{size_name}-{mech_name}/checkpoints"
+        path = os.path.join(out, f"{size_name}-{mech_name}.yaml")
+        with open(path, "w") as f:
+            f.write(f"# {size_name} {mech_name}: python -m mega_depth.train --config {os.path.relpath(path)}"
+                    " [--flag value ...]\n")
+            yaml.safe_dump(doc, f, sort_keys=False)
+    print(f"wrote {len(jobs)} configs to {out}")
 
 
 if __name__ == "__main__":

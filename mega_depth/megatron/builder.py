@@ -50,6 +50,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size,
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,

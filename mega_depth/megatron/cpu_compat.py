@@ -5,7 +5,8 @@ Megatron-core assumes CUDA in a few places:
 - `torch.cuda.synchronize()` after p2p shape exchanges; `Tensor.cuda()` for the tied output weight under PP;
 - the RNG tracker (`tensor_parallel/random.py`) reads and writes `torch.cuda` RNG states; attention always forks it;
 - `transformer/utils.py` builds causal masks on "cuda" (also imported by name in `fusions/fused_softmax.py`);
-- the schedules, grad clipping and the optimizer allocate small buffers with a literal `device="cuda"`;
+- the schedules, grad clipping and the optimizer allocate small buffers with a literal `device="cuda"` (and RoPE's
+  context-parallel chunk index stages through pinned memory);
 - `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`, and the distributed / bf16
   optimizers sort parameters by `param.type()` names of CUDA tensors while they build their groups;
 - pipeline p2p posts its sends and receives untagged. NCCL's grouped calls pair them, but gloo matches messages
@@ -38,6 +39,7 @@ _MODULES_WITH_CUDA_LITERALS = (
     "megatron.core.tensor_parallel.data",
     "megatron.core.transformer.utils",
     "megatron.core.utils",  # local_multi_tensor_l2_norm (grad norm without apex)
+    "megatron.core.models.common.embeddings.rope_utils",  # context parallelism's RoPE chunk index (pinned)
 )
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
 
@@ -55,6 +57,7 @@ def _redirect(factory):
     def wrapped(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # a CPU-only torch has no pinned memory; a staging copy needs none here
         return factory(*args, **kwargs)
 
     return wrapped

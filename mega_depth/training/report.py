@@ -93,7 +93,8 @@ def memory_estimate(cfg: Config, parameters_on_rank: int, dp: int, zero_stage: i
     if zero_stage >= 3:
         weights /= dp
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    # under context parallelism a rank holds s / CP tokens of every sequence (all-gather CP keeps only local K, V)
+    s, b, h, a = m.seq_length // p.context_parallel_size, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     scores = 0.0 if m.attention_backend == "sdpa" else 5 * a * s / h
     if p.sequence_parallel:
         per_layer = s * b * h * (34 + scores) / tp
@@ -143,8 +144,9 @@ def summary_lines(cfg: Config, counts: ModelCounts, layout: dict, sampler_shape,
         f"{counts.mixing:,} ({share:.3%}); {counts.flops_per_token / 1e6:,.1f} MFLOPs per token (training)",
         (f"layout: one SPMD program over {layout['devices']} device(s), mesh data {layout['mesh'][0]} x fsdp "
          f"{layout['mesh'][1]}" if "mesh" in layout else  # the XLA trainer
-         f"layout: world {world_size} = TP {layout.get('tp', 1)} x PP {layout.get('pp', 1)} x DP "
-         f"{layout.get('dp', dp)}")
+         f"layout: world {world_size} = TP {layout.get('tp', 1)}"
+         + (f" x CP {layout['cp']}" if layout.get("cp", 1) > 1 else "")
+         + f" x PP {layout.get('pp', 1)} x DP {layout.get('dp', dp)}")
         + (f" (virtual stages {cfg.virtual_pipeline_size})" if cfg.virtual_pipeline_size else "")
         + (" + sequence parallel" if cfg.parallel.sequence_parallel else "")
         + (f" | DeepSpeed {os.path.basename(t.deepspeed_config or '')}" if t.deepspeed else "")

@@ -89,6 +89,8 @@ TRAINER_CASES = {
                                       "--seq-length 2000000 needs 2000001 tokens per sample, but the training split"),
     "yaml-float-for-int": (_yaml("model:\n  num_layers: 2.9\n"),
                            "model.num_layers in {tmp}/c.yaml must be an integer, got 2.9 (float)"),
+    "context-parallel-on-one-process": (_flags("--context-parallel-size", "2"),
+                                        "world size 1 is not divisible by TP x CP x PP = 1 x 2 x 1"),
     "yaml-list-for-section": (_yaml("training:\n  - lr\n"), "section 'training' in {tmp}/c.yaml must map keys"),
 }
 

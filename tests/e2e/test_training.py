@@ -1,5 +1,5 @@
 """The training stack end to end on CPU: tokenizer -> preprocess -> train -> checkpoint with evaluation,
-TensorBoard and heatmaps; a kill during a save; resharding between layouts; the DeepSpeed launcher; the smoke test;
+TensorBoard and heatmaps; a kill during a save; resharding between layouts (TP x PP, CP); the DeepSpeed launcher; the smoke test;
 the shipped configs; and a plain run's console output (no third-party warnings a user cannot act on)."""
 
 import glob
@@ -97,6 +97,20 @@ def test_checkpoints_reshard_between_tp2xpp2_and_one_process(data, tmp_path):
                                                                         rel=1e-5)
 
 
+def test_a_cp2_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_path):
+    """Checkpoints do not depend on context parallelism: a CP2 run's step-10 checkpoint, resumed by one process,
+    gives the CP2 run's own step-11 loss (Depth-Attention: it gathers its mixed values)."""
+    flags = TRAIN_MODEL + data["flags"] + ["--residual", "depth-attention", "--train-iters", "11"]
+    torchrun(2, ["-m", "mega_depth.train"] + flags + ["--context-parallel-size", "2", "--save", str(tmp_path / "a"),
+                                                      "--save-interval", "10", "--output-dir", str(tmp_path / "a-run")],
+             str(tmp_path / "a.log"))
+    run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "a" / "iter_0000010"),
+                                              "--output-dir", str(tmp_path / "a-resumed")])
+    resumed, original = metrics(tmp_path / "a-resumed"), metrics(tmp_path / "a-run")
+    assert min(resumed) == 11
+    assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
+
+
 def test_deepspeed_launcher_trains_two_processes_and_resumes(tmp_path):
     ds = os.path.join(os.path.dirname(PY), "deepspeed")
     common = ["--master_port", "0", "--num_gpus", "2", "--module", "mega_depth.train", "--deepspeed",
@@ -133,7 +147,7 @@ def test_every_shipped_config_validates(data):
                          + ([] if "tiny" in path else ["--data-path", "x"]))
         cfg.model.vocab_size = 32000
         p = cfg.parallel
-        cfg.validate(p.tensor_model_parallel_size * p.pipeline_model_parallel_size * 2)
+        cfg.validate(p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size * 2)
 
 
 def test_smoke_test_tool_passes_on_cpu(tmp_path):

@@ -20,6 +20,7 @@ NUM_LAYERS = int(LAYOUT_MODEL[LAYOUT_MODEL.index("--num-layers") + 1])
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
+CP2 = ["--context-parallel-size", "2"]
 LAYOUTS = {
     # name: (processes, flags, compare grads, mechanisms (None = all))
     "single": (1, [], True, None),
@@ -46,6 +47,13 @@ LAYOUTS = {
     "single-compiled": (1, ["--compile-layers", "--mixing-impl", "triton"], True, None),
     "tp2-compiled": (2, ["--tensor-model-parallel-size", "2", "--compile-layers"], True,
                      "standard,dca,depth-attention"),
+    # Context parallelism: each sequence in 2 x CP load-balanced chunks, all-gather attention (K and V gathered, GQA
+    # kept), RoPE following the chunks, the loss's token count reduced over CP; with TP and SP, virtual pipeline
+    # stages (payloads of s / CP tokens) and data parallelism around it.
+    "cp2": (2, CP2, True, None),
+    "cp2-tp2-sp": (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], True, None),
+    "cp2-pp2-vpp": (4, CP2 + VPP, True, None),
+    "cp2-dp2": (4, CP2, True, None),
 }
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
 
@@ -171,6 +179,17 @@ def test_plain_trainer_matches_the_megatron_trainer(runs, tmp_path):
         assert len(plain) == len(ref) == 3
         torch.testing.assert_close(torch.tensor(plain), torch.tensor(ref), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{mech}: {m}")
+
+
+def test_context_parallel_hops_carry_half_the_tokens(runs):
+    """Under CP2 each rank sends its own s / 2 tokens between stages: the same widths, half the bytes."""
+    for mechanism in SETTINGS:
+        if mechanism == "standard":  # Megatron's own p2p, no DepthPipeline to count it
+            continue
+        whole, split = load(runs, "pp2-vpp", mechanism)[2], load(runs, "cp2-pp2-vpp", mechanism)[2]
+        assert set(whole) == set(split) and whole, mechanism
+        for stage, (width, nbytes) in whole.items():
+            assert split[stage] == [width, nbytes // 2], (mechanism, stage)
 
 
 def test_fused_kernels_leave_the_pipeline_payload_unchanged(runs):

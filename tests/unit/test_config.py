@@ -36,6 +36,16 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--attention-backend", "flash"], 1, "unknown --attention-backend 'flash'"),
         (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by TP x PP = 2 x 1"),
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
+         "world size 6 is not divisible by TP x CP x PP = 2 x 2 x 1"),
+        (["--context-parallel-size", "4", "--seq-length", "20"], 4,
+         "--seq-length 20 is not divisible by 2 x --context-parallel-size = 8"),
+        (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+          "--seq-length", "12"], 8, "pick a --seq-length divisible by CP x TP = 8"),
+        (["--context-parallel-size", "2", "--attention-backend", "unfused"], 2,
+         "--context-parallel-size needs --attention-backend sdpa"),
+        (["--context-parallel-size", "2", "--deepspeed", "--deepspeed-config", "x.json"], 2,
+         "use the Megatron path (no --deepspeed) for tensor, context or pipeline parallelism"),
         (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
         (["--global-batch-size", "3", "--micro-batch-size", "2"], 1, "--global-batch-size 3 is not divisible"),
         (["--global-batch-size", "0"], 1, "--global-batch-size 0 must be >= 1"),
@@ -60,6 +70,9 @@ def test_good_configurations_pass():
                        "--sequence-parallel"]).validate(4)
     parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                        "--global-batch-size", "4", "--micro-batch-size", "1"]).validate(2)
+    cfg = parse_args(BASE + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             "--sequence-parallel", "--seq-length", "32"]).validate(8)
+    assert cfg.data_parallel_size(8) == 2
 
 
 def test_cli_rejects_bad_input_before_any_work():
@@ -87,6 +100,8 @@ def test_xla_entry_point_without_torch_xla_and_with_megatron_only_flags():
     proc = xla_train("--tensor-model-parallel-size", "2", "--deepspeed")
     assert proc.returncode == 2
     assert "--tensor-model-parallel-size, --deepspeed: Megatron-trainer options" in proc.stderr and "--mesh" in proc.stderr
+    proc = xla_train("--context-parallel-size", "2")
+    assert proc.returncode == 2 and "--context-parallel-size: Megatron-trainer options" in proc.stderr
     proc = xla_train("--device", "cpu", "--mesh", "2,1")
     assert proc.returncode == 2 and "--mesh needs --device xla" in proc.stderr
 

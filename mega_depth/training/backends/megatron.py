@@ -36,6 +36,7 @@ class MegatronBackend(Collectives):
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             pipeline_model_parallel_size=p.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size,
+            context_parallel_size=p.context_parallel_size,
         )
         seed_everything(cfg.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
@@ -54,7 +55,7 @@ class MegatronBackend(Collectives):
         from megatron.core import parallel_state as ps
 
         return {"pp": ps.get_pipeline_model_parallel_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
-                "dp": ps.get_data_parallel_world_size()}
+                "cp": ps.get_context_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
 
     def parameters_on_rank(self) -> int:
         return sum(p.numel() for chunk in self.model for p in chunk.parameters())
@@ -109,14 +110,19 @@ class MegatronBackend(Collectives):
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from mega_depth.megatron.context_parallel import split_batch
         from mega_depth.megatron.pipeline import pipelines_of
 
         for pipe in pipelines_of(self.model):
             pipe.start_step()
-        batches = [to_device(b) for b in microbatches]
+        cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+        batches = [to_device(split_batch(b, cp, cp_rank)) for b in microbatches]
+        cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
 
         def loss_func(loss_mask, output_tensor):
-            loss = token_mean_loss(output_tensor, loss_mask, poison)
+            # Under CP: this rank's share of the micro-batch's token mean (Megatron's schedule multiplies it by CP
+            # and DDP averages over DP x CP, so the gradients are those of the whole sequence's mean)
+            loss = token_mean_loss(output_tensor, loss_mask, poison, cp_group)
             # clone: the schedule divides the returned loss in place by the number of micro-batches
             return loss, {"lm loss": loss.detach().clone()}
 
@@ -131,7 +137,8 @@ class MegatronBackend(Collectives):
             model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(batches),
             seq_length=self.cfg.model.seq_length, micro_batch_size=self.cfg.training.micro_batch_size,
             forward_only=forward_only)
-        # The step's mean loss on every rank: averaged over micro-batches on the last stage, then over DP.
+        # The step's mean loss on every rank: averaged over micro-batches on the last stage, summed over CP (the
+        # shares of one sequence's mean), then averaged over DP.
         reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
             parallel_state.get_tensor_model_parallel_rank() == 0
         value = torch.zeros(1, dtype=torch.float64, device=device())
@@ -200,8 +207,10 @@ class MegatronBackend(Collectives):
     def _rng_path(self, ckpt_dir: str) -> str:
         from megatron.core import parallel_state as ps
 
+        cp_rank = ps.get_context_parallel_rank()
         return os.path.join(ckpt_dir, "rng", f"pp{ps.get_pipeline_model_parallel_rank()}_"
-                                             f"tp{ps.get_tensor_model_parallel_rank()}.pt")
+                                             f"tp{ps.get_tensor_model_parallel_rank()}"
+                                             + (f"_cp{cp_rank}" if cp_rank else "") + ".pt")
 
     def save_files(self, tmp_dir: str, step: int) -> None:
         from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
@@ -221,7 +230,8 @@ class MegatronBackend(Collectives):
     def load(self, ckpt_dir: str, meta: dict) -> int:
         from megatron.core import dist_checkpointing, tensor_parallel
 
-        same_layout = all(meta.get("layout", {}).get(k) == v for k, v in self.layout().items())
+        saved = {"cp": 1, **meta.get("layout", {})}  # checkpoints from before context parallelism: CP 1
+        same_layout = all(saved.get(k) == v for k, v in self.layout().items())
         with warnings.catch_warnings():  # megatron-core 0.16.1's own use of torch APIs it has yet to move off
             for message in (".*`load_state_dict` is deprecated", ".*Please use DTensor instead"):
                 warnings.filterwarnings("ignore", message=message, category=FutureWarning)
