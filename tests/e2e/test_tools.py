@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from fixtures import run
 from mega_depth.catalogue import SETTINGS
 
@@ -68,6 +70,23 @@ def test_bench_comm_measures_hops_and_matches_the_spec_formulas(tmp_path):
     projected = {r["mechanism"]: r["hop_bytes"] for r in json.loads((tmp_path / "proj.json").read_text())["rows"]}
     measured = {r["mechanism"]: r["bytes_per_hop"] for r in report if r["cache"]}
     assert projected == measured
+
+
+def test_context_projection_halves_activations_and_counts_the_kv_gathers(tmp_path):
+    """tools/project_context.py: a rank's activations scale as 1 / CP; its CP traffic per layer is forward, backward
+    re-gather and gradient reduce-scatter of the other ranks' K and V (bf16): 3 x s x 2 x groups x head dim x 2 bytes
+    x (CP - 1) / CP."""
+    (tmp_path / "small.yaml").write_text("model: {num_layers: 4, hidden_size: 32, num_attention_heads: 4, "
+                                         "num_query_groups: 2, seq_length: 16}\ntraining: {micro_batch_size: 1}\n")
+    run(["tools/project_context.py", "--configs", str(tmp_path / "small.yaml"), "--seq", "16", "--cp", "1,2,4",
+         "--out", str(tmp_path / "proj.json")])
+    rows = {r["cp"]: r for r in json.loads((tmp_path / "proj.json").read_text())["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    kv = 16 * 2 * 2 * 8 * 2
+    for cp, row in rows.items():
+        assert row["cp_bytes_per_layer"] == 3 * kv * (cp - 1) / cp
+        for name, gib in row["activation_gib"].items():
+            assert gib == pytest.approx(rows[1]["activation_gib"][name] / cp), (cp, name)
 
 
 def test_bench_quality_trains_every_seed_and_reports_the_spread(data, tmp_path):

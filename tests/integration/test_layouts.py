@@ -54,6 +54,8 @@ LAYOUTS = {
     "cp2-tp2-sp": (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], True, None),
     "cp2-pp2-vpp": (4, CP2 + VPP, True, None),
     "cp2-dp2": (4, CP2, True, None),
+    # compiled layers around the CP collectives (graph breaks there, as under TP)
+    "cp2-compiled": (2, CP2 + ["--compile-layers"], True, "standard,depth-attention"),
 }
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
 
