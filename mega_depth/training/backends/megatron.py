@@ -11,10 +11,8 @@ from typing import Dict, List, Optional
 import torch
 
 from mega_depth.config import Config
-from mega_depth.init import seed_everything
-from mega_depth.megatron import cpu_compat
 from mega_depth.training import rng
-from mega_depth.training.distributed import Collectives, device, init_process_group, to_device
+from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
@@ -24,22 +22,10 @@ class MegatronBackend(Collectives):
     format = "megatron"
 
     def __init__(self, cfg: Config):
-        from megatron.core import parallel_state, tensor_parallel
+        from mega_depth.training.backends.startup import start_megatron
 
-        cpu_compat.apply()  # Megatron starts here: its CUDA assumptions redirected on a CPU-only machine
         self.cfg = cfg
-        init_process_group()
-        p = cfg.parallel
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=p.tensor_model_parallel_size,
-            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_size,
-            context_parallel_size=p.context_parallel_size,
-        )
-        seed_everything(cfg.training.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+        start_megatron(cfg)
         self.num_microbatches = cfg.num_microbatches(self.world_size)
         self.model: List[torch.nn.Module] = []
 
@@ -98,8 +84,10 @@ class MegatronBackend(Collectives):
         tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.grad_scale_func = self.optimizer.scale_loss
         tconfig.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        if len(self.model) > 1:
-            tconfig.grad_sync_func = [m.start_grad_sync for m in self.model]
+        # No grad_sync_func: without overlap_grad_reduce, finalize_model_grads reduces every chunk once (as
+        # Megatron-LM sets it only with --overlap-grad-reduce). A second, early reduce from the interleaved schedule
+        # scaled the grads by 1/DP twice: harmless for dense weights (a sum of equal replicas), half for the
+        # experts where the expert data-parallel group is smaller than DP.
 
     @property
     def modules(self):
