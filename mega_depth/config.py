@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from mega_depth.model.base import NORM_EPSILON
 from mega_depth.model.config import DecoderConfig, ResidualConfig, option_flag
 from mega_depth.model.registry import MECHANISMS, mechanism_class
 
@@ -48,7 +49,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = _f(False, "separate output-layer weights instead of the "
                                                           "embedding's")
     rotary_base: int = _f(10000, "RoPE base")
-    norm_epsilon: float = _f(1e-6, "RMSNorm epsilon")
+    norm_epsilon: float = _f(NORM_EPSILON, "RMSNorm epsilon")
     init_method_std: float = _f(0.02, "std of the normal initialisation of the weight matrices")
     hidden_dropout: float = _f(0.0, "dropout on each sublayer's output")
     attention_dropout: float = _f(0.0, "dropout on the attention probabilities")
@@ -66,6 +67,29 @@ class ModelConfig:
                                       "keeping it (activation memory near the baseline's)")
     compile_layers: bool = _f(False, "torch.compile every layer whole, mixing included (eager stays the "
                                      "reference)")
+    # Mixture of experts (Megatron-LM's flags); dense MLPs everywhere unless --num-experts is given
+    num_experts: Optional[int] = _f(None, "routed experts per MoE layer (default: dense MLPs)")
+    moe_router_topk: int = _f(2, "experts each token is routed to")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "each expert's SwiGLU width (default: the FFN size)")
+    moe_layer_freq: str = _f("1", "which layers are MoE: N (every N-th layer, from the first) or one 0/1 per layer "
+                                  "as Megatron-LM writes it, e.g. '([0]*1+[1]*23)': a dense first layer")
+    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "a shared expert of this SwiGLU width beside the "
+                                                                  "routed ones, on every token")
+    moe_router_score_function: str = _f("softmax", "routing scores: softmax (over the top-k, renormalised) or "
+                                                   "sigmoid (DeepSeek-V3)", ("softmax", "sigmoid"))
+    moe_router_enable_expert_bias: bool = _f(False, "DeepSeek-V3's aux-loss-free balancing: a per-expert bias on "
+                                                    "the routing choice, moved toward the under-loaded experts after "
+                                                    "each step (with --moe-router-score-function sigmoid)")
+    moe_router_bias_update_rate: float = _f(1e-3, "the expert bias's step per optimizer step")
+    moe_router_load_balancing_type: str = _f("aux_loss", "the load-balancing loss: aux_loss (over the micro-batch), "
+                                                         "seq_aux_loss (per sequence) or none",
+                                             ("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = _f(0.0, "weight of the load-balancing loss (Megatron-LM's default 0: off)")
+    moe_token_dispatcher_type: str = _f("alltoall", "how tokens reach their experts' ranks: alltoall (each token "
+                                                    "to its experts' ranks) or allgather (every token to every "
+                                                    "expert rank)", ("alltoall", "allgather"))
+    moe_grouped_gemm: bool = _f(False, "the experts as one grouped GEMM (GPU: Transformer Engine's or Megatron's "
+                                       "grouped_gemm)")
 
     @property
     def ffn_size(self) -> int:
@@ -77,6 +101,36 @@ class ModelConfig:
     def query_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
 
+    def moe_layer_pattern(self) -> List[int]:
+        """1 for each MoE layer, 0 for a dense one (empty without --num-experts)."""
+        if not self.num_experts:
+            return []
+        return parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+
+
+def parse_moe_layer_freq(text: str, num_layers: int) -> List[int]:
+    """--moe-layer-freq as Megatron-LM reads it: an int N (layer i is MoE when i % N == 0) or a list of 0/1 per
+    layer written as sums of repeated lists, e.g. ([0]*1+[1]*23). Parsed, not evaluated."""
+    import re
+
+    text = str(text).strip()
+    if re.fullmatch(r"\d+", text):
+        freq = int(text)
+        if freq < 1:
+            raise ConfigError(f"--moe-layer-freq {text} must be >= 1 (every N-th layer is MoE)")
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+    pattern: List[int] = []
+    for term in body.split("+"):
+        match = re.fullmatch(r"\s*\[([01](?:\s*,\s*[01])*)\]\s*(?:\*\s*(\d+))?\s*", term)
+        if match is None:
+            raise ConfigError(f"--moe-layer-freq {text!r}: expected N or a list of 0/1 per layer such as "
+                              "'([0]*1+[1]*23)'")
+        pattern += [int(v) for v in match.group(1).split(",")] * int(match.group(2) or 1)
+    if len(pattern) != num_layers:
+        raise ConfigError(f"--moe-layer-freq {text!r} lists {len(pattern)} layers but --num-layers is {num_layers}")
+    return pattern
+
 
 @dataclass
 class ParallelConfig:
@@ -87,6 +141,9 @@ class ParallelConfig:
     context_parallel_size: int = _f(1, "context-parallel size (CP): each sequence split over CP ranks in 2 x CP "
                                        "load-balanced chunks; attention all-gathers K and V")
     sequence_parallel: bool = _f(False, "Megatron's sequence parallelism (needs TP > 1)")
+    expert_model_parallel_size: int = _f(1, "expert-parallel size (EP): the experts of each MoE layer split over EP "
+                                            "ranks, inside the data-parallel ones")
+    expert_tensor_parallel_size: Optional[int] = _f(None, "tensor-parallel size of each expert (default: TP)")
     use_distributed_optimizer: bool = _f(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
     recompute_granularity: Optional[str] = _f(None, "activation recomputation: full (whole layers) or selective "
                                                     "(attention's core); default none", (None, "full", "selective"))
@@ -264,6 +321,7 @@ class Config:
             _check(m.attention_backend == "sdpa" or m.transformer_impl == "transformer_engine",
                    "--context-parallel-size needs --attention-backend sdpa (the unfused reference attention has no "
                    "context parallelism)")
+        _check_moe(self, world_size)
         _check(m.num_layers % pp == 0,
                f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
         if p.num_layers_per_virtual_pipeline_stage is not None:
@@ -356,7 +414,49 @@ class Config:
             num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size,
             norm_epsilon=m.norm_epsilon, rotary_base=m.rotary_base, qk_layernorm=m.qk_layernorm,
             tie_word_embeddings=not m.untie_embeddings_and_output_weights, hidden_dropout=m.hidden_dropout,
-            residual=self.residual)
+            num_experts=m.num_experts or 0, moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_size) if m.num_experts else 0,
+            moe_layer_pattern=m.moe_layer_pattern(),
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or 0,
+            moe_router_score_function=m.moe_router_score_function,
+            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias, residual=self.residual)
+
+
+def _check_moe(cfg: "Config", world_size: int) -> None:
+    """Mixture-of-experts flags and expert parallelism (EP inside the data-parallel ranks, as Megatron lays it)."""
+    m, p = cfg.model, cfg.parallel
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    if not m.num_experts:
+        _check(m.num_experts is None, f"--num-experts {m.num_experts} must be >= 1 (or left out: dense MLPs)")
+        _check(ep == 1, f"--expert-model-parallel-size {ep} needs experts: add --num-experts")
+        return
+    _check(m.num_experts >= 1, f"--num-experts {m.num_experts} must be >= 1")
+    _check(1 <= m.moe_router_topk <= m.num_experts,
+           f"--moe-router-topk {m.moe_router_topk} must lie in 1..--num-experts ({m.num_experts})")
+    _check(ep >= 1 and etp >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
+    _check(m.num_experts % ep == 0,
+           f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}; pick an EP size "
+           "that divides the experts")
+    per_stage = world_size // p.pipeline_model_parallel_size
+    _check(per_stage % (ep * etp) == 0,
+           f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} must divide the {per_stage} "
+           f"ranks of a pipeline stage (TP x CP x DP): experts are spread over them, inside data parallelism")
+    width = m.moe_ffn_hidden_size or m.ffn_size
+    _check(width % etp == 0, f"the expert FFN size {width} is not divisible by --expert-tensor-parallel-size {etp}")
+    cfg.decoder_config()  # parses --moe-layer-freq against --num-layers (its own error)
+    if m.moe_grouped_gemm:
+        import importlib.util
+
+        _check(any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "grouped_gemm")),
+               "--moe-grouped-gemm needs Transformer Engine or the grouped_gemm package (GPU); install one, or drop "
+               "the flag (the experts then run one after another)")
+    _check(not (m.moe_token_dispatcher_type == "allgather" and p.pipeline_model_parallel_size > 1
+                and mechanism_class(cfg.residual.mechanism).mixes_depth),
+           f"--moe-token-dispatcher-type allgather cannot take the variable-shape pipeline payloads of --residual "
+           f"{cfg.residual.mechanism}; use --moe-token-dispatcher-type alltoall")
+    _check(not cfg.training.deepspeed or ep == 1,
+           "--deepspeed trains with ZeRO data parallelism and cannot split experts; drop --expert-model-parallel-size "
+           "(ZeRO over the whole MoE model), or drop --deepspeed")
 
 
 def _check_choices(cfg: "Config") -> None:

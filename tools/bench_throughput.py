@@ -42,11 +42,11 @@ from mega_depth.training.flops import DEVICES, device_key, flops_per_token  # no
 def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
     """Forward memory traffic of the depth mixing per token, in units of d: the mechanism's own model
     (Mechanism.io_units in its file), so a new mechanism brings its own."""
-    from mega_depth.model.base import ModelShape
+    from mega_depth.model.base import NORM_EPSILON, ModelShape
     from mega_depth.model.config import residual_config
     from mega_depth.model.registry import build
 
-    return build(residual_config(settings), ModelShape(L, d, heads, groups)).io_units(fused)
+    return build(residual_config(settings), ModelShape(L, d, heads, groups, NORM_EPSILON)).io_units(fused)
 
 
 def mixing_impl(flags) -> str:

@@ -401,11 +401,13 @@ def check_compatible(meta: dict, cfg: Config, where: str) -> None:
     saved = saved_config(meta).decoder_config().to_dict()
     now = cfg.decoder_config().to_dict()
     diffs = []
+    flags = {"tie_word_embeddings": "--untie-embeddings-and-output-weights", "moe_layer_pattern": "--moe-layer-freq"}
     for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "qk_layernorm", "tie_word_embeddings"):
-        if saved[key] != now[key]:
-            flag = "--untie-embeddings-and-output-weights" if key == "tie_word_embeddings" else \
-                "--" + key.replace("_", "-")
+                "vocab_size", "qk_layernorm", "tie_word_embeddings", "num_experts", "moe_router_topk",
+                "moe_ffn_hidden_size", "moe_layer_pattern", "moe_shared_expert_intermediate_size",
+                "moe_router_score_function", "moe_router_enable_expert_bias"):
+        if saved.get(key) != now.get(key):
+            flag = flags.get(key, "--" + key.replace("_", "-"))
             diffs.append(f"{flag}: checkpoint {saved[key]!r}, this run {now[key]!r}")
     saved_r, now_r = saved["residual"], now["residual"]
     for key in sorted(set(saved_r) | set(now_r), key=lambda k: (k != "mechanism", k)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -29,23 +30,26 @@ from mega_depth.model.registry import build as build_mechanism, mechanism_class
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
+    """Megatron's TransformerConfig: the decoder's shape from DecoderConfig (the one description of the model),
+    the layout and the training switches from the run's config."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    dc = cfg.decoder_config()
     dtype = torch.bfloat16 if t.bf16 else torch.float32
     needs_variable_shapes = mechanism_of(cfg).mixes_depth and p.pipeline_model_parallel_size > 1
     return TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.query_groups,
-        ffn_hidden_size=m.ffn_size,
-        kv_channels=m.hidden_size // m.num_attention_heads,
+        num_layers=dc.num_layers,
+        hidden_size=dc.hidden_size,
+        num_attention_heads=dc.num_attention_heads,
+        num_query_groups=dc.num_query_groups,
+        ffn_hidden_size=dc.ffn_hidden_size,
+        kv_channels=dc.head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=m.norm_epsilon,
+        layernorm_epsilon=dc.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        qk_layernorm=m.qk_layernorm,
-        hidden_dropout=m.hidden_dropout,
+        qk_layernorm=dc.qk_layernorm,
+        hidden_dropout=dc.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -66,12 +70,37 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         fused_single_qkv_rope=m.fused_single_qkv_rope,
         # Depth-mixing payloads change width from hop to hop: exchange shapes first (docs/mechanisms.md §11).
         variable_seq_lengths=needs_variable_shapes,
-        moe_token_dispatcher_type="alltoall",
         recompute_granularity=p.recompute_granularity,
         recompute_method=p.recompute_method if p.recompute_granularity == "full" else None,
         recompute_num_layers=p.recompute_num_layers if p.recompute_granularity == "full" else None,
         deterministic_mode=False,
         deallocate_pipeline_outputs=False,
+        **moe_settings(cfg),
+    )
+
+
+def moe_settings(cfg: Config) -> dict:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model). Dropless (no capacity factor), the
+    router in fp32."""
+    m, p, dc = cfg.model, cfg.parallel, cfg.decoder_config()
+    if not dc.num_experts:
+        return {"moe_token_dispatcher_type": "alltoall"}
+    return dict(
+        num_moe_experts=dc.num_experts,
+        moe_router_topk=dc.moe_router_topk,
+        moe_ffn_hidden_size=dc.moe_ffn_hidden_size,
+        moe_layer_freq=list(dc.moe_layer_pattern),
+        moe_shared_expert_intermediate_size=dc.moe_shared_expert_intermediate_size or None,
+        moe_router_score_function=dc.moe_router_score_function,
+        moe_router_enable_expert_bias=dc.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_grouped_gemm=m.moe_grouped_gemm,
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
     )
 
 
@@ -99,16 +128,20 @@ def transformer_impl(cfg: Config) -> str:
     return "local"
 
 
-def layer_spec(cfg: Config, mechanism) -> ModuleSpec:
+def layer_spec(cfg: Config, mechanism, moe: bool = False) -> ModuleSpec:
     """Megatron's GPT layer (Llama/Qwen3 choices): the local spec with SP-capable RMSNorms and torch SDPA core
-    attention (or Megatron's unfused one, --attention-backend unfused), or Transformer Engine's spec; for a
-    depth-mixing mechanism the same submodules under DepthMixingLayer / DepthMixingSelfAttention."""
+    attention (or Megatron's unfused one, --attention-backend unfused), or Transformer Engine's spec; with `moe`,
+    Megatron's MoE layer as the MLP; for a depth-mixing mechanism the same submodules under DepthMixingLayer /
+    DepthMixingSelfAttention."""
+    experts = dict(num_experts=cfg.model.num_experts, moe_grouped_gemm=cfg.model.moe_grouped_gemm) if moe else {}
     if transformer_impl(cfg) == "transformer_engine":  # validated: Transformer Engine is installed
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.model.qk_layernorm))
+        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.model.qk_layernorm,
+                                                                        **experts))
     else:
-        spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm"))
+        spec = copy.deepcopy(get_gpt_layer_local_spec(qk_layernorm=cfg.model.qk_layernorm, normalization="RMSNorm",
+                                                      **experts))
         subs = spec.submodules
         subs.input_layernorm = RMSNorm
         subs.pre_mlp_layernorm = RMSNorm
@@ -134,7 +167,8 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = cfg.virtual_pipeline_size or 1
     mechanism = mechanism_of(cfg, parallel_state.get_tensor_model_parallel_world_size())
-    spec = layer_spec(cfg, mechanism)
+    dc = cfg.decoder_config()
+    specs = {False: layer_spec(cfg, mechanism), True: layer_spec(cfg, mechanism, moe=True) if dc.num_experts else None}
     geometry = StageGeometry(cfg.model.num_layers, pp, vpp)
     pipeline = DepthPipeline(mechanism, geometry, cfg.parallel.vp_cache)  # one per rank, shared by its chunks
     chunks = []
@@ -142,8 +176,10 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
         vp_arg = vp_stage if vpp > 1 else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_arg)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_arg)
+        first = geometry.start(vp_stage * pp + pp_rank)
         block_spec = TransformerBlockSubmodules(
-            layer_specs=[spec] * get_num_layers_to_build(tconfig, vp_stage=vp_arg, pp_rank=pp_rank),
+            layer_specs=[specs[dc.is_moe_layer(first + i)]
+                         for i in range(get_num_layers_to_build(tconfig, vp_stage=vp_arg, pp_rank=pp_rank))],
             layer_norm=RMSNorm,
         )
         kwargs = dict(
@@ -178,12 +214,32 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def global_param_name(local_name: str, first_layer: int) -> str:
-    """decoder.layers.<local>.x -> decoder.layers.<global>.x (the name is the same in every layout)."""
+def global_param_name(local_name: str, first_layer: int, first_expert: int = 0) -> str:
+    """decoder.layers.<local>.x -> decoder.layers.<global>.x, and a local expert's index -> its global one (the name
+    is the same in every layout: a single process's)."""
     parts = local_name.split(".")
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         parts[2] = str(int(parts[2]) + first_layer)
-    return ".".join(parts)
+    name = ".".join(parts)
+    if first_expert:
+        name = re.sub(r"(\.experts\.local_experts\.)(\d+)(\.)", lambda m: f"{m[1]}{int(m[2]) + first_expert}{m[3]}",
+                      name)
+        name = re.sub(r"(\.experts\.linear_fc[12]\.weight)(\d+)$", lambda m: f"{m[1]}{int(m[2]) + first_expert}",
+                      name)
+    return name
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (sharded over the expert-TP group, one per expert-parallel rank's experts)."""
+    return ".mlp.experts." in name
+
+
+def first_local_expert(cfg: Config) -> int:
+    """The global index of this rank's first expert (expert parallelism splits them in contiguous runs)."""
+    if not cfg.model.num_experts:
+        return 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (cfg.model.num_experts // ep)
 
 
 def init_layout_independent(model: GPTModel, cfg: Config, mechanism, geometry: StageGeometry, vp_stage: int,
@@ -219,11 +275,16 @@ def _assign_full_tensors(model: GPTModel, cfg: Config, geometry: StageGeometry, 
                          value_of: Callable[[str, List[int]], Optional[torch.Tensor]]) -> None:
     """param <- this rank's TP shard of value_of(global name, full shape), for every parameter it gives."""
     first_layer = geometry.start(vp_stage * geometry.pp + pp_rank)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    first_expert = first_local_expert(cfg)
     with torch.no_grad():
         for local_name, param in model.named_parameters():
-            name = global_param_name(local_name, first_layer)
+            name = global_param_name(local_name, first_layer, first_expert)
+            if is_expert_param(name):
+                tp_rank = parallel_state.get_expert_tensor_parallel_rank()
+                tp = parallel_state.get_expert_tensor_parallel_world_size()
+            else:
+                tp_rank = parallel_state.get_tensor_model_parallel_rank()
+                tp = parallel_state.get_tensor_model_parallel_world_size()
             if name == "output_layer.weight" and not cfg.model.untie_embeddings_and_output_weights:
                 name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
             full_shape = list(param.shape)

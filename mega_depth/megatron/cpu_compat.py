@@ -7,8 +7,14 @@ Megatron-core assumes CUDA in a few places:
 - `transformer/utils.py` builds causal masks on "cuda" (also imported by name in `fusions/fused_softmax.py`);
 - the schedules, grad clipping and the optimizer allocate small buffers with a literal `device="cuda"` (and RoPE's
   context-parallel chunk index stages through pinned memory);
+- the MoE `alltoall` dispatcher copies its split sizes to the host on a side `torch.cuda.Stream` (created in its
+  constructor), as numpy arrays (`maybe_move_tensor_to_cpu` converts only CUDA tensors; all-to-all needs ints),
+  and waits on an event recorded there;
 - `clip_grad_by_total_norm_fp32` asserts that grads are `torch.cuda.FloatTensor`, and the distributed / bf16
   optimizers sort parameters by `param.type()` names of CUDA tensors while they build their groups;
+- all-gathers and reduce-scatters with uneven parts (the MoE dispatchers under TP / expert TP) pass lists of
+  tensors of different sizes, which NCCL takes and gloo refuses: on gloo they pad to the largest part, or
+  all-reduce and keep the rank's part;
 - pipeline p2p posts its sends and receives untagged. NCCL's grouped calls pair them, but gloo matches messages
   between two ranks in posting order, so with 2 stages (previous rank == next rank) an interleaved schedule's
   activation can land in the gradient buffer. On gloo, activations and gradients (and their shape messages)
@@ -22,6 +28,7 @@ device to the CPU. Pinned to megatron-core 0.16.1 (pyproject.toml).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import types
@@ -90,6 +97,11 @@ def apply() -> bool:
     torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU generator is seeded there
+    # One stream: work on a CPU is ordered already, and "the side stream" is then the current one (no
+    # record_stream calls on CPU tensors). Its events are complete when recorded.
+    torch.cuda.Stream = lambda *args, **kwargs: _CPU_STREAM
+    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
@@ -128,8 +140,79 @@ def apply() -> bool:
     for cls in (distrib.DistributedOptimizer, optim.Float16OptimizerWithFloat16Params):
         cls.__init__ = _with_cuda_type_names(cls.__init__)
     _tag_pipeline_p2p()
+    _host_split_sizes()
+    _uneven_collectives()
     _APPLIED = True
     return True
+
+
+class _CpuEvent:
+    def synchronize(self):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+
+class _CpuStream:
+    def wait_stream(self, other):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _uneven_collectives() -> None:
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total.split([int(n) for n in input_split_sizes])[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
+def _host_split_sizes() -> None:
+    """MoE's split sizes "moved to the host" as numpy arrays, as they are on a GPU (here they are there already)."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 _CUDA_TYPE_NAMES = {f"torch.{n}Tensor": f"torch.cuda.{n}Tensor" for n in ("Float", "Half", "BFloat16")}

@@ -59,6 +59,9 @@ class Entry:
     immutable: bool  # never changes once made: virtual stages may cache it on the rank instead of resending it
 
 
+NORM_EPSILON = 1e-6  # RMSNorm's epsilon unless configured (Llama / Qwen3's): the one default
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a mechanism needs to know about the decoder around it."""
@@ -67,7 +70,7 @@ class ModelShape:
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
-    norm_epsilon: float = 1e-6
+    norm_epsilon: float
 
     @property
     def head_dim(self) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, List
 
-from .base import ModelShape, option_fields
+from .base import NORM_EPSILON, ModelShape, option_fields
 from .registry import MECHANISMS, build
 
 ResidualConfig = dataclasses.make_dataclass(
@@ -55,16 +55,28 @@ class DecoderConfig:
     num_attention_heads: int
     num_query_groups: int
     ffn_hidden_size: int
-    norm_epsilon: float = 1e-6
+    norm_epsilon: float = NORM_EPSILON
     rotary_base: float = 10000.0
     qk_layernorm: bool = True
     tie_word_embeddings: bool = True
     hidden_dropout: float = 0.0
+    # Mixture of experts: the MLP of each layer marked 1 in moe_layer_pattern routes every token to its top-k of
+    # num_experts SwiGLU experts (0 experts: dense MLPs everywhere; configs saved before MoE load as dense).
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0  # each expert's width
+    moe_layer_pattern: List[int] = field(default_factory=list)  # one 0/1 per layer
+    moe_shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    moe_router_score_function: str = "softmax"  # softmax over the top-k logits, or sigmoid scores renormalised
+    moe_router_enable_expert_bias: bool = False  # a per-expert bias on the choice (not on the weights)
     residual: Any = field(default_factory=ResidualConfig)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.shape.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and bool(self.moe_layer_pattern[layer])
 
     @property
     def shape(self) -> ModelShape:

@@ -91,6 +91,8 @@ TRAINER_CASES = {
                            "model.num_layers in {tmp}/c.yaml must be an integer, got 2.9 (float)"),
     "context-parallel-on-one-process": (_flags("--context-parallel-size", "2"),
                                         "world size 1 is not divisible by TP x CP x PP = 1 x 2 x 1"),
+    "moe-topk-above-the-experts": (_flags("--num-experts", "2", "--moe-router-topk", "3"),
+                                   "--moe-router-topk 3 must lie in 1..--num-experts (2)"),
     "yaml-list-for-section": (_yaml("training:\n  - lr\n"), "section 'training' in {tmp}/c.yaml must map keys"),
 }
 

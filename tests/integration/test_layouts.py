@@ -21,6 +21,14 @@ NUM_LAYERS = int(LAYOUT_MODEL[LAYOUT_MODEL.index("--num-layers") + 1])
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
 CP2 = ["--context-parallel-size", "2"]
+# Mixture of experts: 4 experts, top-2, a dense first layer (as Kimi K3 and DeepSeek), a shared expert and the
+# load-balancing loss on (its gradient reaches the routers through every schedule); EP inside DP. 8 samples per
+# step: EP2 x PP2 with virtual stages leaves DP 2, and the interleaved schedule wants 2 x PP micro-batches.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([0]*1+[1]*3)",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "0.01", "--global-batch-size", "8"]
+EP2 = ["--expert-model-parallel-size", "2"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+MOE_SET = "standard,attnres-block,dca-2,depth-attention,mhc"
 LAYOUTS = {
     # name: (processes, flags, compare grads, mechanisms (None = all))
     "single": (1, [], True, None),
@@ -56,6 +64,14 @@ LAYOUTS = {
     "cp2-dp2": (4, CP2, True, None),
     # compiled layers around the CP collectives (graph breaks there, as under TP)
     "cp2-compiled": (2, CP2 + ["--compile-layers"], True, "standard,depth-attention"),
+    # MoE layouts, each against the single-process MoE run ("moe-single"); every mechanism at EP2 x PP2
+    "moe-single": (1, MOE, True, None),
+    "moe-ep2": (2, MOE + EP2, True, MOE_SET),
+    "moe-dp2-ep2": (4, MOE + EP2 + ["--moe-token-dispatcher-type", "allgather"], True, MOE_SET),
+    "moe-ep2-pp2": (4, MOE + EP2 + PP2, True, None),
+    "moe-ep2-pp2-vpp": (4, MOE + EP2 + VPP, True, MOE_SET),
+    "moe-ep2-tp2-sp-etp1": (4, MOE + EP2 + TP2_SP + ["--expert-tensor-parallel-size", "1"], True, MOE_SET),
+    "moe-ep2-tp2-sp-etp2": (4, MOE + EP2 + TP2_SP, True, MOE_SET),
 }
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
 
@@ -80,13 +96,18 @@ def load(root, layout, mechanism):
     return losses, grads, hops
 
 
-CASES = [(layout, mech) for layout, (_, _, _, only) in LAYOUTS.items() if layout != "single"
+def reference(layout: str) -> str:
+    """The single-process run a layout is compared with: the same model in one process."""
+    return "moe-single" if layout.startswith("moe-") else "single"
+
+
+CASES = [(layout, mech) for layout, (_, _, _, only) in LAYOUTS.items() if layout != reference(layout)
          for mech in SETTINGS + READINGS if only is None or mech in only.split(",")]
 
 
 @pytest.mark.parametrize("layout, mechanism", CASES)
 def test_layout_matches_single_process(runs, layout, mechanism):
-    ref_losses, ref_grads, _ = load(runs, "single", mechanism)
+    ref_losses, ref_grads, _ = load(runs, reference(layout), mechanism)
     losses, grads, _ = load(runs, layout, mechanism)
     assert len(losses) == len(ref_losses) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)

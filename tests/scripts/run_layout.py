@@ -2,8 +2,8 @@
 
 Run under torchrun (one launch per layout, all mechanisms inside it, so imports are paid once):
     torchrun --nproc-per-node N tests/scripts/run_layout.py OUT_DIR [layout flags...]
-Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (TP rank 0 and DP rank 0
-of each stage, full tensors under global names), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
+Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (every rank: full tensors
+under global names, experts included), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
 OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
 the process so far (a later mechanism may reuse the graphs of an earlier one), and the graph breaks Dynamo met while
 this mechanism trained).
@@ -22,13 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fixtures import LAYOUT_MODEL, mechanism_flags  # noqa: E402
 
 
-def _gather_tp(t: torch.Tensor, param) -> torch.Tensor:
-    """This rank's TP shard -> the full tensor (the inverse of the builder's sharding)."""
-    from megatron.core import parallel_state
+def _gather_tp(t: torch.Tensor, param, expert: bool) -> torch.Tensor:
+    """This rank's TP shard -> the full tensor (the inverse of the builder's sharding); a routed expert's weight is
+    sharded over the expert-TP group."""
+    from megatron.core import parallel_state as ps
 
-    if not getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_world_size() == 1:
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    if not getattr(param, "tensor_model_parallel", False) or group is None or group.size() == 1:
         return t
-    group = parallel_state.get_tensor_model_parallel_group()
     tp = group.size()
     parts = [torch.empty_like(t) for _ in range(tp)]
     torch.distributed.all_gather(parts, t.contiguous(), group=group)
@@ -37,11 +38,12 @@ def _gather_tp(t: torch.Tensor, param) -> torch.Tensor:
     return torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim=dim)
 
 
-def full_grads(modules) -> dict:
-    """{global name: full grad} for this rank's pipeline stages (collective over TP)."""
-    from mega_depth.megatron.builder import global_param_name
+def full_grads(modules, cfg) -> dict:
+    """{global name: full grad} for this rank's pipeline stages and experts (collective over TP and expert TP)."""
+    from mega_depth.megatron.builder import first_local_expert, global_param_name, is_expert_param
 
     out = {}
+    first_expert = first_local_expert(cfg)
     for module in modules:
         first_layer = module.decoder.layers[0].layer_number - 1 if len(module.decoder.layers) else 0
         for name, param in module.named_parameters():
@@ -49,8 +51,9 @@ def full_grads(modules) -> dict:
             grad = grad if grad is not None else param.grad
             if grad is None:
                 continue
+            name = global_param_name(name, first_layer, first_expert)
             # clone: main_grad is a view into a buffer that the next step overwrites
-            out[global_param_name(name, first_layer)] = _gather_tp(grad.detach().float(), param).cpu().clone()
+            out[name] = _gather_tp(grad.detach().float(), param, is_expert_param(name)).cpu().clone()
     return out
 
 
@@ -86,15 +89,15 @@ def main() -> None:
         for step in range(cfg.training.train_iters):
             losses.append(backend.forward_backward(sampler.microbatches(step)))
             if step == 0:
-                grads = full_grads(backend.modules)  # step 1's grads, before the optimizer consumes them
+                grads = full_grads(backend.modules, cfg)  # step 1's grads, before the optimizer consumes them
                 for pipe in pipelines_of(backend.model):  # {to_stage: [width per token, bytes per micro-batch]}
                     hops = {str(k): [pipe.hops.widths[k], pipe.hops.bytes[k][0]] for k in pipe.hops.widths}
             backend.update()
         run_dir = os.path.join(out_dir, name)
         os.makedirs(run_dir, exist_ok=True)
         rank = backend.rank
+        torch.save(grads, os.path.join(run_dir, f"grads_rank{rank}.pt"))  # every rank: experts differ over EP
         if dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            torch.save(grads, os.path.join(run_dir, f"grads_rank{rank}.pt"))
             with open(os.path.join(run_dir, f"hops_rank{rank}.json"), "w") as f:
                 json.dump(hops, f)
         if rank == 0:

@@ -192,7 +192,7 @@ def test_denseformer_payload_widths_of_the_spec():
 
     def width(k, p, boundary):
         mech = DenseFormer(ResidualConfig(mechanism="denseformer", denseformer_dilation=k, denseformer_period=p),
-                           ModelShape(48, 1, 1, 1))
+                           ModelShape(48, 1, 1, 1, 1e-6))
         return sum(e.width for e in mech.layout(boundary))
 
     assert width(1, 1, 24) == 26 and width(4, 4, 24) == 8

@@ -36,6 +36,21 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--attention-backend", "flash"], 1, "unknown --attention-backend 'flash'"),
         (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible by TP x PP = 2 x 1"),
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3,
+         "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 4,
+         "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 must divide the 2 ranks of a pipeline"),
+        (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5 must lie in 1..--num-experts (4)"),
+        (["--num-experts", "4", "--moe-grouped-gemm"], 1, "--moe-grouped-gemm needs Transformer Engine or the "
+                                                          "grouped_gemm package"),
+        (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size 2 needs experts: add --num-experts"),
+        (["--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*2)"], 1,
+         "--moe-layer-freq '([0]*1+[1]*2)' lists 3 layers but --num-layers is 4"),
+        (["--num-experts", "4", "--moe-layer-freq", "every"], 1, "expected N or a list of 0/1 per layer"),
+        (["--num-experts", "4", "--residual", "attnres", "--pipeline-model-parallel-size", "2",
+          "--moe-token-dispatcher-type", "allgather"], 2, "use --moe-token-dispatcher-type alltoall"),
+        (["--num-experts", "4", "--expert-model-parallel-size", "2", "--deepspeed", "--deepspeed-config", "x.json"],
+         2, "--deepspeed trains with ZeRO data parallelism and cannot split experts"),
         (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"], 6,
          "world size 6 is not divisible by TP x CP x PP = 2 x 2 x 1"),
         (["--context-parallel-size", "4", "--seq-length", "20"], 4,
@@ -73,6 +88,11 @@ def test_good_configurations_pass():
     cfg = parse_args(BASE + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                              "--sequence-parallel", "--seq-length", "32"]).validate(8)
     assert cfg.data_parallel_size(8) == 2
+    cfg = parse_args(BASE + ["--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*3)", "--expert-model-parallel-size",
+                             "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]).validate(4)
+    assert cfg.decoder_config().moe_layer_pattern == [0, 1, 1, 1]
+    assert parse_args(BASE + ["--num-experts", "2", "--moe-layer-freq", "2"]).decoder_config().moe_layer_pattern == \
+        [1, 0, 1, 0]
 
 
 def test_cli_rejects_bad_input_before_any_work():

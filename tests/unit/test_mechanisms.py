@@ -160,7 +160,7 @@ def test_every_mechanism_brings_its_own_io_model():
     from mega_depth.model.config import residual_config
     from mega_depth.model.registry import build
 
-    shape = ModelShape(6, 64, 4, 2)
+    shape = ModelShape(6, 64, 4, 2, 1e-6)
     for name in SETTINGS:
         mech = build(residual_config(residual_settings(name, 6)), shape)
         assert mech.io_units(True) >= 3 * shape.num_sublayers, name

@@ -20,10 +20,9 @@ from typing import Dict, Optional
 import torch
 
 from mega_depth.config import Config, ConfigError
-from mega_depth.init import padded_vocab_size, seed_everything
-from mega_depth.megatron import cpu_compat
+from mega_depth.init import padded_vocab_size
 from mega_depth.training import rng
-from mega_depth.training.distributed import Collectives, init_process_group, to_device
+from mega_depth.training.distributed import Collectives, to_device
 from mega_depth.training.host_sync import intended
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
@@ -169,20 +168,16 @@ class DeepSpeedBackend(Collectives):
     format = "deepspeed"
 
     def __init__(self, cfg: Config):
-        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core import parallel_state
 
-        cpu_compat.apply()  # the model is Megatron-core's: its CUDA assumptions redirected on a CPU-only machine
+        from mega_depth.training.backends.startup import start_megatron
+
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         import deepspeed
 
         self.cfg = cfg
-        init_process_group()  # torchrun, the deepspeed launcher, or one plain process (no MPI discovery)
+        start_megatron(cfg, data_parallel_only=True)  # the model is Megatron-core's, every rank holds all of it
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(1, 1)
-        seed_everything(cfg.training.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         self.num_microbatches = cfg.num_microbatches(self.world_size)
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
 
