@@ -77,6 +77,8 @@ class ModelConfig:
                                                                   "routed ones, on every token")
     moe_router_score_function: str = _f("softmax", "routing scores: softmax (over the top-k, renormalised) or "
                                                    "sigmoid (DeepSeek-V3)", ("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = _f(False, "softmax over all experts before the top-k (the chosen weights then "
+                                              "sum to less than 1); needed for top-1 softmax routing")
     moe_router_enable_expert_bias: bool = _f(False, "DeepSeek-V3's aux-loss-free balancing: a per-expert bias on "
                                                     "the routing choice, moved toward the under-loaded experts after "
                                                     "each step (with --moe-router-score-function sigmoid)")
@@ -419,6 +421,7 @@ class Config:
             moe_layer_pattern=m.moe_layer_pattern(),
             moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or 0,
             moe_router_score_function=m.moe_router_score_function,
+            moe_router_pre_softmax=m.moe_router_pre_softmax,
             moe_router_enable_expert_bias=m.moe_router_enable_expert_bias, residual=self.residual)
 
 
@@ -433,6 +436,9 @@ def _check_moe(cfg: "Config", world_size: int) -> None:
     _check(m.num_experts >= 1, f"--num-experts {m.num_experts} must be >= 1")
     _check(1 <= m.moe_router_topk <= m.num_experts,
            f"--moe-router-topk {m.moe_router_topk} must lie in 1..--num-experts ({m.num_experts})")
+    _check(not (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
+           "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one chosen logit "
+           "is 1, with no gradient for the router)")
     _check(ep >= 1 and etp >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
     _check(m.num_experts % ep == 0,
            f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}; pick an EP size "

@@ -405,7 +405,7 @@ def check_compatible(meta: dict, cfg: Config, where: str) -> None:
     for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "vocab_size", "qk_layernorm", "tie_word_embeddings", "num_experts", "moe_router_topk",
                 "moe_ffn_hidden_size", "moe_layer_pattern", "moe_shared_expert_intermediate_size",
-                "moe_router_score_function", "moe_router_enable_expert_bias"):
+                "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias"):
         if saved.get(key) != now.get(key):
             flag = flags.get(key, "--" + key.replace("_", "-"))
             diffs.append(f"{flag}: checkpoint {saved[key]!r}, this run {now[key]!r}")

@@ -93,6 +93,7 @@ def moe_settings(cfg: Config) -> dict:
         moe_shared_expert_intermediate_size=dc.moe_shared_expert_intermediate_size or None,
         moe_router_score_function=dc.moe_router_score_function,
         moe_router_enable_expert_bias=dc.moe_router_enable_expert_bias,
+        moe_router_pre_softmax=dc.moe_router_pre_softmax,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,

@@ -68,6 +68,7 @@ class DecoderConfig:
     moe_layer_pattern: List[int] = field(default_factory=list)  # one 0/1 per layer
     moe_shared_expert_intermediate_size: int = 0  # 0: no shared expert
     moe_router_score_function: str = "softmax"  # softmax over the top-k logits, or sigmoid scores renormalised
+    moe_router_pre_softmax: bool = False  # softmax: over all experts, then the top-k (not renormalised)
     moe_router_enable_expert_bias: bool = False  # a per-expert bias on the choice (not on the weights)
     residual: Any = field(default_factory=ResidualConfig)
 

@@ -30,6 +30,8 @@ from torch import Tensor, nn
 # transformers' remote-code loader follows `from .x import` lines to copy the files along.
 from .base import normed
 from .config import DecoderConfig
+from .mlp import MLP
+from .moe import MoEMLP
 
 
 class RMSNorm(nn.Module):
@@ -108,19 +110,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Layer(nn.Module):
-    """A Llama/Qwen3 layer, plus the mechanism's modules for this layer (as named children)."""
+    """A Llama/Qwen3 layer (a Qwen3-MoE one where the config makes this layer MoE), plus the mechanism's modules for
+    this layer (as named children)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int, mechanism):
         super().__init__()
@@ -128,7 +120,7 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.ffn_hidden_size)
         for name, module in mechanism.layer_modules(layer).items():
             self.add_module(name, module)
 

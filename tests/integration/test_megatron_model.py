@@ -18,10 +18,11 @@ from mega_depth.config import parse_args
 def megatron_world():
     from megatron.core import parallel_state
 
-    from mega_depth.megatron import cpu_compat
+    from mega_depth.megatron import cpu_compat, te_absent
     from mega_depth.training.distributed import init_process_group
 
     cpu_compat.apply()  # explicit, as every entry point that starts Megatron on CPU does
+    te_absent.apply()
     init_process_group()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -146,6 +147,48 @@ def test_megatron_model_equals_the_plain_decoder_with_trained_like_parameters(me
         out = plain(tokens).float()
     scale = ref.abs().max().item()
     assert (out - ref).abs().max().item() <= 1e-4 * scale, (mechanism, (out - ref).abs().max().item(), scale)
+
+
+MOE = ["--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*2)", "--moe-ffn-hidden-size", "48"]
+
+
+@pytest.mark.parametrize("flags", [
+    MOE + ["--residual", "attnres", "--attnres-num-blocks", "2", "--moe-shared-expert-intermediate-size", "32"],
+    MOE + ["--residual", "mhc", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+           "--moe-router-topk", "3"],
+    MOE + ["--residual", "standard", "--moe-router-topk", "1", "--moe-router-pre-softmax"],
+], ids=["attnres-softmax-shared", "mhc-sigmoid-bias-top3", "standard-top1"])
+def test_moe_megatron_model_equals_the_plain_decoder(megatron_world, tokens, flags):
+    """Megatron's MoE layers (router, top-k, the expert bias, SwiGLU experts, a shared expert) and the plain
+    decoder's (mega_depth/model/moe.py) give the same logits, with the router and the expert bias moved off their
+    initialisation so that every token's choice matters."""
+    from mega_depth.init import padded_vocab_size
+    from mega_depth.model.decoder import CausalLM
+    from mega_depth.model.state_dict_adapter import to_canonical
+
+    cfg, model = build(flags)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "router" in name:
+                p.add_(torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
+    dc = cfg.decoder_config(padded_vocab_size(cfg.model.vocab_size))
+    plain = CausalLM(dc).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = plain.load_state_dict(to_canonical(state, dc), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert sum(isinstance(m, torch.nn.Module) and type(m).__name__ == "MoEMLP" for m in plain.modules()) == 2
+    from mega_depth.training.report import model_counts
+
+    assert model_counts(cfg, dc.vocab_size).parameters == sum(p.numel() for p in model.parameters())
+    ref = logits(model, tokens).float()
+    with torch.no_grad():
+        out = plain(tokens).float()
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-5 * scale, ((out - ref).abs().max().item(), scale)
 
 
 @pytest.mark.parametrize("flags", [["--residual", "denseformer"],

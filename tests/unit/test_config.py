@@ -40,6 +40,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
          "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
         (["--num-experts", "4", "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 4,
          "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 must divide the 2 ranks of a pipeline"),
+        (["--num-experts", "4", "--moe-router-topk", "1"], 1, "needs --moe-router-pre-softmax"),
         (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5 must lie in 1..--num-experts (4)"),
         (["--num-experts", "4", "--moe-grouped-gemm"], 1, "--moe-grouped-gemm needs Transformer Engine or the "
                                                           "grouped_gemm package"),
