@@ -3,7 +3,8 @@
 Formats (mega_depth.json "format"):
 - megatron: megatron-core's torch_dist dist-checkpoint. Its shards are read by key with
   torch.distributed.checkpoint (no Megatron model, no process group): layers stack along a leading dim
-  ("decoder.layers.x", homogeneous layers) or are keyed per layer ("decoder.layers.<i>.x").
+  ("decoder.layers.x", homogeneous layers) or are keyed per layer ("decoder.layers.<i>.x"); a layer's routed
+  experts stack along their own leading dim ("...mlp.experts.experts.linear_fc1.weight" [E, ...]).
 - deepspeed, plain: the checkpoint carries model.safetensors in canonical names.
 The state-dict adapter (mega_depth/model/state_dict_adapter.py) maps Megatron names to canonical ones.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from typing import Dict, Tuple
 
@@ -78,12 +80,17 @@ def megatron_full_state(ckpt_dir: str, dc: DecoderConfig) -> Dict[str, torch.Ten
     expected = from_canonical(template, dc)  # Megatron name -> meta tensor of the full shape
     request, where = {}, {}
     for name, t in expected.items():
-        parts = _sharded_key(name).split(".")
+        # a routed expert's weight is stored stacked over the layer's experts: experts.experts.<x> [E, ...]
+        expert = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.", name)
+        sharded = _sharded_key(name) if expert is None else \
+            _sharded_key(name).replace(expert.group(0), ".mlp.experts.experts.")
+        parts = sharded.split(".")
         stacked = ".".join(parts[:2] + parts[3:]) if name.startswith("decoder.layers.") else None
+        inner = () if expert is None else (int(expert.group(1)),)
         if ".".join(parts) in stored:
-            key, index = ".".join(parts), None
+            key, index = ".".join(parts), inner
         elif stacked is not None and stacked in stored:
-            key, index = stacked, int(parts[2])
+            key, index = stacked, (int(parts[2]),) + inner
         else:
             raise CorruptCheckpoint(f"its shards hold no tensor for {name}")
         if key not in request:
@@ -101,7 +108,7 @@ def megatron_full_state(ckpt_dir: str, dc: DecoderConfig) -> Dict[str, torch.Ten
         raise UnreadableShards(f"its shards cannot be read ({type(cause).__name__}: {str(cause)[:120]})") from None
     out = {}
     for name, (key, index) in where.items():
-        value = request[key] if index is None else request[key][index]
+        value = request[key][index] if index else request[key]
         if tuple(value.shape) != tuple(expected[name].shape):
             raise CorruptCheckpoint(f"{name} has shape {tuple(value.shape)}, its recorded config needs "
                                     f"{tuple(expected[name].shape)}")

@@ -1,7 +1,8 @@
 """Hugging Face folders in and out: file IO only (the weights are canonical already; see checkpoint/weights.py).
 
-Writing: the standard residual becomes a native Qwen3 (q/k-norm) or Llama folder, with no remote code; every
-depth-mixing mechanism the `mega_depth_lm` architecture (trust_remote_code=True), whose folder carries
+Writing: the standard residual becomes a native Qwen3 (q/k-norm) or Llama folder, with no remote code, and with
+experts a native Qwen3-MoE folder where its layer is this one (softmax top-k renormalised, no shared expert, no
+expert bias); every depth-mixing mechanism (and any other MoE) the `mega_depth_lm` architecture (trust_remote_code=True), whose folder carries
 configuration_mega_depth.py, modeling_mega_depth.py and mega_depth/model/*.py (the decoder, the mechanisms, the
 math) flat beside them. Always: config.json, generation_config.json, safetensors (sharded with an index past
 max_shard_size), tokenizer.model + tokenizer_config.json and mega_depth.json (the exact training config). Written to
@@ -9,7 +10,8 @@ a temporary folder and renamed at the end. Every export names a pad token (speci
 sentencepiece model has a pad piece) in config.json, generation_config.json and tokenizer_config.json, so padded
 batches (generate, pipeline(batch_size=...)) work as with any Hugging Face causal LM.
 
-Reading: a mega_depth export (its mega_depth.json has the exact config) or a native Qwen3 / Llama folder.
+Reading: a mega_depth export (its mega_depth.json has the exact config) or a native Qwen3 / Qwen3-MoE / Llama
+folder.
 """
 
 from __future__ import annotations
@@ -60,8 +62,38 @@ def special_tokens(spm_model: str) -> Dict[str, Tuple[str, int]]:
     return {"bos": BOS, "eos": EOS, "unk": (sp.id_to_piece(sp.unk_id()), sp.unk_id()), "pad": pad}
 
 
+def native_architecture(dc: DecoderConfig) -> Optional[str]:
+    """The transformers model type that computes this model exactly (None: the mega_depth_lm architecture)."""
+    if dc.mechanism().mixes_depth:
+        return None
+    if not dc.num_experts:
+        return "qwen3" if dc.qk_layernorm else "llama"
+    # Qwen3-MoE: softmax over all experts, top-k, renormalised (norm_topk_prob); no shared expert, no bias
+    plain_topk = dc.moe_router_score_function == "softmax" and not dc.moe_router_pre_softmax
+    if dc.qk_layernorm and plain_topk and not dc.moe_shared_expert_intermediate_size \
+            and not dc.moe_router_enable_expert_bias:
+        return "qwen3_moe"
+    return None
+
+
+def _stacked_experts(canonical: Dict[str, torch.Tensor], dc: DecoderConfig) -> Dict[str, torch.Tensor]:
+    """Per-expert canonical weights (Qwen3-MoE's files) -> transformers' in-memory Qwen3-MoE: each layer's experts
+    stacked, gate and up fused ([E, 2F, d] and [E, d, F])."""
+    out = {k: v for k, v in canonical.items() if ".mlp.experts." not in k}
+    for i in range(dc.num_layers):
+        if not dc.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts."
+        out[p + "gate_up_proj"] = torch.stack([torch.cat([canonical[f"{p}{e}.gate_proj.weight"],
+                                                          canonical[f"{p}{e}.up_proj.weight"]])
+                                               for e in range(dc.num_experts)])
+        out[p + "down_proj"] = torch.stack([canonical[f"{p}{e}.down_proj.weight"] for e in range(dc.num_experts)])
+    return out
+
+
 def _native_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS[1]):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=dc.vocab_size, hidden_size=dc.hidden_size, intermediate_size=dc.ffn_hidden_size,
                   num_hidden_layers=dc.num_layers, num_attention_heads=dc.num_attention_heads,
@@ -70,7 +102,14 @@ def _native_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS
                   tie_word_embeddings=dc.tie_word_embeddings, attention_bias=False, bos_token_id=BOS[1],
                   eos_token_id=EOS[1], pad_token_id=pad_token_id,
                   rope_parameters={"rope_type": "default", "rope_theta": dc.rotary_base})
-    if dc.qk_layernorm:
+    kind = native_architecture(dc)
+    if kind == "qwen3_moe":
+        dense = [i for i in range(dc.num_layers) if not dc.is_moe_layer(i)]
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, use_sliding_window=False, num_experts=dc.num_experts, num_experts_per_tok=dc.moe_router_topk,
+            moe_intermediate_size=dc.moe_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=dense,
+            norm_topk_prob=True, output_router_logits=False))
+    if kind == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**common, use_sliding_window=False))
     return LlamaForCausalLM(LlamaConfig(**common, mlp_bias=False))
 
@@ -85,6 +124,7 @@ def _mega_depth_model(dc: DecoderConfig, max_positions: int, pad_token_id: int =
         intermediate_size=dc.ffn_hidden_size, rms_norm_eps=dc.norm_epsilon, rope_theta=dc.rotary_base,
         qk_layernorm=dc.qk_layernorm, residual=dc.residual_values(),
         depth_mixing_inference=dc.mechanism().inference_form(), tie_word_embeddings=dc.tie_word_embeddings,
+        moe=dc.moe_values(),
         max_position_embeddings=max_positions, bos_token_id=BOS[1], eos_token_id=EOS[1], pad_token_id=pad_token_id)
     config.auto_map = {"AutoConfig": "configuration_mega_depth.MegaDepthConfig",
                        "AutoModelForCausalLM": "modeling_mega_depth.MegaDepthForCausalLM"}
@@ -116,9 +156,11 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
     if not tokenizer_model or not os.path.isfile(tokenizer_model):
         raise ConfigError(f"no tokenizer for this checkpoint ({tokenizer_model or 'none recorded'}); pass "
                           "--tokenizer-model (the sentencepiece model the data was made with)")
-    native = not dc.mechanism().mixes_depth
+    native = native_architecture(dc) is not None
     pad_id = special_tokens(tokenizer_model)["pad"][1]
     model = (_native_model if native else _mega_depth_model)(dc, max_positions, pad_id)
+    if native_architecture(dc) == "qwen3_moe":  # its files hold the canonical per-expert names again
+        canonical = _stacked_experts(canonical, dc)
     missing, unexpected = model.load_state_dict(canonical, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and dc.tie_word_embeddings)]
     if missing or unexpected:
@@ -204,6 +246,8 @@ def check_agreement(hf: dict, cfg: Config, folder: str) -> None:
              if hf_key in hf and hf[hf_key] != getattr(dc, key)]
     if "residual" in hf and hf["residual"] != dc.residual_values():
         diffs.append(f"residual {hf['residual']!r} vs {dc.residual_values()!r}")
+    if "moe" in hf and hf["moe"] != dc.moe_values():
+        diffs.append(f"moe {hf['moe']!r} vs {dc.moe_values()!r}")
     if diffs:
         raise ConfigError(f"{folder}: config.json and mega_depth.json disagree ({'; '.join(diffs[:3])}): the folder "
                           "was edited; restore the file that was changed (or export it again)")
@@ -217,7 +261,7 @@ def _native_config(hf: dict, folder: str) -> Config:
     m.num_layers, m.hidden_size = hf["num_hidden_layers"], hf["hidden_size"]
     m.num_attention_heads, m.num_query_groups = hf["num_attention_heads"], hf.get("num_key_value_heads")
     m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
-    m.norm_epsilon, m.qk_layernorm = hf.get("rms_norm_eps", 1e-6), hf["model_type"] == "qwen3"
+    m.norm_epsilon, m.qk_layernorm = hf.get("rms_norm_eps", 1e-6), hf["model_type"] in ("qwen3", "qwen3_moe")
     m.rotary_base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
     m.seq_length = min(hf.get("max_position_embeddings", 4096), 4096)
@@ -225,6 +269,16 @@ def _native_config(hf: dict, folder: str) -> Config:
         raise ConfigError(f"{folder}: head_dim != hidden_size / num_attention_heads is not supported")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ConfigError(f"{folder}: attention or MLP biases are not supported (Llama/Qwen3 without bias)")
+    if hf["model_type"] == "qwen3_moe":
+        if not hf.get("norm_topk_prob", False):
+            raise ConfigError(f"{folder}: Qwen3-MoE with norm_topk_prob false (top-k weights not renormalised) is "
+                              "not a routing mega_depth trains; only norm_topk_prob true imports")
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(m.num_layers)]
+        m.num_experts = hf.get("num_experts", hf.get("num_local_experts"))  # (transformers 5 writes the latter)
+        m.moe_router_topk = hf["num_experts_per_tok"]
+        m.moe_ffn_hidden_size = hf["moe_intermediate_size"]
+        m.moe_layer_freq = "(" + "+".join(f"[{v}]" for v in pattern) + ")"
     return cfg
 
 
@@ -246,11 +300,11 @@ def read_folder(folder: str) -> Tuple[Dict[str, torch.Tensor], Config, Optional[
             raise ConfigError(f"{meta_path} does not hold a mega_depth training config ({type(e).__name__}: "
                               f"{str(e)[:60]}); the export is damaged: export it again") from None
         check_agreement(hf, cfg, folder)
-    elif hf.get("model_type") in ("qwen3", "llama"):
+    elif hf.get("model_type") in ("qwen3", "llama", "qwen3_moe"):
         cfg = _native_config(hf, folder)
     else:
         raise ConfigError(f"{folder} holds a {hf.get('model_type')!r} model; import supports mega_depth exports "
-                          "and native qwen3/llama folders")
+                          "and native qwen3/qwen3_moe/llama folders")
     tokenizer = os.path.join(folder, "tokenizer.model")
     return read_weights(folder), cfg, tokenizer if os.path.isfile(tokenizer) else None
 

@@ -28,7 +28,7 @@ def decoder_config(config: MegaDepthConfig) -> DecoderConfig:
         num_attention_heads=config.num_attention_heads, num_query_groups=config.num_key_value_heads,
         ffn_hidden_size=config.intermediate_size, norm_epsilon=config.rms_norm_eps, rotary_base=config.rope_theta,
         qk_layernorm=config.qk_layernorm, tie_word_embeddings=config.tie_word_embeddings,
-        residual=config.residual))
+        residual=config.residual, **getattr(config, "moe", {})))
 
 
 class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):

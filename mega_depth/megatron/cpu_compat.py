@@ -71,15 +71,30 @@ def _redirect(factory):
 
 
 class _CpuTorch(types.ModuleType):
-    """`torch`, except that tensor factories put "cuda" tensors on the CPU."""
+    """`torch`, except that tensor factories put "cuda" tensors on the CPU (and `overrides`, e.g. a `cuda`)."""
 
-    def __init__(self):
+    def __init__(self, **overrides):
         super().__init__("torch")
         for name in _FACTORIES:
             setattr(self, name, _redirect(getattr(torch, name)))
+        for name, value in overrides.items():
+            setattr(self, name, value)
 
     def __getattr__(self, name):
         return getattr(torch, name)
+
+
+class _CpuCuda(types.ModuleType):
+    """`torch.cuda` with one always-current stream."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+        self.Stream = lambda *args, **kwargs: _CPU_STREAM
+        self.current_stream = lambda *args, **kwargs: _CPU_STREAM
+        self.stream = lambda stream=None: contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
 
 
 def apply() -> bool:
@@ -97,11 +112,6 @@ def apply() -> bool:
     torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it; the CPU generator is seeded there
-    # One stream: work on a CPU is ordered already, and "the side stream" is then the current one (no
-    # record_stream calls on CPU tensors). Its events are complete when recorded.
-    torch.cuda.Stream = lambda *args, **kwargs: _CPU_STREAM
-    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
@@ -142,6 +152,10 @@ def apply() -> bool:
     _tag_pipeline_p2p()
     _host_split_sizes()
     _uneven_collectives()
+    # The MoE dispatcher's side stream: one stream, in that module only (a CPU orders its work already, and "the
+    # side stream" is then the current one: no record_stream on CPU tensors; its events are complete when recorded)
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.torch = _CpuTorch(cuda=_CpuCuda())
     _APPLIED = True
     return True
 

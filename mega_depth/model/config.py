@@ -79,6 +79,13 @@ class DecoderConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and bool(self.moe_layer_pattern[layer])
 
+    def moe_values(self) -> Dict[str, Any]:
+        """The MoE fields (empty for a dense model): what an exported config records beside the shape."""
+        if not self.num_experts:
+            return {}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name == "num_experts" or f.name.startswith("moe_")}
+
     @property
     def shape(self) -> ModelShape:
         return ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads, self.num_query_groups,

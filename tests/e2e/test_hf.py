@@ -41,12 +41,13 @@ def exports(trained, tmp_path_factory):
 def megatron_world():
     from megatron.core import parallel_state
 
-    from mega_depth.megatron import cpu_compat
+    from mega_depth.megatron import cpu_compat, te_absent
     from mega_depth.training.distributed import init_process_group
 
     from megatron.core import tensor_parallel
 
     cpu_compat.apply()  # explicit: the reference below is the Megatron-core model, on CPU
+    te_absent.apply()
     init_process_group()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -164,6 +165,78 @@ def test_native_qwen3_folder_imports(exports, tmp_path):
     import_folder(str(native), str(tmp_path / "ckpt"))
     export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
     a, b = load_file(str(native / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# Mixture-of-experts exports: the standard residual with Qwen3-MoE's layer becomes a native qwen3_moe folder; a
+# depth-mixing MoE model, or DeepSeek's routing (sigmoid, expert bias, a shared expert), mega_depth_lm.
+MOE = ["--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-aux-loss-coeff", "0.01"]
+DEEPSEEK = MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                  "--moe-router-bias-update-rate", "0.01", "--moe-shared-expert-intermediate-size", "32"]
+MOE_CASES = {("moe", "standard"): "qwen3_moe", ("moe", "attnres-block"): "mega_depth_lm",
+             ("moe-deepseek", "mhc"): "mega_depth_lm"}
+
+
+@pytest.fixture(scope="module")
+def moe_exports(data, tmp_path_factory):
+    """MoE models trained 4 steps (the routers and the expert bias move), saved at EP2 and exported."""
+    from mega_depth.hf.io import export_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    args = [str(data["dir"] / "docs"), str(data["dir"] / "spm.model"), "--expert-model-parallel-size", "2"]
+    for variant, flags in (("moe", MOE), ("moe-deepseek", DEEPSEEK)):
+        mechanisms = ",".join(m for v, m in MOE_CASES if v == variant)
+        torchrun(2, [SCRIPT, str(root / variant)] + args + flags, str(root / f"{variant}.log"),
+                 env={"MECHANISMS": mechanisms})
+        for v, mech in MOE_CASES:
+            if v == variant:
+                export_checkpoint(str(root / variant / mech / "ckpt"), str(root / "hf" / variant / mech))
+    return root
+
+
+@pytest.mark.parametrize("variant, mechanism", list(MOE_CASES))
+def test_moe_exports_equal_the_training_model_and_cache(megatron_world, moe_exports, prompt, variant, mechanism):
+    """Logits of the export equal the Megatron model's (its checkpoint saved at EP2, read here by one process);
+    cached generation equals uncached and the training model's own greedy decoding."""
+    folder = moe_exports / "hf" / variant / mechanism
+    config = json.load(open(folder / "config.json"))
+    assert config["model_type"] == MOE_CASES[(variant, mechanism)]
+    if config["model_type"] == "qwen3_moe":
+        assert "auto_map" not in config and config["mlp_only_layers"] == [0]
+        assert config.get("num_experts", config.get("num_local_experts")) == 4
+    else:
+        assert config["moe"]["num_experts"] == 4 and config["moe"]["moe_layer_pattern"] == [0, 1, 1, 1]
+    ref = training_model(str(moe_exports / variant / mechanism / "ckpt"))
+    if variant == "moe-deepseek":  # the bias moved off zero: it steers the choice in both models
+        assert any(b.abs().max() > 0 for n, b in ref.named_buffers() if n.endswith("expert_bias"))
+    model = hf_model(folder)
+    with torch.no_grad():
+        diff = (model(prompt).logits - megatron_logits(ref, prompt)).abs().max().item()
+        cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+        uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert diff <= 1e-4, f"{variant}/{mechanism}: max |logit diff| {diff}"
+    assert cached.tolist() == uncached.tolist()
+    ids = prompt
+    for _ in range(12):
+        ids = torch.cat([ids, megatron_logits(ref, ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert cached.tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("variant, mechanism", list(MOE_CASES))
+def test_moe_round_trip_export_import_export_is_bit_exact(moe_exports, tmp_path, variant, mechanism):
+    """Export -> import -> export keeps every weight bit for bit; the native Qwen3-MoE folder imports from its
+    config.json alone (no mega_depth.json)."""
+    from safetensors.torch import load_file
+
+    from mega_depth.hf.io import export_checkpoint, import_folder
+
+    first = tmp_path / "first"
+    shutil.copytree(moe_exports / "hf" / variant / mechanism, first)
+    if MOE_CASES[(variant, mechanism)] == "qwen3_moe":
+        os.remove(first / "mega_depth.json")
+    import_folder(str(first), str(tmp_path / "ckpt"))
+    export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "again"))
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
