@@ -111,6 +111,22 @@ def test_a_cp2_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_
     assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
 
 
+def test_an_ep2xpp2_moe_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_path):
+    """Experts saved by 4 ranks (each stage's experts split over EP2) resume at EP1 x PP1 in one process with the
+    4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on."""
+    flags = TRAIN_MODEL + data["flags"] + ["--num-layers", "4", "--train-iters", "11", "--num-experts", "4",
+                                           "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-aux-loss-coeff", "0.01"]
+    big = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--save", str(tmp_path / "a"), "--save-interval", "10",
+                                                            "--output-dir", str(tmp_path / "a-run")],
+             str(tmp_path / "a.log"))
+    run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "a" / "iter_0000010"),
+                                              "--output-dir", str(tmp_path / "a-resumed")])
+    resumed, original = metrics(tmp_path / "a-resumed"), metrics(tmp_path / "a-run")
+    assert min(resumed) == 11
+    assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
+
+
 def test_deepspeed_launcher_trains_two_processes_and_resumes(tmp_path):
     ds = os.path.join(os.path.dirname(PY), "deepspeed")
     common = ["--master_port", "0", "--num_gpus", "2", "--module", "mega_depth.train", "--deepspeed",

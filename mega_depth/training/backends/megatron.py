@@ -52,7 +52,7 @@ class MegatronBackend(Collectives):
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamWithNamePredicate, get_megatron_optimizer
 
-        from mega_depth.megatron.builder import build_model_chunks, load_full_state, transformer_impl
+        from mega_depth.megatron.builder import build_model_chunks, is_expert_param, load_full_state, transformer_impl
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.training
         if cfg.model.transformer_impl is None and torch.cuda.is_available() and transformer_impl(cfg) == "local" \
@@ -60,6 +60,10 @@ class MegatronBackend(Collectives):
             print("the local spec, with torch SDPA core attention (Transformer Engine is not importable, or "
                   f"--residual {cfg.residual.mechanism} cannot run on its fused norm+QKV projection)", flush=True)
         chunks = build_model_chunks(cfg)
+        for chunk in chunks:  # experts in their own grad buffers and optimizer at every EP size, EP 1 included:
+            for name, param in chunk.named_parameters():  # the optimizer state then reshards over EP
+                if is_expert_param(name):
+                    param.allreduce = False
         if initial_weights is not None:
             load_full_state(chunks, initial_weights, cfg)
         if torch.cuda.is_available():
