@@ -91,7 +91,9 @@ class MoEMLP(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_ffn_hidden_size) for _ in range(cfg.num_experts))
         width = cfg.moe_shared_expert_intermediate_size
         self.shared_expert = MLP(cfg.hidden_size, width) if width else None
-        self.load_balancing: Tuple[str, float] = ("none", 0.0)  # set by a trainer: (aux_loss | seq_aux_loss, coeff)
+        # set by a trainer: (aux_loss | seq_aux_loss | none, coeff, groups): the loss of each of `groups` equal
+        # slices of the batch (a data-parallel rank's micro-batch in Megatron), averaged
+        self.load_balancing: Tuple[str, float, int] = ("none", 0.0, 1)
         self.aux_loss: Optional[Tensor] = None
         self.tokens_per_expert: Optional[Tensor] = None  # [E] of the last forward (for the expert bias, the logs)
 
@@ -105,25 +107,31 @@ class MoEMLP(nn.Module):
         self.tokens_per_expert = routing_map.sum(dim=0).detach()
         self.aux_loss = self._balancing_loss(logits, b, s) if self.training and torch.is_grad_enabled() else None
         out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            rows = routing_map[:, e].nonzero(as_tuple=True)[0]
-            if rows.numel():
-                weight = probs[rows, e].unsqueeze(-1)
-                out.index_add_(0, rows, (expert(tokens[rows]).float() * weight).to(out.dtype))
+        if tokens.device.type == "xla":  # static shapes for the compiler: every expert on every token, weighted
+            for e, expert in enumerate(self.experts):  # (0 for the experts a token did not choose)
+                out = out + (expert(tokens).float() * probs[:, e:e + 1]).to(out.dtype)
+        else:  # each expert on its own tokens
+            for e, expert in enumerate(self.experts):
+                rows = routing_map[:, e].nonzero(as_tuple=True)[0]
+                if rows.numel():
+                    weight = probs[rows, e].unsqueeze(-1)
+                    out.index_add_(0, rows, (expert(tokens[rows]).float() * weight).to(out.dtype))
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.view(s, b, d).transpose(0, 1)
 
     def _balancing_loss(self, logits: Tensor, b: int, s: int) -> Optional[Tensor]:
-        kind, coeff = self.load_balancing
+        kind, coeff, groups = self.load_balancing
         if kind == "none" or coeff == 0:
             return None
         routing_map, scores = aux_scores(logits, self.topk, self.score_function)
-        if kind == "aux_loss":
-            return switch_loss(scores, routing_map, self.topk, coeff)
-        # seq_aux_loss: one loss per sequence, averaged over the micro-batch's sequences
-        scores, routing_map = scores.view(s, b, -1), routing_map.view(s, b, -1)
-        return sum(switch_loss(scores[:, i], routing_map[:, i], self.topk, coeff) for i in range(b)) / b
+        scores, routing_map = scores.view(s, b, -1), routing_map.view(s, b, -1)  # tokens in [s, b] order
+        if kind == "seq_aux_loss":  # one loss per sequence, averaged over the sequences
+            return sum(switch_loss(scores[:, i], routing_map[:, i], self.topk, coeff) for i in range(b)) / b
+        per = b // groups  # aux_loss: over each group's tokens
+        return sum(switch_loss(scores[:, g * per:(g + 1) * per].reshape(-1, scores.shape[-1]),
+                               routing_map[:, g * per:(g + 1) * per].reshape(-1, scores.shape[-1]), self.topk, coeff)
+                   for g in range(groups)) / groups
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from typing import Dict, List, Tuple
 
 COLORBAR_LABEL = "mean depth weight (over tokens)"
 SPREAD_LABEL = "std of the depth weight over tokens"  # how much the weights vary with the input
+LOAD_LABEL = "tokens routed / the layer's mean over experts"
 
 
 def heatmap_figure(rows: Dict[Tuple[float, str], list], title: str, name: str = ""):
@@ -28,7 +29,20 @@ def heatmap_figure(rows: Dict[Tuple[float, str], list], title: str, name: str = 
     return _rows(ordered, title, SPREAD_LABEL if name.endswith(TOKEN_SPREAD) else COLORBAR_LABEL)
 
 
-def _rows(ordered: List[Tuple[Tuple[float, str], List[float]]], title: str, colorbar: str = COLORBAR_LABEL):
+def expert_load_figure(load: Dict[int, List[float]], title: str):
+    """Expert load of an MoE model: one row per MoE layer, each expert's tokens over the layer's mean (1 = even)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = []
+    for layer, counts in sorted(load.items()):
+        mean = sum(counts) / len(counts) or 1.0
+        rows.append(((layer, f"layer {layer}"), [c / mean for c in counts]))
+    return _rows(rows, title, LOAD_LABEL, xlabel="expert")
+
+
+def _rows(ordered: List[Tuple[Tuple[float, str], List[float]]], title: str, colorbar: str = COLORBAR_LABEL,
+          xlabel: str = "source (depth order; last = newest / self)"):
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -39,7 +53,7 @@ def _rows(ordered: List[Tuple[Tuple[float, str], List[float]]], title: str, colo
     fig, ax = plt.subplots(figsize=(max(4, 0.45 * width + 2), max(3, 0.3 * len(ordered) + 1.5)))
     im = ax.imshow(grid, aspect="auto", cmap="viridis")
     ax.set_yticks(range(len(ordered)), [label for (_, label), _ in ordered], fontsize=7)
-    ax.set_xlabel("source (depth order; last = newest / self)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label=colorbar)
     fig.tight_layout()

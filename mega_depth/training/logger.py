@@ -76,9 +76,56 @@ class Logger:
         loss = sum(losses) / len(losses) if losses else float("nan")
         line = (f"step {done:>6}/{total} ({100 * done / total:5.1f}%) | loss {loss:.6f} | lr {record['lr']:.3e} | "
                 f"grad norm {record['grad_norm']:.4f} | {self.meter.line(done)} | mem {memory_gb:.2f} GB")
+        if "moe_load_balancing_loss" in record:
+            line += f" | lb loss {record['moe_load_balancing_loss']:.4f}"
+        if "moe_load_max_over_mean" in record:
+            line += f" | expert load max/mean {record['moe_load_max_over_mean']:.2f}"
         if "val_loss" in record:
             line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
         print(line + (" | skipped (non-finite loss)" if record.get("skipped") else ""), flush=True)
+
+    # --- mixture of experts ----------------------------------------------------------------------------------------
+    def routing(self, routing: dict, step: int) -> None:
+        """Per MoE layer: the load-balancing loss, the load imbalance and the tokens-per-expert histogram
+        (moe/...), and the expert-load heatmap (layers x experts) as a PNG beside the depth-weight heatmaps."""
+        from mega_depth.training.report import load_imbalance
+
+        scalars = {}
+        for layer, counts in routing["tokens_per_expert"].items():
+            scalars[f"moe/load_max_over_mean/layer_{layer}"] = load_imbalance(counts)
+        for layer, value in (routing.get("load_balancing_loss") or {}).items():
+            scalars[f"moe/load_balancing_loss/layer_{layer}"] = value
+        if self.writer is not None:
+            import numpy as np
+
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
+            for layer, counts in routing["tokens_per_expert"].items():
+                # one sample per expert at its index, weighted by its tokens: the load's shape over experts
+                self.writer.add_histogram_raw(
+                    f"moe/tokens_per_expert/layer_{layer}", min=0, max=len(counts) - 1, num=sum(counts),
+                    sum=float(np.dot(range(len(counts)), counts)),
+                    sum_squares=float(np.dot(np.arange(len(counts)) ** 2, counts)),
+                    bucket_limits=[i + 0.5 for i in range(len(counts))], bucket_counts=counts, global_step=step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        self._expert_load_figure(routing["tokens_per_expert"], step)
+
+    def _expert_load_figure(self, load: dict, step: int):
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        from mega_depth.training.heatmaps import expert_load_figure
+
+        fig = expert_load_figure(load, f"expert load (tokens / mean over experts), steps to {step}")
+        path = os.path.join(self.cfg.logging.output_dir, "heatmaps", f"expert_load_step{step:07d}.png")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fig.savefig(path, dpi=110)
+        if self.writer is not None:
+            self.writer.add_figure("moe/expert_load", fig, step)
+        plt.close(fig)
+        return path
 
     # --- heatmaps ---------------------------------------------------------------------------------------------------
     def heatmaps(self, figures: dict, step: int) -> List[str]:

@@ -216,3 +216,24 @@ class IntervalMeter:
         parts.append(f"ETA {eta}")
         self.steps, self.seconds = 0, 0.0
         return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixture of experts: what the routers did over a logging interval
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_imbalance(counts: List[float]) -> float:
+    """The busiest expert's tokens over the mean (1: perfectly balanced; E: every token to one expert)."""
+    mean = sum(counts) / len(counts)
+    return max(counts) / mean if mean > 0 else float("nan")
+
+
+def routing_summary(routing: dict) -> dict:
+    """metrics.jsonl's MoE fields: the load-balancing loss averaged over MoE layers (/ its coefficient, as
+    Megatron-LM logs it) and the worst layer's expert-load imbalance."""
+    out = {"moe_load_max_over_mean": max(load_imbalance(c) for c in routing["tokens_per_expert"].values())}
+    losses = routing.get("load_balancing_loss")
+    if losses:
+        out["moe_load_balancing_loss"] = sum(losses.values()) / len(losses)
+    return out

@@ -2,21 +2,9 @@
 xla/backend.py).
 
 Written once here: data order, resuming, the NaN policy, evaluation, logging (metrics.jsonl, TensorBoard, depth
-heatmaps), SIGTERM save-and-exit, and the checkpoint rules (mega_depth/checkpoint/rules.py). A backend supplies:
-
-    rank, world_size, format                        format: its checkpoint format ("megatron", "deepspeed", "plain")
-    barrier(), broadcast(obj), any(flag)            collectives (one process: trivial)
-    sampler_shape -> (mbs, nmb, dp, dp_rank)        how it reads the global batch (GlobalBatchSampler)
-    build(initial_weights)                          model, optimizer, schedule (weights: a full Megatron state dict
-                                                    of a weights-only checkpoint, or None)
-    forward_backward(microbatches, poison) -> loss  the step's mean loss, the same on every rank; grads accumulated
-                                                    (poison: the NaN fault injection, FAULT_NAN_AT_STEP)
-    update() -> (grad_norm, applied)                apply the accumulated update (and advance the LR schedule)
-    discard()                                       skip it: weights, optimizer state and schedule stay as they are
-    lr, evaluate(microbatches) -> loss, heatmap_figures(microbatches) -> figures on rank 0 (or None)
-    save_files(tmp_dir, step), load(ckpt_dir, meta) -> step, layout(), memory_gb(), close()
-    gather(obj) -> [obj of every rank], parameters_on_rank(), peak_flops() -> FLOP/s of one device or None,
-    zero_stage (DeepSpeed's; the others 0)                                        (the summary and --dry-run)
+heatmaps, MoE routing), SIGTERM save-and-exit, and the checkpoint rules (mega_depth/checkpoint/rules.py). A backend
+supplies what training/backend.py's `Backend` protocol lists: collectives, how it reads the global batch, build,
+forward_backward / update / discard, evaluation and probes, and its checkpoint files.
 """
 
 from __future__ import annotations
@@ -260,12 +248,19 @@ class Trainer:
                           "tokens": consumed * seq, "train_time_s": train_time}
                 if result["skipped"]:
                     record["skipped"] = True
+                routing = None
+                if done % cfg.logging.log_interval == 0 or last:  # collective, on every rank alike
+                    routing = b.moe_metrics()
+                    if routing is not None:
+                        record.update(report.routing_summary(routing))
                 if valid is not None and ((cfg.data.eval_interval and done % cfg.data.eval_interval == 0) or last):
                     record["val_loss"] = self.evaluate(valid)
                     record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
                 history.append(record)
                 if logger is not None:
                     logger.step(record, b.memory_gb())
+                    if routing is not None:
+                        logger.routing(routing, done)
                 every = cfg.logging.heatmap_interval
                 if (every and done % every == 0) or (last and not every):
                     figures = b.heatmap_figures(train.microbatches_from(consumed - gbs))

@@ -17,6 +17,7 @@ from typing import Dict, Optional
 import torch
 
 from mega_depth.config import Config, ConfigError
+from mega_depth.model.moe import MoEMLP, update_expert_bias
 from mega_depth.training import rng
 from mega_depth.training.trainer import token_mean_loss
 
@@ -132,6 +133,11 @@ class PlainBackend:
             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.params = [p for _, p in named]
+        self.moe = {i: layer.mlp for i, layer in enumerate(self.model.model.layers) if isinstance(layer.mlp, MoEMLP)}
+        m = cfg.model
+        for mlp in self.moe.values():  # Megatron's load-balancing loss: per data-parallel rank's micro-batch
+            mlp.load_balancing = (m.moe_router_load_balancing_type, m.moe_aux_loss_coeff, self.mesh_layout.batch_shards)
+        self._interval = {"counts": {}, "losses": {}, "microbatches": 0}
 
     def _load_canonical(self, model, weights: Dict[str, torch.Tensor], where: str) -> None:
         device = next(model.parameters()).device
@@ -155,12 +161,46 @@ class PlainBackend:
 
     def forward_backward(self, microbatches, poison: bool = False) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        total = None
+        total, step_counts = None, {}
         for batch in microbatches:
             loss = self._forward_loss(batch, poison) / len(microbatches)
-            loss.backward()
+            # the MoE layers' load-balancing losses join the backward (not the reported loss), as Megatron's do
+            aux = [mlp.aux_loss for mlp in self.moe.values() if mlp.aux_loss is not None]
+            (loss + sum(aux) / len(microbatches) if aux else loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
+            self._record_routing(step_counts)
+        self._update_expert_bias(step_counts)
         return float(total.item())  # one host sync per step: the NaN policy must see the loss before the update
+
+    def _record_routing(self, step_counts: dict) -> None:
+        """This micro-batch's tokens per expert and load-balancing losses (/ coeff, as Megatron records them)."""
+        interval, coeff = self._interval, self.cfg.model.moe_aux_loss_coeff
+        for i, mlp in self.moe.items():
+            step_counts[i] = step_counts.get(i, 0) + mlp.tokens_per_expert
+            interval["counts"][i] = interval["counts"].get(i, 0) + mlp.tokens_per_expert
+            if mlp.aux_loss is not None:
+                interval["losses"][i] = interval["losses"].get(i, 0) + mlp.aux_loss.detach() / coeff
+        interval["microbatches"] += 1 if self.moe else 0
+
+    def _update_expert_bias(self, step_counts: dict) -> None:
+        """DeepSeek-V3's expert-bias step after the step's backward (where Megatron's finalize_model_grads does it)."""
+        for i, mlp in self.moe.items():
+            if mlp.gate.e_score_correction_bias is not None:
+                update_expert_bias(mlp.gate.e_score_correction_bias, step_counts[i],
+                                   self.cfg.model.moe_router_bias_update_rate)
+
+    def moe_metrics(self):
+        """The routing since the last call: tokens per expert and load-balancing loss per MoE layer."""
+        if not self.moe:
+            return None
+        interval = self._interval
+        out = {"tokens_per_expert": {i: [float(c) for c in interval["counts"].get(i, torch.zeros(1)).tolist()]
+                                     for i in self.moe}}
+        if interval["losses"]:
+            out["load_balancing_loss"] = {i: float(v) / max(interval["microbatches"], 1)
+                                          for i, v in interval["losses"].items()}
+        self._interval = {"counts": {}, "losses": {}, "microbatches": 0}
+        return out
 
     def update(self):
         clip = self.cfg.training.clip_grad or float("inf")

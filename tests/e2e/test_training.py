@@ -111,9 +111,12 @@ def test_a_cp2_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_
     assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
 
 
-def test_an_ep2xpp2_moe_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_path):
+def test_an_ep2xpp2_moe_run_logs_its_routing_and_resumes_in_one_process_with_the_same_losses(data, tmp_path):
     """Experts saved by 4 ranks (each stage's experts split over EP2) resume at EP1 x PP1 in one process with the
-    4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on."""
+    4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on. The run logs
+    the routing at each log interval: the load-balancing loss and the load imbalance in metrics.jsonl, per layer in
+    TensorBoard with a tokens-per-expert histogram that counts every routed token once (tokens x top-k), and the
+    expert-load heatmap."""
     flags = TRAIN_MODEL + data["flags"] + ["--num-layers", "4", "--train-iters", "11", "--num-experts", "4",
                                            "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-aux-loss-coeff", "0.01"]
     big = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -125,6 +128,22 @@ def test_an_ep2xpp2_moe_checkpoint_resumes_in_one_process_with_the_same_losses(d
     resumed, original = metrics(tmp_path / "a-resumed"), metrics(tmp_path / "a-run")
     assert min(resumed) == 11
     assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
+    for step in (5, 10, 11):
+        assert original[step]["moe_load_balancing_loss"] > 0 and original[step]["moe_load_max_over_mean"] >= 1
+        assert resumed.get(step, {}).get("moe_load_balancing_loss", 1.0) > 0
+    assert "moe_load_max_over_mean" not in original[4]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "a-run" / "tensorboard"), size_guidance={"histograms": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert {f"moe/load_balancing_loss/layer_{i}" for i in (1, 2, 3)} <= set(tags["scalars"])
+    assert "moe/load_balancing_loss/layer_0" not in tags["scalars"]  # the dense first layer
+    assert "moe/expert_load" in tags["images"]
+    for layer in (1, 2, 3):
+        routed = {e.step: e.histogram_value.num for e in events.Histograms(f"moe/tokens_per_expert/layer_{layer}")}
+        assert routed == {5: 4 * 32 * 5 * 2, 10: 4 * 32 * 5 * 2, 11: 4 * 32 * 2}, routed  # batch x seq x steps x k
+    assert glob.glob(str(tmp_path / "a-run" / "heatmaps" / "expert_load_step*.png"))
 
 
 def test_deepspeed_launcher_trains_two_processes_and_resumes(tmp_path):

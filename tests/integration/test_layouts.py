@@ -215,6 +215,28 @@ def test_context_parallel_hops_carry_half_the_tokens(runs):
             assert split[stage] == [width, nbytes // 2], (mechanism, stage)
 
 
+@pytest.mark.parametrize("extra", [[], ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                        "--moe-router-bias-update-rate", "0.01"]], ids=["softmax", "sigmoid-bias"])
+def test_plain_trainer_matches_the_megatron_trainer_on_moe(runs, tmp_path, extra):
+    """The plain trainer's MoE layers (mega_depth/model/moe.py) with the load-balancing loss in their backward (and
+    DeepSeek's expert-bias step): its losses are Megatron's single-process MoE losses (the softmax case against
+    the layout matrix's reference run; the sigmoid one against a Megatron run here)."""
+    mechanisms = "standard,attnres-block,mhc"
+    run([os.path.join(SCRIPTS, "run_plain.py"), str(tmp_path / "plain"), "--device", "cpu"] + MOE + extra,
+        env={"MECHANISMS": mechanisms})
+    ref_root = runs / "moe-single"
+    if extra:
+        torchrun(1, [SCRIPT, str(tmp_path / "megatron")] + MOE + extra, str(tmp_path / "megatron.log"),
+                 env={"MECHANISMS": mechanisms})
+        ref_root = tmp_path / "megatron"
+    for mech in mechanisms.split(","):
+        plain = json.loads((tmp_path / "plain" / mech / "losses.json").read_text())
+        ref = json.loads((ref_root / mech / "losses.json").read_text())
+        assert len(plain) == len(ref) == 3
+        torch.testing.assert_close(torch.tensor(plain), torch.tensor(ref), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{mech}: {m}")
+
+
 def test_fused_kernels_leave_the_pipeline_payload_unchanged(runs):
     """--mixing-impl triton sends exactly the bytes per hop of the eager reference, virtual-stage cache included."""
     for mechanism in SETTINGS:

@@ -22,7 +22,7 @@ import torch
 from mega_depth.config import Config, ConfigError
 from mega_depth.init import padded_vocab_size
 from mega_depth.training import rng
-from mega_depth.training.distributed import Collectives, to_device
+from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
@@ -206,6 +206,15 @@ class DeepSpeedBackend(Collectives):
         if initial_weights is not None:  # before initialize: ZeRO-3 partitions the weights there
             load_full_state([model], initial_weights, self.cfg)
         self.mechanism = getattr(model.decoder, "mechanism", None)
+        self.routing = None
+        dc = self.cfg.decoder_config()
+        if dc.num_experts:  # the same Megatron MoE layers: the same metrics
+            from mega_depth.megatron.moe_metrics import TRACKED, RoutingMetrics
+
+            m = self.cfg.model
+            loss = TRACKED.get(m.moe_router_load_balancing_type) if m.moe_aux_loss_coeff else None
+            self.routing = RoutingMetrics([model], dc.num_layers, dc.num_experts,
+                                          [i for i in range(dc.num_layers) if dc.is_moe_layer(i)], loss, device())
         rule = self.cfg.decoder_config().mechanism()
         named = list(model.named_parameters())
         groups = [{"params": [p for n, p in named if rule.weight_decay_applies(n, p)], "wd_mult": 1.0},
@@ -221,6 +230,13 @@ class DeepSpeedBackend(Collectives):
         return self.optimizer.param_groups[0]["lr"]
 
     def _losses(self, microbatches, poison: bool, train: bool) -> float:
+        if train and self.routing is not None:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            # Megatron's schedule sets the load-balancing loss's backward scale; here DeepSpeed averages the
+            # micro-batches' gradients, so the loss of each takes 1 / micro-batches too
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=device()) / len(microbatches))
+            self.routing.add_microbatches(len(microbatches))
         losses = []
         for i, batch in enumerate(microbatches):
             batch = to_device(batch)
@@ -246,6 +262,7 @@ class DeepSpeedBackend(Collectives):
         # (the gradients are data-parallel averaged by then), as the other stages report theirs
         plain = not (e.zero_optimization() or e.bfloat16_enabled() or e.fp16_enabled())
         norm = self._grad_norm() if plain else None
+        self._update_expert_bias()
         e.step()
         applied = e.was_step_applied()
         if applied:
@@ -253,6 +270,20 @@ class DeepSpeedBackend(Collectives):
         if norm is None:
             norm = e.get_global_grad_norm()
         return (float(norm) if norm is not None else float("nan")), bool(applied)
+
+    def _update_expert_bias(self) -> None:
+        """What Megatron's finalize_model_grads does for the expert bias (DeepSpeed's step does not call it)."""
+        config = self.engine.module.config
+        if getattr(config, "moe_router_enable_expert_bias", False):
+            from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias, \
+                reset_model_temporary_tensors
+
+            _update_router_expert_bias([self.engine.module], config)
+            reset_model_temporary_tensors(config, [self.engine.module])
+
+    def moe_metrics(self):
+        """Collective: the routing since the last call (megatron/moe_metrics.py), or None for a dense model."""
+        return self.routing.read() if self.routing is not None else None
 
     def _grad_norm(self):
         """The L2 norm of every gradient (a tensor; read on the host with the loss)."""

@@ -75,6 +75,14 @@ class MegatronBackend(Collectives):
         self.model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
                                               disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
         self.mechanism = getattr(chunks[0].decoder, "mechanism", None)
+        self.routing = None
+        dc = cfg.decoder_config()
+        if dc.num_experts:
+            from mega_depth.megatron.moe_metrics import TRACKED, RoutingMetrics
+
+            loss = TRACKED.get(cfg.model.moe_router_load_balancing_type) if cfg.model.moe_aux_loss_coeff else None
+            self.routing = RoutingMetrics(chunks, dc.num_layers, dc.num_experts,
+                                          [i for i in range(dc.num_layers) if dc.is_moe_layer(i)], loss, device())
         opt_config = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
             adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
@@ -148,6 +156,8 @@ class MegatronBackend(Collectives):
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.routing is not None:
+            self.routing.add_microbatches(len(microbatches))
         return self._schedule(microbatches, forward_only=False, poison=poison)
 
     def update(self):
@@ -170,6 +180,10 @@ class MegatronBackend(Collectives):
         finally:
             for m in self.model:
                 m.train()
+
+    def moe_metrics(self):
+        """Collective: the routing since the last call (megatron/moe_metrics.py), or None for a dense model."""
+        return self.routing.read() if self.routing is not None else None
 
     def heatmap_figures(self, microbatches):
         """Collective: a forward-only probe of a whole step (interleaved schedules need every micro-batch); the
