@@ -3,6 +3,7 @@ grid of pipeline stages P and virtual stages V, with and without cross-stage cac
 mechanism carries across depth (docs/mechanisms.md).
 
     python tools/bench_comm.py [--grid 2x1,2x2,4x1,4x2] [--num-layers 8] [--hidden-size 64] [--out comm.json]
+        [trainer flags, e.g. --num-experts 4: the same grid on MoE layers, whose hops must carry the same bytes]
 
 For each P x V it launches P processes (torchrun, gloo on CPU or NCCL on GPUs) that run one training step of every
 mechanism and read mega_depth's hop counter. The expected widths come from the formulas below, written from the
@@ -181,11 +182,12 @@ def main(argv=None) -> int:
     parser.add_argument("--mechanisms", default=",".join(SETTINGS))
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args, trainer_flags = parser.parse_known_args(argv)
     mechanisms = parse_mechanisms(args.mechanisms)
     if args.worker:
         pp, vpp = map(int, args.grid.lower().split("x"))
-        _worker(args.worker, _model_flags(args, pp, vpp), mechanisms, args.num_layers, args.attnres_num_blocks)
+        _worker(args.worker, _model_flags(args, pp, vpp) + trainer_flags, mechanisms, args.num_layers,
+                args.attnres_num_blocks)
         return 0
 
     d, s, heads, groups = args.hidden_size, args.seq_length, args.num_attention_heads, args.num_query_groups
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(pp), "--master-addr",
                    "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__), "--worker", out,
                    "--grid", cell] + [a for k, v in vars(args).items() if k not in ("worker", "grid", "out")
-                                      for a in (f"--{k.replace('_', '-')}", str(v))]
+                                      for a in (f"--{k.replace('_', '-')}", str(v))] + trainer_flags
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                                   env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
             if proc.returncode != 0:

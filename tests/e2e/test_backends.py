@@ -119,3 +119,19 @@ def test_deepspeed_trains_the_compiled_layers_like_eager(data, tmp_path):
         losses[name] = [metrics(tmp_path / name)[step]["loss"] for step in (1, 2, 3)]
     torch.testing.assert_close(torch.tensor(losses["compiled"]), torch.tensor(losses["eager"]), rtol=1e-5, atol=1e-6)
     assert losses["eager"][-1] < losses["eager"][0]
+
+
+def test_deepspeed_zero_trains_an_moe_model_like_megatron(data, tmp_path):
+    """ZeRO data parallelism over an MoE model (Megatron's MoE layers in the DeepSpeed engine): with the
+    load-balancing loss at its micro-batch scale and DeepSeek's expert-bias step, the losses are the Megatron
+    backend's (two micro-batches per step)."""
+    moe = ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
+           "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01", "--micro-batch-size", "1",
+           "--train-iters", "4", "--log-interval", "1", "--no-tensorboard"]
+    losses = {}
+    for backend in ("megatron", "deepspeed"):
+        run(command(backend, data, *moe, "--output-dir", str(tmp_path / backend)))
+        losses[backend] = [metrics(tmp_path / backend)[step]["loss"] for step in (1, 2, 3, 4)]
+    torch.testing.assert_close(torch.tensor(losses["deepspeed"]), torch.tensor(losses["megatron"]), rtol=1e-5,
+                               atol=1e-6)
+    assert metrics(tmp_path / "deepspeed")[4]["moe_load_balancing_loss"] > 0

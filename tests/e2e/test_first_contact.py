@@ -159,11 +159,13 @@ def test_use_checkpoint_args_fine_tunes_an_imported_model_without_its_config(dat
     assert "model: --residual attnres (attnres_num_blocks=2" in proc.stdout and "hidden 32" in proc.stdout
 
 
-def test_the_quickstart_steps_print_no_warning(data, tmp_path):
-    """README command 1's train, export and sample steps (the shipped tiny config, shortened, on the test corpus)."""
+@pytest.mark.parametrize("mech", ["attnres", "attnres-moe"])
+def test_the_quickstart_steps_print_no_warning(data, tmp_path, mech):
+    """README command 1's train, export and sample steps (the shipped tiny config, shortened, on the test corpus;
+    MECH=attnres-moe: Block AttnRes on MoE layers)."""
     ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
     steps = [
-        TRAIN + ["--config", "launch/configs/tiny-attnres.yaml", "--train-iters", "2", "--eval-interval", "2",
+        TRAIN + ["--config", f"launch/configs/tiny-{mech}.yaml", "--train-iters", "2", "--eval-interval", "2",
                  "--eval-iters", "1", "--lr-warmup-iters", "1", "--save", str(ckpt), "--output-dir",
                  str(tmp_path / "run")] + data["flags"],
         ["tools/convert_to_hf.py", "--load", str(ckpt), "--out", str(hf), "--force"],

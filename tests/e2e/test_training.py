@@ -144,6 +144,12 @@ def test_an_ep2xpp2_moe_run_logs_its_routing_and_resumes_in_one_process_with_the
         routed = {e.step: e.histogram_value.num for e in events.Histograms(f"moe/tokens_per_expert/layer_{layer}")}
         assert routed == {5: 4 * 32 * 5 * 2, 10: 4 * 32 * 5 * 2, 11: 4 * 32 * 2}, routed  # batch x seq x steps x k
     assert glob.glob(str(tmp_path / "a-run" / "heatmaps" / "expert_load_step*.png"))
+    # the integrity manifest covers every shard of the EP2 x PP2 checkpoint, the experts' included
+    ckpt = tmp_path / "a" / "iter_0000010"
+    listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
+    shards = {os.path.relpath(p, ckpt) for p in glob.glob(str(ckpt / "**" / "*"), recursive=True)
+              if os.path.isfile(p) and not p.endswith("manifest.json")}
+    assert shards == listed and sum(name.endswith(".distcp") for name in listed) == 4
 
 
 def test_deepspeed_launcher_trains_two_processes_and_resumes(tmp_path):
@@ -182,7 +188,9 @@ def test_every_shipped_config_validates(data):
                          + ([] if "tiny" in path else ["--data-path", "x"]))
         cfg.model.vocab_size = 32000
         p = cfg.parallel
-        cfg.validate(p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size * 2)
+        etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+        cfg.validate(p.pipeline_model_parallel_size * max(p.tensor_model_parallel_size * p.context_parallel_size * 2,
+                                                          p.expert_model_parallel_size * etp))
 
 
 def test_smoke_test_tool_passes_on_cpu(tmp_path):

@@ -62,6 +62,8 @@ LAYOUTS = {
     "cp2-tp2-sp": (4, CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], True, None),
     "cp2-pp2-vpp": (4, CP2 + VPP, True, None),
     "cp2-dp2": (4, CP2, True, None),
+    # DCA's recomputed q/k/v projection and Depth-Attention's fused value mixing under CP
+    "cp2-fused": (2, CP2 + ["--mixing-impl", "triton"], True, "dca,dca-2,depth-attention"),
     # compiled layers around the CP collectives (graph breaks there, as under TP)
     "cp2-compiled": (2, CP2 + ["--compile-layers"], True, "standard,depth-attention"),
     # MoE layouts, each against the single-process MoE run ("moe-single"); every mechanism at EP2 x PP2
@@ -235,6 +237,15 @@ def test_plain_trainer_matches_the_megatron_trainer_on_moe(runs, tmp_path, extra
         assert len(plain) == len(ref) == 3
         torch.testing.assert_close(torch.tensor(plain), torch.tensor(ref), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{mech}: {m}")
+
+
+def test_moe_leaves_the_pipeline_payload_unchanged(runs):
+    """MoE changes the MLP, not the depth state: EP2 x PP2 hops carry the bytes of the dense PP2 run's."""
+    for mechanism in SETTINGS:
+        if mechanism == "standard":  # Megatron's own p2p, no DepthPipeline to count it
+            continue
+        dense = load(runs, "pp2-recompute", mechanism)[2]
+        assert dense and load(runs, "moe-ep2-pp2", mechanism)[2] == dense, mechanism
 
 
 def test_fused_kernels_leave_the_pipeline_payload_unchanged(runs):

@@ -49,6 +49,24 @@ def test_two_device_spmd_equals_one_device(runs, mechanism):
     torch.testing.assert_close(torch.tensor(spmd), torch.tensor(single), rtol=1e-5, atol=1e-6)
 
 
+# Mixture of experts on XLA (every expert on every token, weighted: static shapes) with the load-balancing loss
+# per data-parallel shard: equal to the eager run, and 2-device data parallelism equal to 1 device.
+MOE = ["--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "0.01"]
+
+
+def test_xla_moe_equals_the_eager_run_on_one_and_two_devices(tmp_path):
+    env = {"MECHANISMS": "attnres-block"}
+    run([RUN_PLAIN, str(tmp_path / "eager"), "--device", "cpu"] + SMALL + MOE, env=env)
+    run([RUN_PLAIN, str(tmp_path / "xla1")] + SMALL + MOE + PRECISE, env=env)
+    run([RUN_PLAIN, str(tmp_path / "xla2"), "--mesh", "2,1"] + SMALL + MOE + PRECISE,
+        env=dict(env, CPU_NUM_DEVICES="2"))
+    eager = losses(tmp_path / "eager", "attnres-block")
+    assert eager[-1] < eager[0]
+    for name in ("xla1", "xla2"):
+        torch.testing.assert_close(torch.tensor(losses(tmp_path / name, "attnres-block")), torch.tensor(eager),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_xla_checkpoint_exports_to_hugging_face_with_equal_logits(tmp_path):
     corpus = os.path.join(ROOT, "data", "corpus", "python-docs-3.11.jsonl.gz")
     run(["tools/train_tokenizer.py", "--input", corpus, "--vocab-size", "600", "--output-prefix",
