@@ -87,7 +87,7 @@ class Logger:
     # --- mixture of experts ----------------------------------------------------------------------------------------
     def routing(self, routing: dict, step: int) -> None:
         """Per MoE layer: the load-balancing loss, the load imbalance and the tokens-per-expert histogram
-        (moe/...), and the expert-load heatmap (layers x experts) as a PNG beside the depth-weight heatmaps."""
+        (moe/...)."""
         from mega_depth.training.report import load_imbalance
 
         scalars = {}
@@ -109,9 +109,10 @@ class Logger:
                     bucket_limits=[i + 0.5 for i in range(len(counts))], bucket_counts=counts, global_step=step)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
-        self._expert_load_figure(routing["tokens_per_expert"], step)
 
-    def _expert_load_figure(self, load: dict, step: int):
+    def expert_load(self, load: dict, step: int):
+        """The expert-load heatmap (MoE layers x experts, of the last logging interval) beside the depth-weight
+        heatmaps: a PNG and TensorBoard's moe/expert_load. Returns the path (None without matplotlib)."""
         try:
             import matplotlib.pyplot as plt
         except ImportError:

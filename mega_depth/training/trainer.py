@@ -232,7 +232,7 @@ class Trainer:
         if error:
             raise ConfigError(error)
         meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
-        history, train_time = [], 0.0
+        history, train_time, last_routing = [], 0.0, None
         try:
             for step in range(start, cfg.training.train_iters):
                 done = step + 1
@@ -253,6 +253,7 @@ class Trainer:
                     routing = b.moe_metrics()
                     if routing is not None:
                         record.update(report.routing_summary(routing))
+                        last_routing = routing
                 if valid is not None and ((cfg.data.eval_interval and done % cfg.data.eval_interval == 0) or last):
                     record["val_loss"] = self.evaluate(valid)
                     record["val_ppl"] = math.exp(min(record["val_loss"], 50.0))
@@ -265,6 +266,8 @@ class Trainer:
                 if (every and done % every == 0) or (last and not every):
                     figures = b.heatmap_figures(train.microbatches_from(consumed - gbs))
                     paths = logger.heatmaps(figures, done) if figures and logger is not None else []
+                    if last_routing is not None and logger is not None:  # beside them: the experts' load
+                        paths = paths + [p for p in [logger.expert_load(last_routing["tokens_per_expert"], done)] if p]
                     if paths:
                         self.say(f"depth-weight heatmaps: {', '.join(paths)}")
                 preempted = b.any(preemption.requested)

@@ -147,9 +147,9 @@ def test_an_ep2xpp2_moe_run_logs_its_routing_and_resumes_in_one_process_with_the
     # the integrity manifest covers every shard of the EP2 x PP2 checkpoint, the experts' included
     ckpt = tmp_path / "a" / "iter_0000010"
     listed = set(json.loads((ckpt / "manifest.json").read_text())["files"])
-    shards = {os.path.relpath(p, ckpt) for p in glob.glob(str(ckpt / "**" / "*"), recursive=True)
-              if os.path.isfile(p) and not p.endswith("manifest.json")}
-    assert shards == listed and sum(name.endswith(".distcp") for name in listed) == 4
+    shards = {os.path.relpath(os.path.join(folder, name), ckpt) for folder, _, names in os.walk(ckpt)
+              for name in names if name != "manifest.json"}
+    assert shards == listed and sum(name.endswith(".distcp") for name in listed) >= 4  # every rank wrote
 
 
 def test_deepspeed_launcher_trains_two_processes_and_resumes(tmp_path):
