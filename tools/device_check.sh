@@ -13,7 +13,8 @@
 #   5. throughput at d = 512 (12 layers), every mechanism;
 #   6. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math);
 #   7. --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole).
-#   FULL=1 adds the quickstart's train -> export -> sample and a short GPU quality run (past the 560 s box).
+#   FULL=1 adds the quickstart's train -> export -> sample, a short GPU quality run and the mixing's cost on MoE
+#   layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the 560 s box).
 #   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
@@ -60,6 +61,8 @@ if [ "${SCALE:-full}" = tiny ]; then
   PROFILE=(--hidden-size 64 --num-layers 2 --num-attention-heads 4 --num-query-groups 2 --seq-length 64
            --micro-batch-size 2)
   QUALITY=(--num-layers 2 --hidden-size 32 --train-iters 8 --eval-iters 2 --seeds 0 --jobs 2)
+  TP_MOE=(--hidden-size 64 --num-layers 4 --seq-length 64 --micro-batch-size 2 --steps 1 --rounds 1
+          --mechanisms attnres-block --num-experts 4 --moe-layer-freq "([0]*1+[1]*3)")
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
 else
   SYNC=()
@@ -74,6 +77,10 @@ else
            --micro-batch-size 4)
   QUALITY=(--num-layers 8 --hidden-size 256 --seq-length 256 --global-batch-size 32 --micro-batch-size 32
            --train-iters 150 --lr 2e-3 --seeds 0 --jobs 10)
+  # MoE at the 1B class: 16 experts, top-4, expert width 1408 (about the dense 1B's active MLP), a dense first layer
+  TP_MOE=(--hidden-size 2048 --num-layers 24 --num-attention-heads 16 --num-query-groups 8 --seq-length 2048
+          --micro-batch-size 2 --steps 3 --rounds 2 --mechanisms attnres-block,mhc --num-experts 16 --moe-router-topk 4
+          --moe-ffn-hidden-size 1408 --moe-layer-freq "([0]*1+[1]*23)" --moe-aux-loss-coeff 0.001)
   QUICK=()
 fi
 
@@ -97,6 +104,8 @@ if [ "${FULL:-0}" = 1 ]; then
     runs/tiny-attnres/checkpoints --out runs/tiny-attnres/hf --force && $PY tools/generate.py runs/tiny-attnres/hf \
     --prompt 'The Python tutorial'"
   step quality 60 "$PY" tools/bench_quality.py "${QUALITY[@]}" --out-dir "$WORK/quality"
+  step throughput_moe 150 "$PY" tools/bench_throughput.py "${TP_MOE[@]}" --mixing-impl triton \
+    --out "$WORK/throughput_moe.json"
 fi
 
 printf "%s" "$SUMMARY" | tee "$OUT/device_check.log"

@@ -74,6 +74,7 @@ LAYOUTS = {
     "moe-ep2-pp2-vpp": (4, MOE + EP2 + VPP, True, MOE_SET),
     "moe-ep2-tp2-sp-etp1": (4, MOE + EP2 + TP2_SP + ["--expert-tensor-parallel-size", "1"], True, MOE_SET),
     "moe-ep2-tp2-sp-etp2": (4, MOE + EP2 + TP2_SP, True, MOE_SET),
+    "moe-cp2-ep2": (2, MOE + CP2 + EP2, True, "standard,attnres-block,depth-attention"),
 }
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
 
