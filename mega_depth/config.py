@@ -439,6 +439,9 @@ def _check_moe(cfg: "Config", world_size: int) -> None:
     _check(not (m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
            "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one chosen logit "
            "is 1, with no gradient for the router)")
+    _check(p.tensor_model_parallel_size == 1 or p.sequence_parallel,
+           "MoE layers under --tensor-model-parallel-size > 1 need --sequence-parallel (Megatron's MoE dispatches "
+           "the sequence-parallel shards)")
     _check(ep >= 1 and etp >= 1, "--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
     _check(m.num_experts % ep == 0,
            f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}; pick an EP size "

@@ -142,7 +142,12 @@ def main(argv=None) -> int:
     key = device_key(device)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (DEVICES[key][0] if key else None)
     bound_peak, bound_bw = DEVICES[key] if key else DEVICES[args.bound_device]
-    fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length)
+    from mega_depth.config import parse_args
+
+    shape = parse_args(["--mock-data", "--hidden-size", str(d), "--num-layers", str(L), "--num-attention-heads",
+                        str(heads), "--num-query-groups", str(groups), "--seq-length", str(args.seq_length),
+                        "--vocab-size", "32000"] + layout).decoder_config()  # MoE flags: the active MLP widths
+    fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length, shape.active_ffn_widths())
     base_io = io_units({"mechanism": "standard"}, L, d, heads, groups)
     fused = mixing_impl(layout) == "triton"
     bytes_el = 2  # the bound models bf16 training on the GPU (the targets' setting), on any machine

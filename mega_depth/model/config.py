@@ -79,6 +79,12 @@ class DecoderConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and bool(self.moe_layer_pattern[layer])
 
+    def active_ffn_widths(self) -> List[int]:
+        """The SwiGLU width each layer runs per token: ffn_hidden_size, or on an MoE layer top-k x the expert width
+        plus the shared expert's (what FLOPs and MFU count)."""
+        return [self.moe_router_topk * self.moe_ffn_hidden_size + self.moe_shared_expert_intermediate_size
+                if self.is_moe_layer(i) else self.ffn_hidden_size for i in range(self.num_layers)]
+
     def moe_values(self) -> Dict[str, Any]:
         """The MoE fields (empty for a dense model): what an exported config records beside the shape."""
         if not self.num_experts:

@@ -49,7 +49,7 @@ def model_counts(cfg: Config, vocab_size: int) -> ModelCounts:
     return ModelCounts(sum(p.numel() for p in params.values()),
                        sum(p.numel() for n, p in params.items() if mechanism.owns(n)),
                        flops_per_token(m.num_layers, m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn_size,
-                                       vocab_size, m.seq_length))
+                                       vocab_size, m.seq_length, model.cfg.active_ffn_widths()))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ def _refuse_megatron_only(cfg) -> None:
         ("--tensor-model-parallel-size", p.tensor_model_parallel_size > 1),
         ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size > 1),
         ("--context-parallel-size", p.context_parallel_size > 1),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size > 1),
         ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage is not None),
         ("--sequence-parallel", p.sequence_parallel), ("--use-distributed-optimizer", p.use_distributed_optimizer),
         ("--recompute-granularity", p.recompute_granularity is not None), ("--deepspeed", t.deepspeed),

@@ -41,6 +41,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--num-experts", "4", "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 4,
          "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 must divide the 2 ranks of a pipeline"),
         (["--num-experts", "4", "--moe-router-topk", "1"], 1, "needs --moe-router-pre-softmax"),
+        (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "need --sequence-parallel"),
         (["--num-experts", "4", "--moe-router-topk", "5"], 1, "--moe-router-topk 5 must lie in 1..--num-experts (4)"),
         (["--num-experts", "4", "--moe-grouped-gemm"], 1, "--moe-grouped-gemm needs Transformer Engine or the "
                                                           "grouped_gemm package"),
@@ -121,8 +122,9 @@ def test_xla_entry_point_without_torch_xla_and_with_megatron_only_flags():
     proc = xla_train("--tensor-model-parallel-size", "2", "--deepspeed")
     assert proc.returncode == 2
     assert "--tensor-model-parallel-size, --deepspeed: Megatron-trainer options" in proc.stderr and "--mesh" in proc.stderr
-    proc = xla_train("--context-parallel-size", "2")
-    assert proc.returncode == 2 and "--context-parallel-size: Megatron-trainer options" in proc.stderr
+    proc = xla_train("--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2")
+    assert proc.returncode == 2
+    assert "--context-parallel-size, --expert-model-parallel-size: Megatron-trainer options" in proc.stderr
     proc = xla_train("--device", "cpu", "--mesh", "2,1")
     assert proc.returncode == 2 and "--mesh needs --device xla" in proc.stderr
 

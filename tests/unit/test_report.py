@@ -73,3 +73,19 @@ def test_the_summary_says_when_the_run_evaluates(flags, line):
     lines = summary_lines(c, ModelCounts(1000, 10, 6e3), {"tp": 1, "pp": 1, "dp": 1}, (2, 1, 1, 0), 1, None, 0,
                           evaluates(c))
     assert line in lines, lines
+
+
+def test_moe_flops_count_the_experts_a_token_runs():
+    """An MoE layer's MLP FLOPs are top-k x the expert width (plus a shared expert's): top-2 experts half the dense
+    width cost what the dense layer costs; top-1 costs less; the dense first layer stays dense."""
+    from mega_depth.training.report import model_counts
+
+    base = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
+            "--vocab-size", "256", "--seq-length", "32"]
+    dense = model_counts(parse_args(base), 256).flops_per_token
+    moe = ["--num-experts", "8", "--moe-ffn-hidden-size", "96", "--moe-layer-freq", "([0]*1+[1]*3)"]  # ffn 192
+    assert model_counts(parse_args(base + moe), 256).flops_per_token == dense
+    top1 = model_counts(parse_args(base + moe + ["--moe-router-topk", "1", "--moe-router-pre-softmax"]), 256)
+    assert top1.flops_per_token == dense - 3 * 2 * 3 * (3 * 64 * 96)  # 3 layers x 3 matmuls of d x 96, fwd+bwd
+    shared = model_counts(parse_args(base + moe + ["--moe-shared-expert-intermediate-size", "32"]), 256)
+    assert shared.flops_per_token == dense + 3 * 2 * 3 * (3 * 64 * 32)
