@@ -31,7 +31,10 @@ def load_config(path):
     from mega_depth.config import parse_args
 
     cfg = parse_args(["--config", path, "--mock-data"])
-    return cfg.validate(cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    p = cfg.parallel  # the smallest world the layout fits: TP x CP per stage, or the experts' EP x expert-TP
+    per_stage = max(p.tensor_model_parallel_size * p.context_parallel_size,
+                    p.expert_model_parallel_size * (p.expert_tensor_parallel_size or p.tensor_model_parallel_size))
+    return cfg.validate(per_stage * p.pipeline_model_parallel_size)
 
 
 def survey(sizes, targets, dtypes, log=print):

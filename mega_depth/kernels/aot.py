@@ -102,7 +102,7 @@ def config_launches(cfg, dtype: torch.dtype, sm_count: int) -> List[Launch]:
         return []
     mechanism.kernels = fast_functions()
     mechanism.recompute_mixing = False  # recomputation re-launches the same kernels
-    seq, batch = m.seq_length, cfg.training.micro_batch_size
+    seq, batch = m.seq_length // p.context_parallel_size, cfg.training.micro_batch_size  # a CP rank's tokens
     local_seq = seq // tp if sp else seq
     heads = (shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim)
     recompute = p.recompute_num_layers if p.recompute_granularity == "full" else None
