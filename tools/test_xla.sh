@@ -19,7 +19,7 @@ fi
 # The model, data and tokenizer code (no Megatron training, no DeepSpeed): megatron-core only for its dataset
 # classes, without its dependencies so that it cannot move torch.
 $PIP install -q "numpy>=1.26" "pyyaml>=6" "sentencepiece>=0.2,<0.3" "safetensors>=0.5,<1" "psutil>=5.9" "pytest>=8" \
-  packaging
+  "pytest-timeout>=2.3" packaging
 $PIP install -q --no-deps "megatron-core==0.16.1"
 .venv-xla/bin/python -c "import torch, torch_xla; print(f'xla environment ready: torch {torch.__version__}, torch-xla {torch_xla.__version__}')"
 exec env PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q -p no:cacheprovider tests/xla "$@"

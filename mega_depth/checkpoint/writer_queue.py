@@ -6,6 +6,11 @@ tracker. Neither watches its parent: after a kill -9 of the trainer both live on
 cluster node collects them with every requeue. We hand megatron-core the same kind of queue, served by a Manager
 that Linux kills when its parent dies (PR_SET_PDEATHSIG); the resource tracker then sees its last pipe close and
 exits too.
+
+Each save also forks one writer process per bucket (`write_preloaded_data_multiproc`). A writer that outlives a kill
+-9 of the trainer waits forever on the trainer's side of their completion queue, and keeps the trainer's stdout
+open, so whatever reads that output (a launcher, a test) hangs with it. Those writers get the same parent-death
+signal.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from multiprocessing.managers import SyncManager
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _manager = None
+_forking_pid = 0  # the process that forks the bucket writers; a forked writer inherits the value
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -29,11 +35,33 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+def _writers_die_with_parent(writer_class) -> None:
+    """Wrap the writer's fork-side and worker-side static methods: the worker asks for SIGKILL when the forker ends."""
+    if getattr(writer_class, "_mega_depth_writers_die_with_parent", False):
+        return
+    fork_writers = writer_class.write_preloaded_data_multiproc
+    write_bucket = writer_class.write_preloaded_data
+
+    def fork_writers_recording_pid(*args, **kwargs):
+        global _forking_pid
+        _forking_pid = os.getpid()
+        return fork_writers(*args, **kwargs)
+
+    def write_bucket_dying_with_parent(*args, **kwargs):
+        die_with_parent(_forking_pid)
+        return write_bucket(*args, **kwargs)
+
+    writer_class.write_preloaded_data_multiproc = staticmethod(fork_writers_recording_pid)
+    writer_class.write_preloaded_data = staticmethod(write_bucket_dying_with_parent)
+    writer_class._mega_depth_writers_die_with_parent = True
+
+
 def install() -> None:
-    """Give megatron-core's writer its results queue (idempotent; call before the first dist_checkpointing.save)."""
+    """Make megatron-core's writer helpers die with this process (idempotent; call before the first save)."""
     global _manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    _writers_die_with_parent(filesystem_async.FileSystemWriterAsync)
     if filesystem_async._results_queue is not None:
         return
     _manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # spawn, as megatron-core's own

@@ -7,7 +7,8 @@
 - a resume with another global batch size continues after the last consumed sample;
 - DeepSpeed resumes at another ZeRO stage or data-parallel size with equal losses (universal checkpoint), or
   refuses in one line; ZeRO-0 reports a real grad norm;
-- kill -9 of a Megatron run leaves none of megatron-core's checkpoint-writer helpers behind.
+- kill -9 of a Megatron run leaves none of megatron-core's checkpoint-writer helpers behind, a bucket writer
+  in the middle of its write included.
 """
 
 import hashlib
@@ -53,10 +54,10 @@ def plant_lock(folder, pid, host=None):
         json.dump(holder, f)
 
 
-def wait_for(predicate, proc, what, timeout=300):
+def wait_for(predicate, proc, what, timeout=300, output=None):
     deadline = time.time() + timeout
     while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-3000:]}"
+        assert proc.poll() is None, f"the run ended before {what}: {(output or proc.stdout.read)()[-3000:]}"
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
@@ -205,22 +206,43 @@ def test_deepspeed_zero0_resume_of_a_sharded_checkpoint_is_refused_and_its_grad_
 def test_kill_9_of_a_megatron_run_leaves_no_checkpoint_writer_helpers(data, tmp_path):
     psutil = pytest.importorskip("psutil")
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([PY] + MEGATRON + flags(data, "--train-iters", "500", "--lr-decay-iters", "500",
-                                                    "--save", str(ckpt), "--save-interval", "1",
-                                                    "--output-dir", str(tmp_path / "run")),
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file: a helper that outlived the kill would hold a pipe open and hang the read.
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen([PY] + MEGATRON + flags(data, "--train-iters", "500", "--lr-decay-iters", "500",
+                                                        "--save", str(ckpt), "--save-interval", "1",
+                                                        "--output-dir", str(tmp_path / "run")),
+                                cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: (ckpt / "latest_checkpointed_iteration.txt").exists(), proc, "its first checkpoint")
-    helpers = [h for h in psutil.Process(proc.pid).children(recursive=True) if "multiprocessing" in _cmdline(h)]
-    assert len(helpers) >= 2, "no writer helpers to check (the Manager and the resource tracker)"
+    helpers = psutil.Process(proc.pid).children(recursive=True)  # with any bucket writer of a save under way
+    assert sum("multiprocessing" in _cmdline(h) for h in helpers) >= 2, \
+        "no writer helpers to check (the Manager and the resource tracker)"
     proc.kill()
-    proc.communicate()
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        alive = [h for h in helpers if h.is_running() and h.status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            break
+    proc.wait(timeout=60)
+    assert not _still_alive(psutil, helpers), [_cmdline(h)[:120] for h in _still_alive(psutil, helpers)]
+
+
+def test_kill_9_during_a_write_takes_the_forked_bucket_writer_with_it(tmp_path):
+    """megatron-core forks a writer per bucket; one left behind waits forever on its dead parent's queue."""
+    psutil = pytest.importorskip("psutil")
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen([PY, os.path.join(SCRIPTS, "save_with_a_blocked_writer.py"), str(tmp_path)],
+                                cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    wait_for(lambda: (tmp_path / "writer.pid").exists(), proc, "the writer's start",
+             output=lambda: (tmp_path / "out.txt").read_text())
+    writer = psutil.Process(int((tmp_path / "writer.pid").read_text()))
+    assert writer.is_running() and writer.ppid() == proc.pid
+    proc.kill()
+    proc.wait(timeout=60)
+    assert not _still_alive(psutil, [writer]), "the bucket writer outlived its trainer"
+
+
+def _still_alive(psutil, processes, within_s=30):
+    deadline = time.time() + within_s
+    while True:
+        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.time() > deadline:
+            return alive
         time.sleep(0.2)
-    assert not alive, [_cmdline(h)[:120] for h in alive]
 
 
 def _cmdline(process) -> str:

@@ -79,6 +79,8 @@ LAYOUTS = {
     "moe-ep2-tp2-sp-etp2": (4, MOE + EP2 + TP2_SP, True, MOE_SET),
     "moe-cp2-ep2": (2, MOE + CP2 + EP2, True, "standard,attnres-block,depth-attention"),
 }
+# The module fixture trains every layout (about 15 minutes on 2 cores) inside the first test's timeout.
+pytestmark = pytest.mark.timeout(2700)
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
 
 
