@@ -22,6 +22,7 @@ from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
@@ -30,7 +31,6 @@ from mega_depth.kernels import saved_bytes
 
 # torch 2.13 renamed the single-tensor collectives; the GPU machine's torch may predate the new names
 _all_gather_into = getattr(torch.distributed, "all_gather_single", torch.distributed.all_gather_into_tensor)
-_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", torch.distributed.reduce_scatter_tensor)
 
 
 def chunk_ids(cp_size: int, cp_rank: int) -> List[int]:
@@ -60,24 +60,8 @@ def _natural_order(cp_size: int) -> List[int]:
     return [where[c] for c in range(2 * cp_size)]
 
 
-class _GatherSeq(torch.autograd.Function):
-    """[s_local, ...] -> [CP·s_local, ...] in rank order; backward reduce-scatters the gradient (a rank's shard gets
-    the sum of what every rank's queries put on it)."""
-
-    @staticmethod
-    def forward(ctx, local: Tensor, group) -> Tensor:
-        ctx.group = group
-        return _all_gather(local, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        size = ctx.group.size()
-        out = torch.empty((grad.shape[0] // size, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
-        return out, None
-
-
 def _all_gather(local: Tensor, group) -> Tensor:
+    """[s_local, ...] -> [CP·s_local, ...] in rank order, outside autograd (backward's regather)."""
     full = torch.empty((local.shape[0] * group.size(), *local.shape[1:]), dtype=local.dtype, device=local.device)
     _all_gather_into(full, local.contiguous(), group=group)
     return full
@@ -123,7 +107,9 @@ def attention(query: Tensor, key: Tensor, value: Tensor, group, *, scale, dropou
     sources = {}
     full = []
     for local in (key, value):
-        gathered = _to_natural(_GatherSeq.apply(local, group), cp_size)  # [s, b, ng, hn], natural order
+        # Megatron's SP gather over the CP group: backward reduce-scatters, so a rank's shard gets the sum of what
+        # every rank's queries put on it
+        gathered = _to_natural(gather_from_sequence_parallel_region(local, group=group), cp_size)  # [s, b, ng, hn]
         sources[gathered.untyped_storage().data_ptr()] = _Regather(local, group, cp_size)
         full.append(gathered.permute(1, 2, 0, 3))  # [b, ng, s, hn]
     k_all, v_all = full

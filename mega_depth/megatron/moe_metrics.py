@@ -11,7 +11,7 @@ replicas are averaged) and starts the next interval.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,6 +31,16 @@ class RoutingMetrics:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
                     module.register_forward_hook(self._count)
+
+    @classmethod
+    def for_model(cls, cfg, chunks, device: torch.device) -> Optional["RoutingMetrics"]:
+        """The metrics of `chunks` (this rank's model chunks) under the run config `cfg`; None for a dense model."""
+        dc, m = cfg.decoder_config(), cfg.model
+        if not dc.num_experts:
+            return None
+        loss = TRACKED.get(m.moe_router_load_balancing_type) if m.moe_aux_loss_coeff else None
+        moe_layers = [i for i in range(dc.num_layers) if dc.is_moe_layer(i)]
+        return cls(chunks, dc.num_layers, dc.num_experts, moe_layers, loss, device)
 
     def _count(self, router, inputs, output):
         if router.training and torch.is_grad_enabled():

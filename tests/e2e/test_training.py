@@ -75,59 +75,51 @@ def test_kill_during_save_keeps_the_previous_checkpoint(data, tmp_path):
     assert "at step 5" in out and sorted(metrics(tmp_path / "again")) == [6]
 
 
+def resume_elsewhere(flags, tmp_path, name, saved_at=(1, []), resumed_at=(1, [])):
+    """Train `flags` to step 11 at the layout `saved_at` = (processes, extra flags), saving at step 10, then resume
+    that checkpoint at the layout `resumed_at`. Both runs' step-11 losses agree. Returns both runs' metrics."""
+    def train(layout, extra, out):
+        nproc, layout_flags = layout
+        cmd = ["-m", "mega_depth.train"] + flags + layout_flags + extra + ["--output-dir", str(out)]
+        if nproc > 1:
+            torchrun(nproc, cmd, str(out) + ".log")
+        else:
+            run(cmd)
+
+    ckpt = tmp_path / name
+    train(saved_at, ["--save", str(ckpt), "--save-interval", "10"], tmp_path / f"{name}-run")
+    train(resumed_at, ["--load", str(ckpt / "iter_0000010")], tmp_path / f"{name}-resumed")
+    original, resumed = metrics(tmp_path / f"{name}-run"), metrics(tmp_path / f"{name}-resumed")
+    assert min(resumed) == 11
+    assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
+    return original, resumed
+
+
 def test_checkpoints_reshard_between_tp2xpp2_and_one_process(data, tmp_path):
     flags = TRAIN_MODEL + data["flags"] + ["--residual", "dca", "--dca-last-k", "1", "--num-layers", "4",
                                            "--train-iters", "11"]
-    big = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    # TP2 x PP2 -> 1 process
-    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--save", str(tmp_path / "a"), "--save-interval", "10",
-                                                            "--output-dir", str(tmp_path / "a-run")],
-             str(tmp_path / "a.log"))
-    run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "a" / "iter_0000010"),
-                                              "--output-dir", str(tmp_path / "a-resumed")])
-    assert metrics(tmp_path / "a-resumed")[11]["loss"] == pytest.approx(metrics(tmp_path / "a-run")[11]["loss"],
-                                                                        rel=1e-5)
-    # 1 process -> TP2 x PP2
-    run(["-m", "mega_depth.train"] + flags + ["--save", str(tmp_path / "b"), "--save-interval", "10",
-                                              "--output-dir", str(tmp_path / "b-run")])
-    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--load", str(tmp_path / "b" / "iter_0000010"),
-                                                            "--output-dir", str(tmp_path / "b-resumed")],
-             str(tmp_path / "b.log"))
-    assert metrics(tmp_path / "b-resumed")[11]["loss"] == pytest.approx(metrics(tmp_path / "b-run")[11]["loss"],
-                                                                        rel=1e-5)
+    big = (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    resume_elsewhere(flags, tmp_path, "a", saved_at=big)  # TP2 x PP2 -> 1 process
+    resume_elsewhere(flags, tmp_path, "b", resumed_at=big)  # 1 process -> TP2 x PP2
 
 
 def test_a_cp2_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_path):
     """Checkpoints do not depend on context parallelism: a CP2 run's step-10 checkpoint, resumed by one process,
     gives the CP2 run's own step-11 loss (Depth-Attention: it gathers its mixed values)."""
     flags = TRAIN_MODEL + data["flags"] + ["--residual", "depth-attention", "--train-iters", "11"]
-    torchrun(2, ["-m", "mega_depth.train"] + flags + ["--context-parallel-size", "2", "--save", str(tmp_path / "a"),
-                                                      "--save-interval", "10", "--output-dir", str(tmp_path / "a-run")],
-             str(tmp_path / "a.log"))
-    run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "a" / "iter_0000010"),
-                                              "--output-dir", str(tmp_path / "a-resumed")])
-    resumed, original = metrics(tmp_path / "a-resumed"), metrics(tmp_path / "a-run")
-    assert min(resumed) == 11
-    assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
+    resume_elsewhere(flags, tmp_path, "a", saved_at=(2, ["--context-parallel-size", "2"]))
 
 
 def test_an_ep2xpp2_moe_run_logs_its_routing_and_resumes_in_one_process_with_the_same_losses(data, tmp_path):
-    """Experts saved by 4 ranks (each stage's experts split over EP2) resume at EP1 x PP1 in one process with the
-    4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on. The run logs
-    the routing at each log interval: the load-balancing loss and the load imbalance in metrics.jsonl, per layer in
-    TensorBoard with a tokens-per-expert histogram that counts every routed token once (tokens x top-k), and the
-    expert-load heatmap."""
+    """Experts saved by 4 ranks (each stage's experts split over EP2 x DP2) resume at EP1 x PP1 in one process with
+    the 4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on. The run
+    logs the routing at each log interval: the load-balancing loss and the load imbalance in metrics.jsonl, per
+    layer in TensorBoard with a tokens-per-expert histogram that counts every routed token once (tokens x top-k),
+    and the expert-load heatmap."""
     flags = TRAIN_MODEL + data["flags"] + ["--num-layers", "4", "--train-iters", "11", "--num-experts", "4",
                                            "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-aux-loss-coeff", "0.01"]
-    big = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    torchrun(4, ["-m", "mega_depth.train"] + flags + big + ["--save", str(tmp_path / "a"), "--save-interval", "10",
-                                                            "--output-dir", str(tmp_path / "a-run")],
-             str(tmp_path / "a.log"))
-    run(["-m", "mega_depth.train"] + flags + ["--load", str(tmp_path / "a" / "iter_0000010"),
-                                              "--output-dir", str(tmp_path / "a-resumed")])
-    resumed, original = metrics(tmp_path / "a-resumed"), metrics(tmp_path / "a-run")
-    assert min(resumed) == 11
-    assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
+    big = (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    original, resumed = resume_elsewhere(flags, tmp_path, "a", saved_at=big)
     for step in (5, 10, 11):
         assert original[step]["moe_load_balancing_loss"] > 0 and original[step]["moe_load_max_over_mean"] >= 1
         assert resumed.get(step, {}).get("moe_load_balancing_loss", 1.0) > 0

@@ -206,15 +206,9 @@ class DeepSpeedBackend(Collectives):
         if initial_weights is not None:  # before initialize: ZeRO-3 partitions the weights there
             load_full_state([model], initial_weights, self.cfg)
         self.mechanism = getattr(model.decoder, "mechanism", None)
-        self.routing = None
-        dc = self.cfg.decoder_config()
-        if dc.num_experts:  # the same Megatron MoE layers: the same metrics
-            from mega_depth.megatron.moe_metrics import TRACKED, RoutingMetrics
+        from mega_depth.megatron.moe_metrics import RoutingMetrics
 
-            m = self.cfg.model
-            loss = TRACKED.get(m.moe_router_load_balancing_type) if m.moe_aux_loss_coeff else None
-            self.routing = RoutingMetrics([model], dc.num_layers, dc.num_experts,
-                                          [i for i in range(dc.num_layers) if dc.is_moe_layer(i)], loss, device())
+        self.routing = RoutingMetrics.for_model(self.cfg, [model], device())  # the same Megatron MoE layers
         rule = self.cfg.decoder_config().mechanism()
         named = list(model.named_parameters())
         groups = [{"params": [p for n, p in named if rule.weight_decay_applies(n, p)], "wd_mult": 1.0},

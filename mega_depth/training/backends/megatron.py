@@ -75,14 +75,9 @@ class MegatronBackend(Collectives):
         self.model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
                                               disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
         self.mechanism = getattr(chunks[0].decoder, "mechanism", None)
-        self.routing = None
-        dc = cfg.decoder_config()
-        if dc.num_experts:
-            from mega_depth.megatron.moe_metrics import TRACKED, RoutingMetrics
+        from mega_depth.megatron.moe_metrics import RoutingMetrics
 
-            loss = TRACKED.get(cfg.model.moe_router_load_balancing_type) if cfg.model.moe_aux_loss_coeff else None
-            self.routing = RoutingMetrics(chunks, dc.num_layers, dc.num_experts,
-                                          [i for i in range(dc.num_layers) if dc.is_moe_layer(i)], loss, device())
+        self.routing = RoutingMetrics.for_model(cfg, chunks, device())
         opt_config = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
             adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.bf16,
