@@ -7,10 +7,10 @@ cluster node collects them with every requeue. We hand megatron-core the same ki
 that Linux kills when its parent dies (PR_SET_PDEATHSIG); the resource tracker then sees its last pipe close and
 exits too.
 
-Each save also forks one writer process per bucket (`write_preloaded_data_multiproc`). A writer that outlives a kill
--9 of the trainer waits forever on the trainer's side of their completion queue, and keeps the trainer's stdout
-open, so whatever reads that output (a launcher, a test) hangs with it. Those writers get the same parent-death
-signal.
+Each save also forks one writer process per bucket (`write_preloaded_data_multiproc`). A writer that outlives a
+kill -9 of the trainer waits forever on the trainer's side of their completion queue, and keeps the trainer's
+stdout open, so whatever reads that output (a launcher, a test) hangs with it. Those writers get the same
+parent-death signal.
 """
 
 from __future__ import annotations
