@@ -80,7 +80,8 @@ def memory_estimate(cfg: Config, parameters_on_rank: int, dp: int, zero_stage: i
     recomputation keeping each layer's input only; 1F1B keeps up to PP micro-batches in flight on the first stage
     (interleaved: x (1 + (PP-1)/(PP*V))). The depth mixing adds the state it carries across layers
     (`depth_state_units` x d per token, per micro-batch in flight, split by TP under sequence parallelism) less the
-    one hidden state the layer formula already counts as the layer's input: the standard residual adds nothing."""
+    one hidden state the layer formula already counts as the layer's input: the standard residual adds nothing.
+    MoE layers replace the MLP's share with their own (`_moe_extra`)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     bf16 = t.bf16
     weights = parameters_on_rank * (2 if bf16 else 4)
@@ -96,10 +97,11 @@ def memory_estimate(cfg: Config, parameters_on_rank: int, dp: int, zero_stage: i
     # under context parallelism a rank holds s / CP tokens of every sequence (all-gather CP keeps only local K, V)
     s, b, h, a = m.seq_length // p.context_parallel_size, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     scores = 0.0 if m.attention_backend == "sdpa" else 5 * a * s / h
+    moe = _moe_extra(cfg)  # MoE under TP runs with SP (config validation): the SP branch holds it
     if p.sequence_parallel:
-        per_layer = s * b * h * (34 + scores) / tp
+        per_layer = s * b * h * (34 + scores + moe) / tp
     else:
-        per_layer = s * b * h * (10 + 24 / tp + scores / tp)
+        per_layer = s * b * h * (10 + 24 / tp + scores / tp + moe)
     if p.recompute_granularity == "full":
         per_layer = 2 * s * b * h / (tp if p.sequence_parallel else 1)
     element = 1.0 if bf16 else 2.0  # the formula counts 16-bit activations
@@ -112,6 +114,24 @@ def memory_estimate(cfg: Config, parameters_on_rank: int, dp: int, zero_stage: i
     depth_state = carried * s * b * h * (2 if bf16 else 4)
     activations = (per_layer * element * layers + depth_state) * in_flight
     return MemoryEstimate(weights, gradients, optimizer, activations)
+
+
+def _moe_extra(cfg: Config) -> float:
+    """What the MoE layers add to the layer formula's 34 (per layer, averaged over layers), in units of s*b*h bytes.
+
+    The formula's MLP share (19) is a 16-bit SwiGLU of the dense width f: its input 2, fc1's gate and up outputs
+    4f/h, fc2's input 2f/h and the dropout mask 1 (at f = 8h/3 exactly Korthikanti's 4h GeLU MLP). An MoE layer
+    keeps the router's input 2, the k permuted copies of each token that the experts read 2k, the experts' and the
+    shared expert's SwiGLU intermediates 6 x (k x f_expert + f_shared) / h and the mask 1. Expert parallelism moves
+    tokens between ranks but, balanced, leaves k copies per token on each; expert TP splits the widths as SP splits
+    the tokens."""
+    dc = cfg.decoder_config()
+    if not dc.num_experts:
+        return 0.0
+    h, k, dense = dc.hidden_size, dc.moe_router_topk, dc.ffn_hidden_size
+    extra = [2 * k + 6 * (width - dense) / h
+             for i, width in enumerate(dc.active_ffn_widths()) if dc.is_moe_layer(i)]
+    return sum(extra) / dc.num_layers
 
 
 def memory_lines(estimate: MemoryEstimate) -> List[str]:

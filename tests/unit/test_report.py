@@ -14,6 +14,19 @@ def cfg(*flags):
                        "--seq-length", "128", "--micro-batch-size", "2"] + list(flags))
 
 
+def test_moe_layers_replace_the_mlp_share_with_k_token_copies_and_the_active_widths():
+    """4 MoE layers of 4 experts, top-2, expert width 64 and a shared expert of 32, beside the dense width 192
+    (8/3 x 64 rounded up to 64): 34 + 2k + 6 x (2 x 64 + 32 - 192) / 64 = 35 per layer; a dense first layer keeps 34."""
+    s, b, h = 128, 2, 64
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+           "--moe-shared-expert-intermediate-size", "32")
+    e = memory_estimate(cfg(*moe), P, dp=1, zero_stage=0, depth_state_units=0, world_size=1)
+    assert e.activations == pytest.approx(4 * s * b * h * 35 * 2)
+    first_dense = memory_estimate(cfg(*moe, "--moe-layer-freq", "([0]*1+[1]*3)"), P, dp=1, zero_stage=0,
+                                  depth_state_units=0, world_size=1)
+    assert first_dense.activations == pytest.approx(s * b * h * (34 + 3 * 35) * 2)
+
+
 def test_weights_gradients_and_adam_by_precision_and_sharding():
     e = memory_estimate(cfg(), P, dp=4, zero_stage=0, depth_state_units=0, world_size=4)
     assert (e.weights, e.gradients, e.optimizer) == (4 * P, 4 * P, 8 * P)  # fp32: weights, grads, two moments
