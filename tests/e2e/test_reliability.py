@@ -237,9 +237,16 @@ def test_kill_9_during_a_write_takes_the_forked_bucket_writer_with_it(tmp_path):
 
 
 def _still_alive(psutil, processes, within_s=30):
+    """Those of `processes` still running (zombies count as gone) after up to `within_s` seconds."""
+    def running(process):
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # ended between the two calls
+            return False
+
     deadline = time.time() + within_s
     while True:
-        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in processes if running(p)]
         if not alive or time.time() > deadline:
             return alive
         time.sleep(0.2)
