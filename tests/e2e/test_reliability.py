@@ -218,7 +218,8 @@ def test_kill_9_of_a_megatron_run_leaves_no_checkpoint_writer_helpers(data, tmp_
         "no writer helpers to check (the Manager and the resource tracker)"
     proc.kill()
     proc.wait(timeout=60)
-    assert not _still_alive(psutil, helpers), [_cmdline(h)[:120] for h in _still_alive(psutil, helpers)]
+    survivors = _still_alive(psutil, helpers)
+    assert not survivors, [_cmdline(h)[:120] for h in survivors]
 
 
 def test_kill_9_during_a_write_takes_the_forked_bucket_writer_with_it(tmp_path):
