@@ -11,6 +11,11 @@ Each save also forks one writer process per bucket (`write_preloaded_data_multip
 kill -9 of the trainer waits forever on the trainer's side of their completion queue, and keeps the trainer's
 stdout open, so whatever reads that output (a launcher, a test) hangs with it. Those writers get the same
 parent-death signal.
+
+A pre-emption reaches the whole process group, not the trainer alone: torchrun stops its workers with
+`os.killpg(SIGTERM)`, and so does a scheduler that signals a job's processes. The trainer answers SIGTERM by saving
+(training/trainer.py), and that save needs these helpers, so they ignore SIGTERM and SIGINT: they end with the
+trainer instead (above), never before it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ _forking_pid = 0  # the process that forks the bucket writers; a forked writer i
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Runs in the Manager process before it serves: SIGKILL when the process that started it ends."""
+    """Runs in a helper (the Manager before it serves, a bucket writer before it writes): SIGKILL when the process
+    that started it ends, and deaf to the pre-emption signals its process group receives (module doc)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the request took effect

@@ -1,6 +1,7 @@
 """The launchers as far as one machine allows: two simulated nodes on 127.0.0.1 for launch/torchrun.sh,
 launch/deepspeed.sh (per-node, no ssh) and launch/slurm.sbatch (with stand-ins for scontrol and srun), each
-equal to the one-node run; a SIGTERM to the launcher ends with a saved checkpoint and exit status 0."""
+equal to the one-node run; a SIGTERM to the launcher ends with a saved checkpoint and exit status 0, also after
+periodic saves (whose writer helpers receive the same signal), and the run resumes from it exactly."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from fixtures import ENV, ROOT, free_port, metrics
+from mega_depth.checkpoint.manifest import verify
 
 MODEL = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
          "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--lr", "3e-3",
@@ -126,3 +128,38 @@ def test_arguments_with_spaces_reach_the_trainer_intact(tmp_path, slurm):
                                                  str(out_dir)], slurm)
     finish([job])
     assert sorted(metrics(out_dir)) == [1, 2, 3]
+
+
+def iters(n):
+    """MODEL trained for n steps."""
+    return [a if a != "3" else str(n) for a in MODEL]
+
+
+def test_a_preemption_of_the_launcher_after_periodic_saves_saves_a_verified_checkpoint_that_resumes_exactly(
+        tmp_path):
+    """torchrun stops its workers with killpg: the signal reaches megatron-core's checkpoint helpers (its results
+    queue's Manager) too, and a helper that dies with it breaks the pre-emption save (BrokenPipeError, a .tmp left,
+    exit 143). Periodic saves first, so those helpers exist when the signal comes."""
+    ckpt, steps = tmp_path / "ckpt", 40
+    job = launch("launch/torchrun.sh", iters(steps) + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval",
+                                                       "1", "--output-dir", str(tmp_path / "pre")], {"NPROC": "2"})
+    pointer = ckpt / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while not (pointer.exists() and int(pointer.read_text() or 0) >= 2):
+        assert job.poll() is None and time.time() < deadline, "no two periodic saves: " + job.stdout.read()[-3000:]
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)  # the launcher itself (torchrun.sh execs it), as a scheduler signals it
+    out = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, out[-4000:]
+    assert "SIGTERM received; the workers saved and stopped; exit 0" in out and "Traceback" not in out, out[-4000:]
+    saved = int(pointer.read_text())
+    assert 2 < saved < steps, out[-4000:]  # the pre-emption's own save, after the periodic ones
+    verify(str(ckpt / f"iter_{saved:07d}"))
+    assert not [p for p in os.listdir(ckpt) if p.endswith(".tmp")], os.listdir(ckpt)
+
+    finish([launch("launch/torchrun.sh", iters(steps) + ["--load", str(ckpt), "--output-dir", str(tmp_path / "resumed")],
+                   {"NPROC": "2"})])
+    finish([launch("launch/torchrun.sh", iters(steps) + ["--output-dir", str(tmp_path / "straight")], {"NPROC": "2"})])
+    resumed, straight = metrics(tmp_path / "resumed"), metrics(tmp_path / "straight")
+    assert sorted(resumed) == list(range(saved + 1, steps + 1))
+    assert [resumed[s]["loss"] for s in resumed] == pytest.approx([straight[s]["loss"] for s in resumed], rel=1e-6)
