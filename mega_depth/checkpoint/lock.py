@@ -13,6 +13,13 @@ heartbeat) while the run lives.
   after its node crashed would otherwise fail. It is refused when its heartbeat advances (it is alive), and taken
   over when the heartbeat goes stale.
 - The holder removes the lock when it stops (only its own: a lock file taken over meanwhile is left alone).
+- The holder verifies that the file still holds its token at every heartbeat and before every save; if it does not
+  (deleted, overwritten, taken over while this process was frozen past the stale limit), the run stops with one line
+  instead of writing beside whoever holds the folder now.
+- A takeover renames the stale file aside and checks that what it moved is the very file it judged (inode,
+  modification time and token); if another taker got there first, it puts the file back and is refused.
+- MEGA_DEPTH_LOCK_HEARTBEAT_S (15) and MEGA_DEPTH_LOCK_STALE_S (120) are read once, and the stale limit must exceed
+  two heartbeats (or a live run's lock would be taken over).
 """
 
 from __future__ import annotations
@@ -23,15 +30,49 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
+
+from mega_depth.config import ConfigError
 
 LOCK = ".mega_depth.lock"
-HEARTBEAT_S = float(os.environ.get("MEGA_DEPTH_LOCK_HEARTBEAT_S", "15"))
-STALE_S = float(os.environ.get("MEGA_DEPTH_LOCK_STALE_S", "120"))
+HEARTBEAT_VAR, STALE_VAR = "MEGA_DEPTH_LOCK_HEARTBEAT_S", "MEGA_DEPTH_LOCK_STALE_S"
+HEARTBEAT_S: Optional[float] = None  # from the environment on first use (timing()); tests set them directly
+STALE_S: Optional[float] = None
 
 
-class SaveFolderLocked(Exception):
-    """Another live run holds the folder (the message names it)."""
+class SaveFolderLocked(ConfigError):
+    """The folder's lock cannot be had or kept: another live run holds it, it was lost, or it cannot be written
+    (the message names which)."""
+
+
+def _seconds(var: str, default: float) -> float:
+    text = os.environ.get(var)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise SaveFolderLocked(f"{var}={text!r} is not a positive number of seconds; unset it (default "
+                               f"{default:.0f}) or give one, e.g. {var}={default:.0f}")
+    return value
+
+
+def timing() -> Tuple[float, float]:
+    """(heartbeat, stale limit) in seconds, read from the environment once per process."""
+    global HEARTBEAT_S, STALE_S
+    if HEARTBEAT_S is None:
+        HEARTBEAT_S = _seconds(HEARTBEAT_VAR, 15.0)
+    if STALE_S is None:
+        STALE_S = _seconds(STALE_VAR, 120.0)
+    if STALE_S <= 2 * HEARTBEAT_S:
+        stale, heartbeat = STALE_S, HEARTBEAT_S
+        STALE_S = None  # refused: read again (and refused again) by the next lock
+        raise SaveFolderLocked(f"{STALE_VAR}={stale:g} is at or below two heartbeats ({HEARTBEAT_VAR}={heartbeat:g}):"
+                               f" a live run's lock would be taken over; give more than {2 * heartbeat:g} s, or "
+                               "unset it (default 120)")
+    return HEARTBEAT_S, STALE_S
 
 
 def _pid_alive(pid: int) -> bool:
@@ -44,15 +85,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _read(path: str) -> Optional[dict]:
+def _inspect(path: str) -> Tuple[Optional[dict], Optional[tuple]]:
+    """(holder, identity) of the lock file, both from one open file: holder None if there is no file, {} if it is
+    being written or garbage; identity (inode, mtime in ns)."""
     try:
-        with open(path) as f:
-            holder = json.load(f)
-        return holder if isinstance(holder, dict) else {}
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            text = f.read()
     except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}  # being written, or garbage: judged by its age alone
+        return None, None
+    except OSError:
+        return {}, None
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        holder = {}
+    return (holder if isinstance(holder, dict) else {}), (st.st_ino, st.st_mtime_ns)
+
+
+def _read(path: str) -> Optional[dict]:
+    return _inspect(path)[0]
 
 
 def _describe(holder: dict) -> str:
@@ -70,35 +122,58 @@ class SaveLock:
                        "started": time.time(), "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.lost: Optional[str] = None  # set by the heartbeat when the file stops holding this run's token
 
     # --- taking and releasing ---------------------------------------------------------------------------------------
     def acquire(self) -> "SaveLock":
+        heartbeat, stale_s = timing()
         os.makedirs(self.folder, exist_ok=True)
         for _ in range(3):
             if self._create():
-                self._start_heartbeat()
+                self._start_heartbeat(heartbeat)
                 return self
-            holder = _read(self.path)
+            holder, identity = _inspect(self.path)
             if holder is None:  # released between our attempt and the read: try again
                 continue
-            stale = self._stale_reason(holder)
+            stale = self._stale_reason(holder, identity, stale_s)
             if stale is None and holder.get("host") != socket.gethostname():
-                stale = self._watch(holder)
+                stale = self._watch(holder, heartbeat, stale_s)
+                holder, identity = _inspect(self.path)  # judge the file as it is now
+                if holder is None:
+                    continue
             if stale is None:
                 raise SaveFolderLocked(
                     f"--save {self.folder} is in use by {_describe(holder)}, whose heartbeat is "
-                    f"{self._age():.0f} s old: two runs must not save into one folder. Wait for it to end, or "
-                    f"save this run elsewhere; if that run is gone, its lock is taken over {STALE_S:.0f} s after its "
-                    f"last heartbeat (or delete {self.path})")
-            aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
-            try:
-                os.rename(self.path, aside)  # one taker wins; the others find the new lock
-            except FileNotFoundError:
-                continue
-            os.remove(aside)
-            self.say(f"--save {self.folder}: took over the lock of {_describe(holder)}: {stale}")
+                    f"{self._age(identity):.0f} s old: two runs must not save into one folder. Wait for it to end, "
+                    f"or save this run elsewhere; if that run is gone, its lock is taken over {stale_s:.0f} s after "
+                    f"its last heartbeat (or delete {self.path})")
+            if self._take(holder, identity):
+                self.say(f"--save {self.folder}: took over the lock of {_describe(holder)}: {stale}")
         raise SaveFolderLocked(f"--save {self.folder}: could not take its lock {self.path} (another run keeps "
                                "taking it); save this run elsewhere")
+
+    def _before_takeover(self) -> None:
+        """Between judging a lock stale and moving it aside (a test widens this window)."""
+
+    def _take(self, holder: dict, identity: Optional[tuple]) -> bool:
+        """Move the judged lock file aside and delete it, if what moved is that very file; otherwise put it back
+        (another taker was first and this is its fresh lock). True if the judged file is gone."""
+        self._before_takeover()
+        aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        moved, moved_identity = _inspect(aside)
+        if identity is not None and moved_identity == identity and moved.get("token") == holder.get("token"):
+            os.remove(aside)
+            return True
+        try:
+            os.link(aside, self.path)  # put back, unless a newer lock stands there already
+        except FileExistsError:
+            pass
+        os.remove(aside)
+        return False
 
     def update(self, run_id: str) -> None:
         """Record the run id once it is known (a resumed run inherits its checkpoint's)."""
@@ -110,6 +185,20 @@ class SaveLock:
         with open(tmp, "w") as f:
             json.dump(self.holder, f)
         os.replace(tmp, self.path)
+
+    def verify(self) -> Optional[str]:
+        """None while the lock file holds this run's token; else why it does not (what the run must stop for)."""
+        for attempt in range(2):
+            holder = _read(self.path)
+            if holder and holder.get("token") == self.holder["token"]:
+                return None
+            if attempt == 0:
+                time.sleep(0.2)  # a taker that moved our file aside by mistake puts it back at once
+        if holder is None:
+            return f"its lock file {self.path} was deleted"
+        if not holder:
+            return f"its lock file {self.path} was overwritten with something unreadable"
+        return f"its lock file {self.path} now names {_describe(holder)}"
 
     def release(self) -> None:
         self._stop.set()
@@ -135,53 +224,57 @@ class SaveLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.holder, f)
-            f.flush()
-            os.fsync(f.fileno())
+        except OSError as e:
+            raise SaveFolderLocked(f"--save {self.folder}: cannot create its lock file {self.path} ({e.strerror}); "
+                                   "free space there or fix its permissions, or pick another --save") from None
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.holder, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # a full disk: leave no empty lock that the next run would have to wait out
+            os.remove(self.path)
+            raise SaveFolderLocked(f"--save {self.folder}: cannot write its lock file {self.path} ({e.strerror}); "
+                                   "free space there, or pick another --save") from None
         return True
 
-    def _age(self) -> float:
-        try:
-            return time.time() - os.path.getmtime(self.path)
-        except FileNotFoundError:
-            return 0.0
+    def _age(self, identity: Optional[tuple]) -> float:
+        return 0.0 if identity is None else time.time() - identity[1] / 1e9
 
-    def _stale_reason(self, holder: dict) -> Optional[str]:
+    def _stale_reason(self, holder: dict, identity: Optional[tuple], stale_s: float) -> Optional[str]:
         pid, host = holder.get("pid"), holder.get("host")
         if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
             return f"its process {pid} is gone"
-        age = self._age()
-        if age > STALE_S:
+        age = self._age(identity)
+        if age > stale_s:
             return f"its heartbeat stopped {age:.0f} s ago"
         return None
 
-    def _watch(self, holder: dict) -> Optional[str]:
+    def _watch(self, holder: dict, heartbeat: float, stale_s: float) -> Optional[str]:
         """Another host's holder: None once its heartbeat advances, the stale reason once it stops long enough."""
-        try:
-            last = os.path.getmtime(self.path)
-        except FileNotFoundError:
+        _, identity = _inspect(self.path)
+        if identity is None:
             return "it released the lock"
         self.say(f"--save {self.folder} is locked by {_describe(holder)}; watching its heartbeat (up to "
-                 f"{max(STALE_S - self._age(), 0):.0f} s) to tell a live run from a crashed node")
+                 f"{max(stale_s - self._age(identity), 0):.0f} s) to tell a live run from a crashed node")
         while True:
-            time.sleep(min(1.0, HEARTBEAT_S / 4))
-            try:
-                now = os.path.getmtime(self.path)
-            except FileNotFoundError:
+            time.sleep(min(1.0, heartbeat / 4))
+            _, now = _inspect(self.path)
+            if now is None:
                 return "it released the lock"
-            if now != last:
+            if now != identity:
                 return None
-            stale = self._stale_reason(holder)
+            stale = self._stale_reason(holder, now, stale_s)
             if stale is not None:
                 return stale
 
-    def _start_heartbeat(self) -> None:
+    def _start_heartbeat(self, heartbeat: float) -> None:
         def beat():
-            while not self._stop.wait(HEARTBEAT_S):
-                holder = _read(self.path)
-                if not holder or holder.get("token") != self.holder["token"]:
-                    return  # taken over (this run was judged gone): stop touching it
+            while not self._stop.wait(heartbeat):
+                lost = self.verify()
+                if lost is not None:  # stop touching it; the run stops at its next step (trainer)
+                    self.lost = lost
+                    return
                 try:
                     os.utime(self.path)
                 except OSError:

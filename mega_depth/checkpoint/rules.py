@@ -126,13 +126,17 @@ def check_fresh_save(root: str, overwrite: bool) -> None:
 
 
 def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_last: int, comm,
-         protect: Optional[str] = None) -> Tuple[str, bool]:
+         protect: Optional[str] = None, owner: Optional[Callable[[], None]] = None) -> Tuple[str, bool]:
     """Write one checkpoint atomically (collective). `fill(tmp_dir)` writes the format's own files on every
     rank; `meta` (format, run_id, config, ...) goes to mega_depth.json. `protect` (the checkpoint the run resumed
-    from) is pruned only once this save has been verified against its manifest. Returns (the final directory,
-    whether it was verified). A full disk raises CheckpointError after removing the partial save."""
+    from) is pruned only once this save has been verified against its manifest. `owner()` (collective) raises if
+    the folder is no longer this run's (its lock): called before the save touches the folder and again before it
+    commits, since the process may have been frozen in between. Returns (the final directory, whether it was
+    verified). A full disk raises CheckpointError after removing the partial save."""
     final = iter_dir(root, step)
     tmp = final + ".tmp"
+    owner = owner or (lambda: None)
+    owner()
     if comm.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a previous kill mid-save
@@ -156,6 +160,7 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
     comm.barrier()
     if os.environ.get("MEGA_DEPTH_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash tests
         _kill_self()
+    owner()
     verified = False
     if comm.rank == 0:
         record = dict(meta, step=step, saved_at=time.time(), manifest=True)

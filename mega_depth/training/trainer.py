@@ -81,6 +81,40 @@ class Trainer:
             raise rules.CheckpointError(error)
         return lock
 
+    def _check_lock(self, lock, verify: bool) -> None:
+        """Collective: stop with one line if rank 0's lock no longer holds this run's token (found by its heartbeat,
+        or with `verify` read now, within a save), so that this run does not write beside the folder's new holder."""
+        lost = None
+        if lock is not None:
+            lost = lock.verify() if verify else lock.lost
+        lost = self.backend.broadcast(lost)
+        if lost:
+            raise self._lost_lock(lost)
+
+    def _lost_lock(self, lost: str) -> Exception:
+        save = self.cfg.checkpoint.save
+        last = rules.read_pointer(save)
+        kept = f"its last checkpoint {rules.iter_dir(save, last)} is intact" if last else "it saved nothing"
+        return rules.CheckpointError(
+            f"--save {save}: this run no longer holds the folder's lock ({lost}), so it stops without writing; "
+            f"{kept}. Another run may be saving there: let it finish, or resume this run with another --save")
+
+    def _save(self, lock, step: int, meta: dict, protect):
+        """rules.save under the folder's lock: checked before the save and before it commits; a save that fails
+        because the folder changed hands meanwhile (a frozen run's partial save removed by the new holder) ends
+        with the lock's line, not the writer's traceback."""
+        b, ck = self.backend, self.cfg.checkpoint
+        try:
+            return rules.save(ck.save, step, lambda tmp: b.save_files(tmp, step), meta, ck.keep_last, b,
+                              protect=protect, owner=lambda: self._check_lock(lock, verify=True))
+        except rules.CheckpointError:
+            raise
+        except Exception:
+            lost = lock.verify() if lock is not None else None
+            if lost:
+                raise self._lost_lock(lost) from None
+            raise
+
     def _resume_point(self):
         """(checkpoint dir, meta) to resume from, or None; refuses a stale --save folder for a fresh run."""
         ck, b = self.cfg.checkpoint, self.backend
@@ -270,12 +304,14 @@ class Trainer:
                         paths = paths + [p for p in [logger.expert_load(last_routing["tokens_per_expert"], done)] if p]
                     if paths:
                         self.say(f"depth-weight heatmaps: {', '.join(paths)}")
-                preempted = b.any(preemption.requested)
+                # one collective a step for both: a pre-emption, or a lock the heartbeat found lost (rank 0)
+                preempted = b.any(preemption.requested or (lock is not None and lock.lost is not None))
+                if preempted:
+                    self._check_lock(lock, verify=False)
                 exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
                 if ck.save and ((ck.save_interval and done % ck.save_interval == 0) or exiting or last):
-                    path, verified = rules.save(ck.save, done, lambda tmp, s=done: b.save_files(tmp, s),
-                                                dict(meta, layout=b.layout(), consumed_samples=consumed),
-                                                ck.keep_last, b, protect=resumed_from)
+                    path, verified = self._save(lock, done, dict(meta, layout=b.layout(), consumed_samples=consumed),
+                                                resumed_from)
                     if verified:
                         resumed_from = None  # a newer checkpoint reads back intact: the old one may be pruned
                     self.say(f"saved checkpoint {path}")

@@ -1,7 +1,8 @@
 """Operator mistakes that must not lose a run or silently change it:
 
 - two runs on one --save folder: the second is refused (every backend, and convert_from_hf), the first's
-  checkpoints stay byte-identical; a lock whose holder is gone is taken over;
+  checkpoints stay byte-identical; a lock whose holder is gone is taken over; a holder whose lock was deleted,
+  overwritten or taken over while it was frozen stops with one line before it writes again;
 - a run killed during its first save can be resubmitted;
 - a full disk during a save says so and keeps the previous checkpoint;
 - a resume with another global batch size continues after the last consumed sample;
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from fixtures import ENV, PY, ROOT, SCRIPTS, TRAIN_MODEL, metrics, run, torchrun
+from mega_depth.checkpoint import rules
 from mega_depth.checkpoint.lock import LOCK
 from mega_depth.checkpoint.manifest import verify
 
@@ -109,6 +111,54 @@ def test_every_backend_and_the_import_respect_the_lock_and_take_over_a_gone_hold
         assert f"is in use by run holder-run (pid {os.getpid()}" in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
     assert os.listdir(held) == [LOCK] and not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+def test_a_holder_that_lost_its_lock_stops_with_one_line_before_it_writes_again(data, tmp_path):
+    env = dict(ENV, MEGA_DEPTH_LOCK_HEARTBEAT_S="0.3", MEGA_DEPTH_LOCK_STALE_S="3")
+
+    def start(name, ckpt):
+        log = open(tmp_path / f"{name}.txt", "w")
+        job = PLAIN + flags(data, "--train-iters", "100000", "--lr-decay-iters", "100000", "--save", str(ckpt),
+                            "--load", str(ckpt), "--save-interval", "1", "--output-dir", str(tmp_path / name))
+        return subprocess.Popen([PY] + job, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def output(name):
+        return (tmp_path / f"{name}.txt").read_text()
+
+    def stopped_without_writing(proc, name, ckpt, reason):
+        assert proc.wait(timeout=120) == 2, output(name)[-3000:]
+        out = output(name)
+        assert "this run no longer holds the folder's lock" in out and reason in out and "Traceback" not in out, \
+            out[-3000:]
+        assert "is intact" in out
+        verify(str(ckpt / f"iter_{rules.read_pointer(str(ckpt)):07d}"))
+
+    for name, damage, reason in (("deleted", lambda lock: lock.unlink(), "was deleted"),
+                                 ("garbage", lambda lock: lock.write_text("\x00 not json"), "unreadable")):
+        ckpt = tmp_path / name / "ckpt"
+        proc = start(name, ckpt)
+        wait_for(lambda: (ckpt / "latest_checkpointed_iteration.txt").exists(), proc, "its first checkpoint",
+                 output=lambda: output(name))
+        damage(ckpt / LOCK)
+        stopped_without_writing(proc, name, ckpt, reason)
+
+    # frozen past the stale limit: a requeued run takes the folder over; the old one, resumed, stops
+    ckpt = tmp_path / "frozen" / "ckpt"
+    first = start("first", ckpt)
+    wait_for(lambda: (ckpt / "latest_checkpointed_iteration.txt").exists(), first, "its first checkpoint",
+             output=lambda: output("first"))
+    first.send_signal(signal.SIGSTOP)
+    time.sleep(3.5)  # its heartbeat goes stale
+    second = start("second", ckpt)
+    try:
+        wait_for(lambda: "took over the lock" in output("second") and (tmp_path / "second" / "metrics.jsonl").exists(),
+                 second, "the takeover", output=lambda: output("second"))
+        first.send_signal(signal.SIGCONT)
+        stopped_without_writing(first, "first", ckpt, "now names run")
+    finally:
+        first.send_signal(signal.SIGCONT)
+        second.send_signal(signal.SIGTERM)
+    assert second.wait(timeout=120) == 0, output("second")[-3000:]
 
 
 def test_a_run_killed_during_its_first_save_can_be_resubmitted(data, tmp_path):

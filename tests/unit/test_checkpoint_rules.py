@@ -6,6 +6,7 @@ a run killed in its first save, a full disk, and the save folder's lock."""
 import json
 import os
 import re
+import socket
 import time
 
 import pytest
@@ -233,3 +234,142 @@ def test_the_save_lock_refuses_a_live_holder_and_takes_over_a_gone_one(tmp_path,
     planted(1, "another-host")  # taken over meanwhile: the release leaves the new holder's lock alone
     lock.release()
     assert json.load(open(tmp_path / LOCK))["run_id"] == "gone"
+
+
+@pytest.fixture
+def fast_lock(monkeypatch):
+    """The lock module with a heartbeat of a fraction of a second."""
+    from mega_depth.checkpoint import lock as lock_module
+
+    monkeypatch.setattr(lock_module, "STALE_S", 3.0)
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.2)
+    return lock_module
+
+
+def test_a_holder_finds_its_lock_deleted_overwritten_or_taken(tmp_path, fast_lock):
+    from mega_depth.checkpoint.lock import LOCK, SaveLock
+
+    lock = SaveLock(str(tmp_path), "run-1", "training", print)
+    lock.acquire = lambda: lock._create() and lock  # no heartbeat in this first part
+    lock.acquire()
+    assert lock.verify() is None
+    (tmp_path / LOCK).unlink()
+    assert "was deleted" in lock.verify()
+    (tmp_path / LOCK).write_text("\x00garbage")
+    assert "overwritten with something unreadable" in lock.verify()
+    json.dump({"run_id": "other", "pid": 1, "host": "h", "token": "x"}, open(tmp_path / LOCK, "w"))
+    assert "now names run other (pid 1 on host h" in lock.verify()
+    lock.release()
+    assert json.load(open(tmp_path / LOCK))["run_id"] == "other"  # not ours to remove
+    # the heartbeat notices on its own, and stops touching the file
+    (tmp_path / LOCK).unlink()
+    lock = SaveLock(str(tmp_path), "run-2", "training", print).acquire()
+    json.dump({"run_id": "other", "pid": 1, "host": "h", "token": "x"}, open(tmp_path / LOCK, "w"))
+    deadline = time.time() + 5
+    while lock.lost is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert "now names run other" in lock.lost
+    lock.release()
+
+
+def test_two_takers_of_one_stale_lock_never_both_win(tmp_path, fast_lock):
+    """The taker that judged a lock stale but moves aside the other taker's fresh lock puts it back."""
+    import multiprocessing
+    import subprocess
+    import sys
+    import threading
+
+    from mega_depth.checkpoint.lock import LOCK, SaveFolderLocked, SaveLock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def plant():
+        json.dump({"run_id": "gone", "host": socket.gethostname(), "pid": dead.pid, "token": "t"},
+                  open(tmp_path / LOCK, "w"))
+
+    # deterministic: the slow taker judges the lock stale, then waits until the fast one has taken it
+    plant()
+    judged, taken = threading.Event(), threading.Event()
+
+    class SlowTaker(SaveLock):
+        def _before_takeover(self):
+            judged.set()
+            taken.wait(10)
+
+    errors = []
+
+    def slow():
+        try:
+            SlowTaker(str(tmp_path), "slow", "training", print).acquire()
+        except SaveFolderLocked as e:
+            errors.append(str(e))
+
+    slow_thread = threading.Thread(target=slow)
+    slow_thread.start()
+    judged.wait(10)
+    fast = SaveLock(str(tmp_path), "fast", "training", print).acquire()
+    taken.set()
+    slow_thread.join(10)
+    assert errors and "is in use by run fast" in errors[0]
+    assert fast.verify() is None
+    fast.release()
+
+    # and in a loop of real races between two processes
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(10):
+        plant()
+        barrier, wins = ctx.Barrier(2), ctx.Queue()
+
+        def take(name):
+            barrier.wait()
+            try:
+                lock = SaveLock(str(tmp_path), name, "training", lambda msg: None).acquire()
+            except SaveFolderLocked:
+                wins.put(0)
+                return
+            wins.put(1)
+            time.sleep(0.3)  # hold it while the other taker decides
+            lock.release()
+
+        procs = [ctx.Process(target=take, args=(f"taker-{i}",)) for i in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(20)
+        assert sum(wins.get(timeout=5) for _ in procs) == 1, f"trial {trial}: both takers won"
+
+
+def test_bad_lock_settings_and_a_failed_create_are_one_line_each(tmp_path, monkeypatch):
+    import errno
+
+    from mega_depth.checkpoint import lock as lock_module
+    from mega_depth.checkpoint.lock import LOCK, SaveFolderLocked, SaveLock
+
+    for heartbeat, stale, match in (("abc", None, r"MEGA_DEPTH_LOCK_HEARTBEAT_S='abc' is not a positive number"),
+                                    ("15", "120s", r"MEGA_DEPTH_LOCK_STALE_S='120s' is not a positive number"),
+                                    ("15", "", r"MEGA_DEPTH_LOCK_STALE_S='' is not a positive number"),
+                                    ("15", "-1", r"MEGA_DEPTH_LOCK_STALE_S='-1' is not a positive number"),
+                                    ("15", "0", r"MEGA_DEPTH_LOCK_STALE_S='0' is not a positive number"),
+                                    ("15", "30", r"STALE_S=30 is at or below two heartbeats .*more than 30 s")):
+        monkeypatch.setattr(lock_module, "HEARTBEAT_S", None)
+        monkeypatch.setattr(lock_module, "STALE_S", None)
+        monkeypatch.setenv("MEGA_DEPTH_LOCK_HEARTBEAT_S", heartbeat)
+        if stale is None:
+            monkeypatch.delenv("MEGA_DEPTH_LOCK_STALE_S", raising=False)
+        else:
+            monkeypatch.setenv("MEGA_DEPTH_LOCK_STALE_S", stale)
+        with pytest.raises(SaveFolderLocked, match=match):
+            SaveLock(str(tmp_path), "run", "training", print).acquire()
+        assert not (tmp_path / LOCK).exists()
+
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 15.0)
+    monkeypatch.setattr(lock_module, "STALE_S", 120.0)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock_module.json, "dump", full_disk)
+    with pytest.raises(SaveFolderLocked, match="cannot write its lock file .*No space left on device"):
+        SaveLock(str(tmp_path), "run", "training", print).acquire()
+    assert not (tmp_path / LOCK).exists()  # no empty lock for the next run to wait out
