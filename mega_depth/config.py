@@ -213,6 +213,8 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     output_dir: str = _f("runs/default", "metrics.jsonl, config.yaml, TensorBoard events and heatmaps go here")
+    overwrite_output_dir: bool = _f(False, "let a new run replace another run's metrics, config.yaml and "
+                                           "TensorBoard events in --output-dir")
     log_interval: int = _f(1, "print a console line every N steps (averages over the interval)")
     tensorboard: bool = _f(True, "write TensorBoard events into --output-dir/tensorboard")
     heatmap_interval: Optional[int] = _f(None, "depth-weight heatmaps every N steps (default: at the end)")

@@ -399,21 +399,23 @@ def resolve_load(load: str, comm, own: bool = False) -> Optional[Tuple[str, dict
     return value
 
 
+# Architecture fields whose flag is not their name; training switches that may change on resume
+_FIELD_FLAGS = {"tie_word_embeddings": "--untie-embeddings-and-output-weights", "moe_layer_pattern": "--moe-layer-freq"}
+_NOT_ARCHITECTURE = ("hidden_dropout", "residual")
+
+
 def check_compatible(meta: dict, cfg: Config, where: str) -> None:
-    """The checkpoint's model and mechanism must be this run's (the parallel layout and schedule may differ)."""
+    """The checkpoint's model and mechanism must be this run's (the parallel layout and schedule may differ): every
+    field of the architecture record (DecoderConfig) and every option of the mechanism is compared."""
     from mega_depth.checkpoint.weights import saved_config
 
     saved = saved_config(meta).decoder_config().to_dict()
     now = cfg.decoder_config().to_dict()
     diffs = []
-    flags = {"tie_word_embeddings": "--untie-embeddings-and-output-weights", "moe_layer_pattern": "--moe-layer-freq"}
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "qk_layernorm", "tie_word_embeddings", "num_experts", "moe_router_topk",
-                "moe_ffn_hidden_size", "moe_layer_pattern", "moe_shared_expert_intermediate_size",
-                "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias"):
-        if saved.get(key) != now.get(key):
-            flag = flags.get(key, "--" + key.replace("_", "-"))
-            diffs.append(f"{flag}: checkpoint {saved[key]!r}, this run {now[key]!r}")
+    for key in now:
+        if key not in _NOT_ARCHITECTURE and saved.get(key) != now[key]:
+            flag = _FIELD_FLAGS.get(key, option_flag(key))
+            diffs.append(f"{flag}: checkpoint {saved.get(key)!r}, this run {now[key]!r}")
     saved_r, now_r = saved["residual"], now["residual"]
     for key in sorted(set(saved_r) | set(now_r), key=lambda k: (k != "mechanism", k)):
         if saved_r.get(key) != now_r.get(key):

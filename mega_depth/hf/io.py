@@ -62,6 +62,12 @@ def special_tokens(spm_model: str) -> Dict[str, Tuple[str, int]]:
     return {"bos": BOS, "eos": EOS, "unk": (sp.id_to_piece(sp.unk_id()), sp.unk_id()), "pad": pad}
 
 
+def _piece_count(spm_model: str) -> int:
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=spm_model).get_piece_size()
+
+
 def native_architecture(dc: DecoderConfig) -> Optional[str]:
     """The transformers model type that computes this model exactly (None: the mega_depth_lm architecture)."""
     if dc.mechanism().mixes_depth:
@@ -156,8 +162,12 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
     if not tokenizer_model or not os.path.isfile(tokenizer_model):
         raise ConfigError(f"no tokenizer for this checkpoint ({tokenizer_model or 'none recorded'}); pass "
                           "--tokenizer-model (the sentencepiece model the data was made with)")
-    native = native_architecture(dc) is not None
     pad_id = special_tokens(tokenizer_model)["pad"][1]
+    pieces = _piece_count(tokenizer_model)
+    if pieces > dc.vocab_size:  # generation would index past the embedding
+        raise ConfigError(f"--tokenizer-model {tokenizer_model} has {pieces} pieces, more than the model's "
+                          f"vocabulary ({dc.vocab_size}); pass the tokenizer the model was trained with")
+    native = native_architecture(dc) is not None
     model = (_native_model if native else _mega_depth_model)(dc, max_positions, pad_id)
     if native_architecture(dc) == "qwen3_moe":  # its files hold the canonical per-expert names again
         canonical = _stacked_experts(canonical, dc)

@@ -6,8 +6,10 @@ resolved config.
 - The console: one line per --log-interval with the interval's averages (loss, ms/step, tokens/s), % done, memory,
   ETA and, on a GPU, MFU (training/report.py: IntervalMeter).
 - TensorBoard (`--output-dir/tensorboard`) and W&B (`--wandb-project`): the same scalars and heatmaps.
+- `run.json`: the run id and --save folder of the run the folder's records belong to (check_output_dir).
 On resume, records past the resumed step (left by the interrupted run) are dropped from metrics.jsonl and
-TensorBoard.
+TensorBoard. Another run's records are never dropped: a new run into a folder that holds them is refused
+(--overwrite-output-dir replaces them).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 import os
 from typing import List, Optional
 
-from mega_depth.config import Config, to_dict
+from mega_depth.config import Config, ConfigError, to_dict
 from mega_depth.training.report import IntervalMeter
 
 
@@ -28,13 +30,46 @@ def config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 
+RUN_RECORD = "run.json"
+
+
+def check_output_dir(cfg: Config, run_id: str, start_step: int) -> None:
+    """ConfigError (one line) if --output-dir holds the records of another run: one that is neither this run (the
+    same run id: a resume) nor an earlier attempt of this job (the same --save folder: a resubmission that starts
+    again), unless --overwrite-output-dir."""
+    out = cfg.logging.output_dir
+    metrics = os.path.join(out, "metrics.jsonl")
+    if cfg.logging.overwrite_output_dir or not os.path.isfile(metrics) or os.path.getsize(metrics) == 0:
+        return
+    try:
+        with open(os.path.join(out, RUN_RECORD)) as f:
+            recorded = json.load(f)
+    except (OSError, ValueError):
+        recorded = None  # written before run records, or damaged
+    if recorded is None and start_step > 0:
+        return  # a resume into a folder from before run records: as before
+    if isinstance(recorded, dict):
+        save = cfg.checkpoint.save and os.path.realpath(cfg.checkpoint.save)
+        if recorded.get("run_id") == run_id or (save and recorded.get("save") == save):
+            return
+    with open(metrics) as f:
+        steps = sum(1 for line in f if line.strip())
+    who = f"run {recorded.get('run_id')}" if isinstance(recorded, dict) else "another run"
+    raise ConfigError(f"--output-dir {out} holds the metrics of {who} ({steps} records in metrics.jsonl); pick "
+                      "a new --output-dir, resume that run (--load its checkpoint), or pass --overwrite-output-dir "
+                      "to replace its records")
+
+
 class Logger:
-    def __init__(self, cfg: Config, start_step: int, meter: IntervalMeter):
+    def __init__(self, cfg: Config, start_step: int, meter: IntervalMeter, run_id: str = ""):
         self.cfg, self.meter = cfg, meter
         out = cfg.logging.output_dir
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(config_yaml(cfg))
+        with open(os.path.join(out, RUN_RECORD), "w") as f:
+            save = cfg.checkpoint.save and os.path.realpath(cfg.checkpoint.save)
+            json.dump({"run_id": run_id, "save": save or None}, f)
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         _truncate_metrics(self.metrics_path, start_step)
         self.interval_losses: List[float] = []
@@ -223,4 +258,4 @@ def _truncate_metrics(path: str, start_step: int) -> None:
         os.replace(tmp, path)
 
 
-__all__ = ["Logger", "config_yaml", "strict_json"]
+__all__ = ["Logger", "check_output_dir", "config_yaml", "strict_json"]

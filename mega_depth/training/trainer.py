@@ -18,7 +18,7 @@ from typing import List
 from mega_depth.checkpoint import rules
 from mega_depth.config import Config, ConfigError, to_dict
 from mega_depth.training import report
-from mega_depth.training.logger import Logger
+from mega_depth.training.logger import Logger, check_output_dir
 
 FAULT_NAN_AT_STEP = "MEGA_DEPTH_FAULT_NAN_AT_STEP"  # fault injection: a NaN loss (and grads) at this step
 
@@ -140,6 +140,21 @@ class Trainer:
                 raise rules.CheckpointError(error)
         return found
 
+    def _check_output_dir(self, found, run_id: str) -> None:
+        """Collective: refuse (one line) an --output-dir that holds another run's records (logger.check_output_dir),
+        judged on rank 0 with the run id and step this run will have."""
+        b, error = self.backend, None
+        if b.rank == 0:
+            resumed = found is not None and not found[1].get("model_only")
+            try:
+                check_output_dir(self.cfg, found[1].get("run_id", run_id) if resumed else run_id,
+                                 int(found[1].get("step", 0)) if resumed else 0)
+            except ConfigError as e:
+                error = str(e)
+        error = b.broadcast(error)
+        if error:
+            raise ConfigError(error)
+
     def _samplers(self, start: int = 0, consumed: int = 0):
         """Training and validation samplers (validation: None where the run does not evaluate, see evaluates); the
         training data covers the samples consumed so far and those the remaining steps take."""
@@ -233,6 +248,7 @@ class Trainer:
         cfg, b, ck = self.cfg, self.backend, self.cfg.checkpoint
         found = self._resume_point()
         start, run_id, consumed, resumed_from = 0, rules.new_run_id(), 0, None
+        self._check_output_dir(found, run_id)  # before the build: a refusal costs nothing
         weights = None
         if found is not None and found[1].get("model_only"):
             from mega_depth.checkpoint.weights import full_megatron_weights
@@ -259,7 +275,7 @@ class Trainer:
         logger, error = None, ""
         if b.rank == 0:
             try:
-                logger = Logger(cfg, start, meter)
+                logger = Logger(cfg, start, meter, run_id)
             except Exception as e:  # W&B's start, an unwritable --output-dir: every rank stops, not rank 0 alone
                 error = f"could not start the run's logging: {type(e).__name__}: {e}"
         error = b.broadcast(error)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from fixtures import READINGS, SAVE_MODEL, SCRIPTS, mechanism_flags, run, torchrun
+from fixtures import CORPUS, READINGS, SAVE_MODEL, SCRIPTS, mechanism_flags, run, torchrun
 from mega_depth.catalogue import SETTINGS
 
 SCRIPT = os.path.join(SCRIPTS, "train_and_save.py")
@@ -384,7 +384,7 @@ def test_generate_tool_samples_without_deprecation_noise(exports):
 
 
 @pytest.mark.parametrize("case", ["not-a-checkpoint", "missing-tokenizer", "non-empty-out", "bad-dtype",
-                                  "config-mismatch", "config-mismatch-unverified"])
+                                  "config-mismatch", "config-mismatch-unverified", "too-large-tokenizer"])
 def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_path, case):
     ckpt = trained / "tp1" / "attnres-block" / "ckpt"
     out = tmp_path / "out"
@@ -392,7 +392,8 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
     expected = {"not-a-checkpoint": "does not exist", "missing-tokenizer": "no tokenizer for this checkpoint",
                 "non-empty-out": "exists and is not empty; pass --force", "bad-dtype": "--dtype 'fp16' is not supported",
                 "config-mismatch": "is damaged: mega_depth.json",
-                "config-mismatch-unverified": "its weights do not match its recorded config"}[case]
+                "config-mismatch-unverified": "its weights do not match its recorded config",
+                "too-large-tokenizer": "has 2000 pieces, more than the model's vocabulary (1024)"}[case]
     if case == "not-a-checkpoint":
         args[2] = str(tmp_path / "nowhere")
     elif case == "missing-tokenizer":
@@ -402,6 +403,10 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
         (out / "keep.txt").write_text("user data")
     elif case == "bad-dtype":
         args += ["--dtype", "fp16"]
+    elif case == "too-large-tokenizer":  # generation would index past the embedding
+        run(["tools/train_tokenizer.py", "--input", CORPUS, "--vocab-size", "2000", "--output-prefix",
+             str(tmp_path / "large")])
+        args += ["--tokenizer-model", str(tmp_path / "large.model")]
     else:
         broken = tmp_path / "broken"
         shutil.copytree(ckpt / "iter_0000004", broken)

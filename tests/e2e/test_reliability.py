@@ -308,3 +308,22 @@ def _cmdline(process) -> str:
         return " ".join(process.cmdline())
     except Exception:  # gone meanwhile
         return ""
+
+
+def test_a_second_run_into_an_output_dir_keeps_the_first_runs_metrics(data, tmp_path):
+    out = tmp_path / "run"
+    job = PLAIN + flags(data, "--train-iters", "3", "--output-dir", str(out))
+    run(job)
+    before = (out / "metrics.jsonl").read_text()
+    proc = run(job, expect=2)  # a new run (not a resume of the first): refused before it writes anything
+    assert f"--output-dir {out} holds the metrics of run " in proc.stderr and "--overwrite-output-dir" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert (out / "metrics.jsonl").read_text() == before
+    run(job + ["--overwrite-output-dir"])  # asked for: replaced
+    assert sorted(metrics(out)) == [1, 2, 3]
+    # the same job resubmitted (same --save) continues in its folder; a resume appends after its step
+    ckpt = tmp_path / "ckpt"
+    resumable = PLAIN + flags(data, "--save", str(ckpt), "--load", str(ckpt), "--output-dir", str(tmp_path / "job"))
+    run(resumable + ["--train-iters", "2"])
+    run(resumable + ["--train-iters", "3"])
+    assert sorted(metrics(tmp_path / "job")) == [1, 2, 3]

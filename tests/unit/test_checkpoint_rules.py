@@ -373,3 +373,18 @@ def test_bad_lock_settings_and_a_failed_create_are_one_line_each(tmp_path, monke
     with pytest.raises(SaveFolderLocked, match="cannot write its lock file .*No space left on device"):
         SaveLock(str(tmp_path), "run", "training", print).acquire()
     assert not (tmp_path / LOCK).exists()  # no empty lock for the next run to wait out
+
+
+def test_a_resume_compares_every_architecture_field(monkeypatch):
+    """Not a hand-kept list: every DecoderConfig field (rotary base and norm epsilon included, which a resume once
+    took silently) and every mechanism option."""
+    from mega_depth.config import parse_args, to_dict
+
+    base = ["--mock-data", "--residual", "attnres"]
+    meta = {"config": to_dict(parse_args(base))}
+    rules.check_compatible(meta, parse_args(base + ["--lr", "1", "--hidden-dropout", "0.1"]), "c")  # not the model
+    for flags, expected in ((["--rotary-base", "500000"], "--rotary-base: checkpoint 10000, this run 500000"),
+                            (["--norm-epsilon", "1e-5"], "--norm-epsilon: checkpoint 1e-06, this run 1e-05"),
+                            (["--attnres-num-blocks", "2"], "--attnres-num-blocks: checkpoint None, this run 2")):
+        with pytest.raises(rules.CheckpointError, match=re.escape(expected)):
+            rules.check_compatible(meta, parse_args(base + flags), "c")
