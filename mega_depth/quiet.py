@@ -27,6 +27,8 @@ _LOG_LINES = (
     # without --data-cache-path the sample indexes live in memory, which is what we want for small data
     ("megatron.core.datasets.gpt_dataset", "because path_to_cache is None"),
     ("megatron.core.datasets.blended_dataset", "because path_to_cache is None"),
+    # a checkpoint writer's failure, logged before it is raised: the save reports it (a full disk in one line)
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "encountered an error"),
 )
 
 

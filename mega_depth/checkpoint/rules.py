@@ -149,8 +149,8 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
             with open(os.path.join(tmp, "partial.bin"), "wb") as f:
                 f.write(b"\0" * 1024)
             raise OSError(errno.ENOSPC, "No space left on device")
-    except (OSError, RuntimeError) as exc:
-        failure = _disk_full(exc, root)
+    except WRITE_ERRORS as exc:
+        failure = disk_full(exc, root)
         if failure is None:
             raise
     if comm.any(failure is not None):
@@ -169,7 +169,7 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
                 json.dump(record, f, indent=1)
             write_manifest(tmp, record["run_id"], record.get("config_hash", ""))
         except OSError as exc:
-            failure = _disk_full(exc, root)
+            failure = disk_full(exc, root)
             if failure is None:
                 raise
     if comm.any(failure is not None):
@@ -179,7 +179,13 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
         if os.path.isdir(final):  # the same step saved again (a rerun of the same run): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        write_pointer(root, step)
+        try:
+            write_pointer(root, step)
+        except OSError as exc:  # the checkpoint is complete; the pointer is found again from the folders
+            failure = disk_full(exc, root)
+            if failure is None:
+                raise
+            raise CheckpointError(failure) from None
         keep = {final}
         if protect is not None and protect != final:
             try:
@@ -192,21 +198,38 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
     return final, bool(comm.broadcast(verified))
 
 
-def _disk_full(exc: BaseException, root: str) -> Optional[str]:
-    """The one-line message for a save that ran out of space, or None if `exc` is something else. torch's
-    writer reports ENOSPC as a RuntimeError ("unexpected pos ..."): taken as a full disk when little is free."""
+def _checkpoint_exception():
+    try:  # torch's dist-checkpoint writer wraps each rank's failure in this (a BaseException, not an Exception)
+        from torch.distributed.checkpoint.api import CheckpointException
+        return CheckpointException
+    except ImportError:
+        return OSError
+
+
+# What a writer raises when the disk fills: OSError (ENOSPC), torch's dist-checkpoint CheckpointException or
+# RuntimeError ("unexpected pos"), safetensors' SafetensorError ("os error 28"), ...: judged by disk_full.
+WRITE_ERRORS = (Exception, _checkpoint_exception())
+_FULL_DISK_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "unexpected pos",
+                    "file write failed")
+
+
+def disk_full(exc: BaseException, root: str) -> Optional[str]:
+    """The one-line message for a write that ran out of space, or None if `exc` is something else. An OSError says
+    so (ENOSPC, EDQUOT); other writers only say it in their text (torch's dist-checkpoint writer: "unexpected pos";
+    safetensors: "os error 28"), taken as a full disk when little is free."""
     free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
     previous = list_checkpoints(root)
     size = _size(previous[-1][1]) if previous else 0
     enospc = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    torch_writer = isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "No space left",
-                                                                                  "file write failed"))
-    if not (enospc or (torch_writer and free < max(size, 1 << 20))):
+    text = str(exc)
+    said = any(s in text for s in _FULL_DISK_TEXTS)
+    if not (enospc or (said and free < max(size, 1 << 20))):
         return None
+    reason = exc.strerror if enospc else next(s for s in _FULL_DISK_TEXTS if s in text)
     last = f"checkpoint {os.path.basename(previous[-1][1])} is intact" if previous else "no earlier checkpoint"
     needed = f"the last checkpoint took {_human(size)}" if size else "a checkpoint needs room for every shard"
-    return (f"the disk is full: saving into {root} failed ({exc.strerror if enospc else str(exc)[:60]}) with "
-            f"{_human(free)} free, and {needed}; {last}. Free space, or save elsewhere (--save), and resume")
+    return (f"the disk is full: saving into {root} failed ({reason}) with {_human(free)} free, and {needed}; "
+            f"{last}. Free space, or save elsewhere (--save), and resume")
 
 
 def _abandon(tmp: str, comm) -> None:
@@ -435,6 +458,6 @@ def load_config_dict(meta: dict) -> dict:
 
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "META", "POINTER", "check_compatible", "check_fresh_save",
-           "config_hash", "find_checkpoint", "interrupted_saves", "iter_dir", "list_checkpoints", "new_run_id",
+           "WRITE_ERRORS", "config_hash", "disk_full", "find_checkpoint", "interrupted_saves", "iter_dir", "list_checkpoints", "new_run_id",
            "predates_manifests", "prune", "quarantine", "read_meta", "read_pointer", "resolve_load", "save", "to_dict",
            "write_pointer"]

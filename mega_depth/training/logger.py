@@ -14,9 +14,11 @@ TensorBoard. Another run's records are never dropped: a new run into a folder th
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 from typing import List, Optional
 
 from mega_depth.config import Config, ConfigError, to_dict
@@ -85,8 +87,16 @@ class Logger:
 
     # --- per step ---------------------------------------------------------------------------------------------------
     def step(self, record: dict, memory_gb: float) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+        try:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            free = shutil.disk_usage(os.path.dirname(self.metrics_path)).free
+            raise ConfigError(f"the disk is full: writing {self.metrics_path} failed ({e.strerror}) with {free} bytes "
+                              "free; free space there (or pick another --output-dir) and resume from the last "
+                              "checkpoint") from None
         done = record["step"]
         if math.isfinite(record["loss"]):
             self.interval_losses.append(record["loss"])

@@ -109,7 +109,7 @@ class Trainer:
                               protect=protect, owner=lambda: self._check_lock(lock, verify=True))
         except rules.CheckpointError:
             raise
-        except Exception:
+        except rules.WRITE_ERRORS:
             lost = lock.verify() if lock is not None else None
             if lost:
                 raise self._lost_lock(lost) from None

@@ -15,6 +15,7 @@
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -185,6 +186,52 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(dat
     assert " free, and the last checkpoint took " in line and "checkpoint iter_0000001 is intact" in line, line
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     verify(str(ckpt / "iter_0000001"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs (CI runs as root); skipped where this machine does not allow mounting one."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here ({mounted.stderr.decode().strip()[:80]}); the injected "
+                    "ENOSPC test covers the same path")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _fill(disk, leave):
+    """Fill `disk` until `leave` bytes are free."""
+    free = shutil.disk_usage(disk).free
+    filler = disk / "filler"
+    with open(filler, "ab") as f:
+        f.write(b"\0" * max(free - leave, 0))
+    return filler
+
+
+@pytest.mark.parametrize("trainer", ["megatron", "plain"])
+def test_a_real_full_disk_is_one_line_and_the_previous_checkpoint_resumes(data, tmp_path, small_disk, trainer):
+    entry = MEGATRON if trainer == "megatron" else PLAIN
+    ckpt = small_disk / "ckpt"
+    job = entry + flags(data, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1", "--overwrite-output-dir",
+                        "--output-dir", str(tmp_path / "run"))
+    run(job + ["--train-iters", "1"])
+    filler = _fill(small_disk, leave=64 * 1024)  # the lock fits; the next checkpoint does not
+    proc = run(job + ["--train-iters", "3"], expect=2)
+    assert "the disk is full: saving into" in proc.stderr and "checkpoint iter_0000001 is intact" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # no .tmp, no lock
+    verify(str(ckpt / "iter_0000001"))
+    # full before the run starts: the lock cannot be written, and no empty lock is left behind
+    _fill(small_disk, leave=0)
+    proc = run(job + ["--train-iters", "3"], expect=2)
+    assert "its lock file" in proc.stderr and "No space left on device" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (ckpt / LOCK).exists()
+    filler.unlink()  # space freed: the run resumes from the checkpoint before the failed save
+    proc = run(job + ["--train-iters", "3"])
+    assert "resumed from" in proc.stdout and "iter_0000001" in proc.stdout
+    assert rules.read_pointer(str(ckpt)) == 3
 
 
 def test_a_resume_with_a_larger_global_batch_reads_every_sample_once_and_counts_the_tokens_it_trained(data,
