@@ -26,11 +26,14 @@ class ConfigError(ValueError):
     """A configuration that cannot work. The message says what to change."""
 
 
-def _f(default, help: str, choices=None):
-    """A config field with its --help line (and its allowed values: checked once, in validate())."""
+def _f(default, help: str, choices=None, aliases=()):
+    """A config field with its --help line (and its allowed values: checked once, in validate(); `aliases`: other
+    spellings of its flag, Megatron-LM's where ours differs)."""
     metadata = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if aliases:
+        metadata["aliases"] = tuple(aliases)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -171,6 +174,12 @@ class TrainingConfig:
     lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: length of the final decay (default: 10% of the decay steps)")
     lr_wsd_decay_style: str = _f("linear", "WSD: shape of the final decay",
                                  ("linear", "cosine", "exponential", "minus_sqrt"))
+    override_opt_param_scheduler: bool = _f(False, "on resume, take the learning-rate schedule from these flags, not "
+                                                   "from the checkpoint (to extend --train-iters and its decay)",
+                                            aliases=("--override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "on resume, keep the checkpoint's learning-rate schedule "
+                                                         "whatever these flags say",
+                                                  aliases=("--use-checkpoint-opt_param-scheduler",))
     weight_decay: float = _f(0.1, "AdamW weight decay (norm gains and mixing parameters the mechanism exempts: 0)")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.95, "Adam beta2")
@@ -352,6 +361,9 @@ class Config:
                f"--adam-beta1 {t.adam_beta1} and --adam-beta2 {t.adam_beta2} must lie in [0, 1)")
         _check(t.adam_eps > 0, f"--adam-eps {t.adam_eps} must be positive")
         _check(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+        _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
+               "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each other; pass "
+               "one (this run's schedule, or the checkpoint's)")
         decay = t.lr_decay_iters or t.train_iters
         _check(t.lr_warmup_iters < decay,
                f"--lr-warmup-iters {t.lr_warmup_iters} must be below the decay length ({decay}: --lr-decay-iters, "
@@ -537,6 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
             dest = f"{section}.{f.name}"
             kind = _base_type(f.type)
             default = f.default if f.default is not dataclasses.MISSING else None
+            flags = (flag,) + f.metadata.get("aliases", ())
             choices = [c for c in f.metadata.get("choices") or () if c is not None]  # checked in validate()
             help_text = f.metadata.get("help", "")
             if default is not None and kind is not bool:
@@ -547,11 +560,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar = "{" + ",".join(map(str, choices)) + "}" if choices else \
                 {int: "N", float: "X", str: "STR"}.get(kind, "VALUE")
             if kind is bool:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+                group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
             elif "List" in str(f.type):
-                group.add_argument(flag, dest=dest, type=kind, nargs="+", default=None, metavar=metavar, help=help_text)
+                group.add_argument(*flags, dest=dest, type=kind, nargs="+", default=None, metavar=metavar,
+                                   help=help_text)
             else:
-                group.add_argument(flag, dest=dest, type=kind, default=None, metavar=metavar, help=help_text)
+                group.add_argument(*flags, dest=dest, type=kind, default=None, metavar=metavar, help=help_text)
     return parser
 
 

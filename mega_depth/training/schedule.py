@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from mega_depth.config import Config, ConfigError
@@ -13,7 +15,7 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     t = cfg.training
     decay_iters = t.lr_decay_iters or t.train_iters
     wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
-    return OptimizerParamScheduler(
+    scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=t.lr,
@@ -27,15 +29,35 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
         wd_incr_style="constant",
         wsd_decay_steps=wsd if t.lr_decay_style == "WSD" else None,
         lr_wsd_decay_style=t.lr_wsd_decay_style if t.lr_decay_style == "WSD" else None,
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=t.override_opt_param_scheduler,
     )
+    return scheduler
+
+
+def steps_at_zero_lr(cfg: Config, saved_training: Optional[dict] = None) -> Optional[str]:
+    """A warning line if steps past the end of the decay would train at lr 0 (Megatron's scheduler holds min_lr
+    there): an extended --train-iters with the old --lr-decay-iters does that without a word otherwise.
+    `saved_training`: the resumed checkpoint's training config, whose schedule --use-checkpoint-opt-param-scheduler
+    keeps."""
+    t, steps = cfg.training, cfg.training.train_iters
+    schedule = dict(saved_training) if t.use_checkpoint_opt_param_scheduler and saved_training else vars(t)
+    end = schedule.get("lr_decay_iters") or schedule.get("train_iters") or steps
+    if schedule.get("lr_decay_style", "cosine") == "constant" or schedule.get("min_lr", 0.0) != 0 or steps <= end:
+        return None
+    return (f"warning: --train-iters {steps} runs past the end of the learning-rate decay (step {end}) with --min-lr "
+            f"0: steps {end + 1}..{steps} train at lr 0. To decay over the whole run pass --lr-decay-iters {steps} "
+            "(on a resume with --override-opt-param-scheduler), or set --min-lr")
 
 
 def load_scheduler_state(scheduler: OptimizerParamScheduler, state: dict, where: str) -> None:
-    """Restore a checkpoint's schedule; Megatron's scheduler asserts that the schedule itself did not change."""
+    """Restore a checkpoint's schedule. Megatron's scheduler asserts that the schedule did not change, unless
+    --override-opt-param-scheduler (this run's flags) or --use-checkpoint-opt-param-scheduler (the checkpoint's)."""
     try:
         scheduler.load_state_dict(state)
     except AssertionError as e:
-        raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {where}'s ({e}); pass the "
-                          "checkpoint's --lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style") from None
+        detail = str(e).replace("OptimizerParamScheduler: ", "")
+        raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {where}'s ({detail}); to "
+                          "change it (e.g. to extend --train-iters) pass --override-opt-param-scheduler, or "
+                          "--use-checkpoint-opt-param-scheduler to keep the checkpoint's, or pass the checkpoint's "
+                          "--lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style") from None

@@ -268,6 +268,11 @@ class Trainer:
             lock.update(run_id)
         train, valid = self._samplers(start, consumed)
         counts = self._summary(start, valid is not None)
+        from mega_depth.training.schedule import steps_at_zero_lr
+
+        warning = steps_at_zero_lr(cfg, found[1]["config"].get("training") if resumed_from else None)
+        if warning:
+            self.say(warning)
         gbs, seq = train.global_batch_size, cfg.model.seq_length
         peak = b.peak_flops() if cfg.training.bf16 else None  # MFU is against the bf16 dense peak: none in fp32
         meter = report.IntervalMeter(cfg.training.train_iters, gbs * seq, counts.flops_per_token * gbs * seq, peak,

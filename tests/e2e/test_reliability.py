@@ -374,3 +374,21 @@ def test_a_second_run_into_an_output_dir_keeps_the_first_runs_metrics(data, tmp_
     run(resumable + ["--train-iters", "2"])
     run(resumable + ["--train-iters", "3"])
     assert sorted(metrics(tmp_path / "job")) == [1, 2, 3]
+
+
+def test_extending_a_run_takes_the_new_schedule_only_when_asked_and_says_when_steps_would_train_at_lr_0(
+        data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = PLAIN + flags(data, "--save", str(ckpt), "--load", str(ckpt), "--overwrite-output-dir", "--output-dir",
+                        str(tmp_path / "run"))
+    run(job + ["--train-iters", "4", "--lr-decay-iters", "4"])
+    proc = run(job + ["--train-iters", "8", "--lr-decay-iters", "8"], expect=2)  # the schedule changed: one line
+    assert "the learning-rate schedule of this run differs from checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert "--override-opt-param-scheduler" in proc.stderr and "Traceback" not in proc.stderr
+    # the checkpoint's schedule kept: its decay ended at step 4, so the new steps would train at lr 0
+    proc = run(job + ["--train-iters", "5", "--lr-decay-iters", "8", "--use-checkpoint-opt_param-scheduler"])
+    assert "steps 5..5 train at lr 0" in proc.stdout and metrics(tmp_path / "run")[5]["lr"] == 0.0
+    # Megatron-LM's flag: this run's schedule, decaying over the longer run
+    run(job + ["--train-iters", "8", "--lr-decay-iters", "8", "--override-opt_param-scheduler"])
+    lrs = {s: r["lr"] for s, r in metrics(tmp_path / "run").items()}
+    assert sorted(lrs) == list(range(1, 9)) and all(lrs[s] > 0 for s in (6, 7))
