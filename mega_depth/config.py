@@ -190,7 +190,8 @@ class TrainingConfig:
     on_nan: str = _f("stop", "a non-finite loss: stop (exit 3) or skip the update", ("stop", "skip"))
     deepspeed: bool = _f(False, "train with the DeepSpeed engine (ZeRO 0-3, data parallel only)")
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON config (launch/ds_configs/zero*.json)")
-    dry_run: bool = _f(False, "build the model, print the start-up summary and the per-rank memory estimate, then "
+    dry_run: bool = _f(False, "size the model on the meta device, print the start-up summary and the per-rank memory "
+                              "estimate (at the layout's world, in one process), then "
                               "exit without a step")
 
 

@@ -25,7 +25,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = parse_args(argv)
         apply_checkpoint_args(cfg, say=print if os.environ.get("RANK", "0") == "0" else (lambda msg: None))
         apply_tokenizer_vocab(cfg)
-        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))  # before any process group: every rank fails alike
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if cfg.training.dry_run:  # sized on the meta device at the layout's world, without a process group
+            from mega_depth.training.dry_run import dry_run, layout_world
+
+            world_size = layout_world(cfg, world_size)
+        cfg.validate(world_size)  # before any process group: every rank fails alike
+        if cfg.training.dry_run:
+            dry_run(cfg, world_size, say=print if os.environ.get("RANK", "0") == "0" else (lambda msg: None))
+            return 0
     except ConfigError as e:
         print(f"mega_depth: configuration error: {e}", file=sys.stderr)
         return 2

@@ -224,7 +224,9 @@ class Trainer:
         return counts
 
     def _dry_run(self) -> List[dict]:
-        """--dry-run: build, print the summary and every rank's memory estimate, exit; nothing is written."""
+        """--dry-run of the XLA trainer (one SPMD program): build, print the summary and every rank's memory estimate,
+        exit; nothing is written. The Megatron-core and DeepSpeed entry point sizes on the meta device instead,
+        without a process group (training/dry_run.py)."""
         cfg, b = self.cfg, self.backend
         b.build(None)
         found = rules.peek_metadata(cfg.checkpoint.load) if cfg.checkpoint.load else None

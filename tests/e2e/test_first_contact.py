@@ -64,7 +64,13 @@ def test_dry_run_prints_the_summary_and_the_memory_estimate_and_writes_nothing(d
                              str(tmp_path / "run")))
     assert "model: --residual attnres" in proc.stdout and "parameters " in proc.stdout
     assert "memory per rank (estimate): " in proc.stdout and "weights " in proc.stdout
-    assert "activations " in proc.stdout and "--dry-run: built and sized; no step taken, nothing written" in proc.stdout
+    assert "activations " in proc.stdout and "--dry-run: sized on the meta device (nothing allocated); no step taken, nothing written" in proc.stdout
+    assert os.listdir(tmp_path) == []
+    # the 7B config at its real layout (TP 4 x PP 2 with virtual stages), in one process, on the meta device
+    proc = run(TRAIN + ["--config", "launch/configs/7b-attnres.yaml", "--mock-data", "--dry-run", "--output-dir",
+                        str(tmp_path / "7b")], timeout=120)
+    assert "layout: world 8 = TP 4 x PP 2 x DP 1" in proc.stdout and "parameters 5.67B" in proc.stdout
+    assert "memory per rank (estimate): " in proc.stdout and "[pipeline stage " in proc.stdout
     assert os.listdir(tmp_path) == []
 
 

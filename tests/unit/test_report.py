@@ -102,3 +102,20 @@ def test_moe_flops_count_the_experts_a_token_runs():
     assert top1.flops_per_token == dense - 3 * 2 * 3 * (3 * 64 * 96)  # 3 layers x 3 matmuls of d x 96, fwd+bwd
     shared = model_counts(parse_args(base + moe + ["--moe-shared-expert-intermediate-size", "32"]), 256)
     assert shared.flops_per_token == dense + 3 * 2 * 3 * (3 * 64 * 32)
+
+
+def test_dry_run_places_each_parameter_as_megatron_does():
+    """Per pipeline stage, by hand: TP splits the linear weights and the vocabulary, the last stage keeps its copy
+    of the tied embedding, norms are replicated; interleaved chunks alternate between the stages."""
+    from mega_depth.config import parse_args
+    from mega_depth.training.dry_run import layout_world, parameters_per_stage
+
+    cfg = parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--num-query-groups", "2", "--ffn-hidden-size", "128", "--vocab-size", "256",
+                      "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--num-layers-per-virtual-pipeline-stage", "1"])
+    assert layout_world(cfg, 1) == 4 and layout_world(cfg, 8) == 8
+    h, f, v, head = 64, 128, 256, 16
+    layer = (h * (h + 2 * 2 * head) + h * h + 3 * h * f) // 2 + 2 * h + 2 * head  # linears / TP + norms
+    embedding = v * h // 2
+    assert parameters_per_stage(cfg, v) == [embedding + 2 * layer, embedding + 2 * layer + h]
