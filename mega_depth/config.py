@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -376,8 +377,6 @@ class Config:
         if d.data_path:
             _check(d.tokenizer_model is not None, "--data-path needs --tokenizer-model (the tokenizer that made it)")
         if d.tokenizer_model is not None:
-            import os
-
             _check(os.path.isfile(d.tokenizer_model),
                    f"--tokenizer-model {d.tokenizer_model} does not exist; train one with tools/train_tokenizer.py")
         _check(d.eval_interval is None or d.eval_interval >= 1, "--eval-interval must be >= 1")
@@ -385,6 +384,9 @@ class Config:
         _check(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
         _check(c.save_interval is None or c.save_interval >= 1, "--save-interval must be >= 1")
         _check(c.keep_last >= 1, "--keep-last must be >= 1")
+        for flag, folder in (("--save", c.save), ("--output-dir", log.output_dir)):
+            _check(folder is None or not os.path.exists(folder) or os.path.isdir(folder),
+                   f"{flag} {folder} is a file, not a folder; give a folder (it is created if missing)")
         _check(log.log_interval >= 1, "--log-interval must be >= 1")
         _check(log.heatmap_interval is None or log.heatmap_interval >= 1, "--heatmap-interval must be >= 1")
         if log.wandb_project:  # here, before any process group, so every rank fails alike (not rank 0 alone)
@@ -590,8 +592,15 @@ def load_yaml(path: str, cfg: Config) -> Config:
             data = yaml.safe_load(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give the YAML file inside it") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start});"
+                          " give a YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must map section names to settings")
     for section, values in data.items():

@@ -29,7 +29,11 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int]) -> None:
         raise ConfigError(f"{idx} is not a Megatron indexed-dataset index (bad header); rebuild it with "
                           "tools/preprocess_data.py")
     dtype_code = header[17]
-    num_sequences = struct.unpack("<Q", header[18:26])[0]
+    num_sequences, num_documents = struct.unpack("<QQ", header[18:34])
+    # sequence lengths (int32), sequence pointers and document indices (int64) follow the header
+    if os.path.getsize(idx) < 34 + 12 * num_sequences + 8 * num_documents:
+        raise ConfigError(f"{idx} is truncated ({os.path.getsize(idx)} bytes, its header describes "
+                          f"{num_sequences} sequences); rebuild it with tools/preprocess_data.py")
     from megatron.core.datasets.indexed_dataset import DType
 
     try:

@@ -17,8 +17,9 @@ def _builder(path: str) -> str:
     raise ValueError(f"cannot tell the format of {path}: use .txt (one document per line), .jsonl[.gz] or .parquet")
 
 
-def _check_json_lines(path: str) -> None:
-    """Name the first line that is not a JSON object (datasets' own error does not say where)."""
+def _check_json_lines(path: str, json_keys) -> None:
+    """Name the first line that is not a JSON object, or whose text is not a string (datasets' own errors say
+    neither the file nor the line)."""
     import gzip
     import json
 
@@ -28,13 +29,19 @@ def _check_json_lines(path: str) -> None:
             if not line.strip():
                 continue
             try:
-                ok = isinstance(json.loads(line), dict)
+                record = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{number} is not valid JSON ({e.msg} at column {e.colno}); fix or remove "
                                  "that line (one JSON object per line)") from None
-            if not ok:
+            if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number} is not a JSON object; each line must be an object like "
                                  '{"text": "..."}')
+            for key in json_keys:
+                value = record.get(key, "")
+                if not isinstance(value, str):
+                    kind = "null" if value is None else type(value).__name__
+                    raise ValueError(f"{path}:{number}: {key!r} is {kind} ({json.dumps(value)[:40]}), not a string; "
+                                     "fix or remove that line")
 
 
 def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
@@ -47,7 +54,7 @@ def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
         if os.path.getsize(p) == 0:
             raise ValueError(f"input file {p} is empty; give a file with at least one document")
         if _builder(p) == "json":
-            _check_json_lines(p)
+            _check_json_lines(p, json_keys)
     kinds = {_builder(p) for p in paths}
     if len(kinds) != 1:
         raise ValueError(f"mixing input formats {sorted(kinds)} in one call; preprocess each format separately")

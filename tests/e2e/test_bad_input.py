@@ -111,9 +111,10 @@ def test_preprocess_bad_json_lines_and_empty_input(data, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    (tmp_path / "null.jsonl").write_text('{"text": "fine"}\n{"text": null}\n')
     spm = str(data["dir"] / "spm.model")
     for name, expected in (("bad", "bad.jsonl:2 is not valid JSON"), ("empty", "empty.jsonl is empty"),
-                           ("blank", "tokenized to no tokens at all")):
+                           ("blank", "tokenized to no tokens at all"), ("null", "null.jsonl:2: 'text' is null")):
         proc = run(["tools/preprocess_data.py", "--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
                     str(tmp_path / f"out-{name}"), "--tokenizer-model", spm], expect=2)
         assert_clean_error(proc, expected)

@@ -162,3 +162,37 @@ def test_yaml_numbers_keep_their_meaning():
         cfg = load_yaml(f.name, Config())
     assert cfg.training.lr == 3e-4 and cfg.training.weight_decay == 0.0 and cfg.model.num_layers == 6
     assert isinstance(cfg.training.weight_decay, float)
+
+
+def test_unreadable_config_files_and_a_file_for_a_folder_are_one_line(tmp_path):
+    """The bad-input rows that were tracebacks: a --config with a non-UTF-8 byte or naming a directory, --save or
+    --output-dir naming a file, a truncated .idx, and preprocessing lines whose text is not a string."""
+    (tmp_path / "latin1.yaml").write_bytes(b"model:\n  num_layers: \xff4\n")
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text \(byte 0xff at offset 21\)"):
+        parse_args(["--mock-data", "--config", str(tmp_path / "latin1.yaml")])
+    with pytest.raises(ConfigError, match="is a directory; give the YAML file inside it"):
+        parse_args(["--mock-data", "--config", str(tmp_path)])
+    (tmp_path / "afile").write_text("x")
+    for flag in ("--save", "--output-dir"):
+        with pytest.raises(ConfigError, match=f"{flag} .*afile is a file, not a folder"):
+            parse_args(["--mock-data", flag, str(tmp_path / "afile")]).validate()
+
+
+def test_a_truncated_index_and_text_that_is_not_a_string_are_one_line(data, tmp_path):
+    import shutil
+
+    from mega_depth.data.datasets import check_indexed_dataset
+    from mega_depth.data.text import load_text_dataset
+
+    prefix = str(tmp_path / "docs")
+    shutil.copy(data["dir"] / "docs.bin", prefix + ".bin")
+    shutil.copy(data["dir"] / "docs.idx", prefix + ".idx")
+    with open(prefix + ".idx", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ConfigError, match=r"docs.idx is truncated \(100 bytes, its header describes \d+ sequences\)"):
+        check_indexed_dataset(prefix, None)
+    for value, kind in (("null", "null"), ("7", "int"), ('["a"]', "list"), ('{"a": 1}', "dict")):
+        path = tmp_path / f"{kind}.jsonl"
+        path.write_text('{"text": "fine"}\n{"text": %s}\n' % value)
+        with pytest.raises(ValueError, match=rf"{kind}.jsonl:2: 'text' is {kind} \(.*\), not a string"):
+            load_text_dataset([str(path)])
