@@ -444,7 +444,8 @@ def check_compatible(meta: dict, cfg: Config, where: str) -> None:
         if saved_r.get(key) != now_r.get(key):
             diffs.append(f"{option_flag(key)}: checkpoint {saved_r.get(key)!r}, this run {now_r.get(key)!r}")
     if diffs:
-        raise CheckpointError(f"checkpoint {where} was trained with a different model or mechanism: "
+        hashes = f" (model hash: checkpoint {meta.get('config_hash', '?')}, this run {config_hash(cfg)})"
+        raise CheckpointError(f"checkpoint {where} was trained with a different model or mechanism{hashes}: "
                               + "; ".join(diffs) + ". Pass the checkpoint's flags (or its --config), or start "
                               "without --load.")
 
