@@ -84,19 +84,24 @@ def _dims(attention) -> Tuple[int, int, int]:
     return groups, attention.num_attention_heads_per_partition // groups, attention.hidden_size_per_attention_head
 
 
-def _normalised(norm, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> Tensor:
-    return torch.cat([norm(q_in), norm(k_in), norm(v_in)], dim=1)  # [s(/tp), 3b, h]
+def _normalised(norm, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> List[Tensor]:
+    """The three inputs normalised, each its own contiguous [s(/tp), b, h]: each projection is then one GEMM (a
+    strided slice of one [s, 3b, h] buffer made every F.linear a batched GEMM over the sequence)."""
+    return [norm(q_in), norm(k_in), norm(v_in)]
 
 
 def project_separate(attention, norm, q_in: Tensor, k_in: Tensor, v_in: Tensor):
     """The eager path: norm each input, take linear_qkv's input path, project (autograd keeps what it needs)."""
-    x = _normalised(norm, q_in, k_in, v_in)
+    inputs = _normalised(norm, q_in, k_in, v_in)
     if attention.config.sequence_parallel:
-        x = gather_from_sequence_parallel_region(x, group=attention.tp_group)
+        inputs = [gather_from_sequence_parallel_region(x, group=attention.tp_group) for x in inputs]
     elif attention.world_size > 1:
-        x = copy_to_tensor_model_parallel_region(x, group=attention.tp_group)
+        # one copy into the TP region for the three, stacked along the sequence: megatron-core's all-reduce of the
+        # input gradient reduces only a contiguous gradient (a non-contiguous one is reduced in a copy and lost),
+        # and the chunks of a dim-0 concatenation are contiguous, as are their concatenated gradients
+        inputs = copy_to_tensor_model_parallel_region(torch.cat(inputs), group=attention.tp_group).chunk(3)
     lin = attention.linear_qkv
-    return project_rows(x.chunk(3, dim=1), lin.weight, getattr(lin, "bias", None), *_dims(attention))
+    return project_rows(inputs, lin.weight, getattr(lin, "bias", None), *_dims(attention))
 
 
 class RecomputedQKVProjection(torch.autograd.Function):
@@ -112,8 +117,8 @@ class RecomputedQKVProjection(torch.autograd.Function):
                 *sources: Tensor):
         with torch.no_grad():
             q_in, k_in, v_in = make_inputs(*sources)
-            x = _to_projection(_normalised(norm, q_in, k_in, v_in), attention)
-            query, raw_key, value = project_rows(x.chunk(3, dim=1), weight, bias, *_dims(attention))
+            inputs = [_to_projection(x, attention) for x in _normalised(norm, q_in, k_in, v_in)]
+            query, raw_key, value = project_rows(inputs, weight, bias, *_dims(attention))
         ctx.attention, ctx.norm, ctx.make_inputs = attention, norm, make_inputs
         ctx.save_for_backward(weight, bias, *sources)
         return q_in, query, raw_key, value
@@ -126,10 +131,10 @@ class RecomputedQKVProjection(torch.autograd.Function):
         with torch.enable_grad():
             q_in, k_in, v_in = ctx.make_inputs(*leaves)
             normed = _normalised(ctx.norm, q_in, k_in, v_in)
-        x = _to_projection(normed.detach(), attention)
-        d_inputs, d_weight, d_bias = project_rows_backward(x.chunk(3, dim=1), (d_query, d_key, d_value), weight,
-                                                           bias, *_dims(attention))
-        outputs, grads = [normed], [_from_projection(torch.cat(d_inputs, dim=1), attention)]
+        inputs = [_to_projection(x.detach(), attention) for x in normed]
+        d_inputs, d_weight, d_bias = project_rows_backward(inputs, (d_query, d_key, d_value), weight, bias,
+                                                           *_dims(attention))
+        outputs, grads = list(normed), [_from_projection(d, attention) for d in d_inputs]
         if d_q_in is not None:
             outputs.append(q_in)
             grads.append(d_q_in)
