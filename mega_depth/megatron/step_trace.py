@@ -1,0 +1,214 @@
+"""One training step of the real Megatron-core model, traced on meta tensors at any size: what it asks of a GPU.
+
+No memory is allocated and nothing is computed: the model is built on the meta device (its keyed initialisation
+skipped), one micro-batch goes forward and backward, and
+
+- every aten op is recorded by a TorchDispatchMode with the bytes it reads and writes (views move none; a
+  broadcast input counts its distinct elements once);
+- GEMMs (mm, addmm, bmm, baddbmm) are listed with their shapes and FLOPs, and attention (SDPA) apart;
+- every Triton launch of the mixing kernels is recorded instead of run (kernels/common.recording, as the
+  ahead-of-time compile check does), with the grid a GPU with `sm_count` SMs would get;
+- the host-side counts: aten ops, Triton launches, custom-op calls and nested backward passes (recomputation).
+
+`memory_bound_bytes` is what runs as eager memory-bound kernels outside the mixing's Triton kernels: the traffic
+that fused kernels (a fused RMSNorm, RoPE, SwiGLU, the mixing's own kernels) would remove. tools/step_trace.py
+prints the tables and the difference of each setting from the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+# Ops that allocate or alias without touching memory
+_NO_TRAFFIC = {aten._unsafe_view.default, aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+               aten.new_empty.default, aten.new_empty_strided.default, aten.detach.default, aten.lift_fresh.default}
+
+
+def _distinct_bytes(t: torch.Tensor) -> int:
+    """The bytes a kernel reads or writes of `t`: its elements, a broadcast (stride 0) dimension counted once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def _tensors(tree) -> List[torch.Tensor]:
+    flat, _ = torch.utils._pytree.tree_flatten(tree)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+@dataclass
+class Gemm:
+    op: str
+    shapes: Tuple[Tuple[int, ...], ...]  # the operands' shapes, in order
+    flops: int
+
+
+@dataclass
+class StepTrace:
+    ops: Counter = field(default_factory=Counter)  # aten op -> calls
+    op_bytes: Counter = field(default_factory=Counter)  # memory-bound aten op -> bytes read + written
+    gemms: List[Gemm] = field(default_factory=list)
+    attention_calls: int = 0
+    triton_launches: List = field(default_factory=list)
+    custom_op_calls: int = 0
+    backward_passes: int = 0  # autograd.backward / grad calls (1 for the step; more from recomputation)
+
+    @property
+    def memory_bound_bytes(self) -> int:
+        return sum(self.op_bytes.values())
+
+    @property
+    def aten_calls(self) -> int:
+        return sum(self.ops.values())
+
+    def gemm_list(self) -> List[Tuple[str, Tuple[Tuple[int, ...], ...]]]:
+        """The GEMMs as (op, operand shapes), sorted: what two settings must share to cost the same FLOPs."""
+        return sorted((g.op, g.shapes) for g in self.gemms)
+
+    @property
+    def gemm_flops(self) -> int:
+        return sum(g.flops for g in self.gemms)
+
+
+def _gemm_flops(func, args) -> int:
+    if func in (aten.mm.default, aten.addmm.default):
+        a, b = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    a, b = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: StepTrace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        namespace = getattr(func, "namespace", "aten")
+        if namespace != "aten":
+            self.trace.custom_op_calls += 1
+            return out
+        self.trace.ops[name] += 1
+        if func in GEMMS:
+            operands = args[:2] if func in (aten.mm.default, aten.bmm.default) else args[1:3]
+            self.trace.gemms.append(Gemm(name, tuple(tuple(t.shape) for t in operands), _gemm_flops(func, args)))
+        elif not (func in _NO_TRAFFIC or func.is_view):
+            # read every tensor argument, write every output (an in-place op's output is its argument: once)
+            moved = sum(_distinct_bytes(t) for t in _tensors((args, kwargs)))
+            moved += sum(_distinct_bytes(t) for t in _tensors(out)) if not name.endswith("_") else 0
+            self.trace.op_bytes[name] += moved
+        return out
+
+
+class _Attention(torch.autograd.Function):
+    """SDPA as one opaque call (a fused flash / memory-efficient kernel on a GPU, compute-bound: not memory-bound
+    traffic); on meta tensors torch would decompose it into its math path's batched GEMMs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.shapes = (q, k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.empty_like(t) for t in ctx.shapes)
+
+
+@contextlib.contextmanager
+def _opaque_attention(trace: StepTrace):
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, *args, **kwargs):
+        trace.attention_calls += 1
+        return _Attention.apply(q, k, v)
+
+    F.scaled_dot_product_attention = recorded
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+@contextlib.contextmanager
+def _counting_backward_passes(trace: StepTrace):
+    """Count autograd.backward and autograd.grad calls (each a pass through the engine: the step's own, and one
+    per recomputed region)."""
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+
+    def counted_backward(*a, **k):
+        trace.backward_passes += 1
+        return backward(*a, **k)
+
+    def counted_grad(*a, **k):
+        trace.backward_passes += 1
+        return grad(*a, **k)
+
+    torch.autograd.backward, torch.autograd.grad = counted_backward, counted_grad
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = backward, grad
+
+
+def build_on_meta(cfg) -> List[torch.nn.Module]:
+    """The Megatron-core model chunks of this rank on the meta device, the keyed initialisation skipped (the
+    parallel state must be initialised)."""
+    from mega_depth.megatron import builder
+
+    init = builder.init_layout_independent
+    builder.init_layout_independent = lambda *a, **k: None
+    try:
+        with torch.device("meta"):
+            chunks = builder.build_model_chunks(cfg)
+    finally:
+        builder.init_layout_independent = init
+    for chunk in chunks:  # tensors megatron-core puts on the CPU explicitly (RoPE's inverse frequencies)
+        for module in chunk.modules():
+            for key, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    setattr(module, key, value.to("meta"))
+    return chunks
+
+
+def trace_step(cfg, sm_count: int = 132) -> StepTrace:
+    """One micro-batch forward and backward of the whole model (pipeline size 1) on meta tensors."""
+    from mega_depth.kernels import common
+    from mega_depth.megatron.pipeline import pipelines_of
+
+    (model,) = build_on_meta(cfg)
+    s, b = cfg.model.seq_length, cfg.training.micro_batch_size
+    tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
+    positions = torch.zeros(b, s, dtype=torch.long, device="meta")
+    trace = StepTrace()
+    for pipe in pipelines_of([model]):
+        pipe.start_step()
+    with common.recording(sm_count) as launches, _counting_backward_passes(trace), _opaque_attention(trace), \
+            _Recorder(trace):
+        per_token = model(tokens, positions, attention_mask=None, labels=tokens)  # [b, s] fp32
+        loss = per_token.float().mean()
+        loss.backward()
+    trace.triton_launches = list(launches)
+    return trace
+
+
+def summary(trace: StepTrace) -> Dict[str, float]:
+    return {"aten_calls": trace.aten_calls, "memory_bound_gb": trace.memory_bound_bytes / 1e9,
+            "gemm_calls": len(trace.gemms), "bmm_calls": sum(g.op in ("bmm", "baddbmm") for g in trace.gemms),
+            "gemm_tflops": trace.gemm_flops / 1e12, "attention_calls": trace.attention_calls,
+            "triton_launches": len(trace.triton_launches), "custom_op_calls": trace.custom_op_calls,
+            "backward_passes": trace.backward_passes}
