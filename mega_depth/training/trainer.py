@@ -190,6 +190,10 @@ class Trainer:
                                     "checkpoint with a lower --lr or --clip-grad, or use --on-nan skip")
             return {"loss": loss, "grad_norm": float("nan"), "lr": lr, "skipped": True}
         grad_norm, applied = b.update()
+        from mega_depth.training.host_sync import intended
+
+        with intended("the step's grad norm, for logging"):  # a device scalar from the Megatron backend
+            grad_norm = float(grad_norm)
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": not applied}
 
     def evaluate(self, sampler) -> float:

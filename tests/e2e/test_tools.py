@@ -131,6 +131,8 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
         tar.extractall(tmp_path / "results")
     syncs = json.loads((tmp_path / "results" / "sync_check.json").read_text())["results"]
     assert set(syncs) == set(SETTINGS) and all(r["forward_backward_syncs"] == [] for r in syncs.values())
+    # no TE, no apex: the grad norm and its clip stay on the device (megatron/grad_norm.py)
+    assert all(r["optimizer_syncs"] == [] for r in syncs.values()), {k: r["optimizer_syncs"] for k, r in syncs.items()}
     profile = json.loads((tmp_path / "results" / "profile.json").read_text())["results"]
     assert list(profile) == ["standard", "attnres-block"]
     assert profile["attnres-block"]["mixing_kernels_ms"] > 0 == profile["standard"]["mixing_kernels_ms"]

@@ -291,3 +291,34 @@ def test_transformer_engine_by_default_only_where_the_mechanism_can_run_on_it(mo
     assert set(chosen.values()) == {"transformer_engine"}, chosen
     with pytest.raises(ConfigError, match="--transformer-impl local"):
         parse_args(UNIT_MODEL + mechanism_flags(3)["dca"] + ["--transformer-impl", "transformer_engine"]).validate(1)
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0.01"])
+def test_the_grad_norm_and_its_clip_stay_on_the_device_and_equal_the_exact_norm(megatron_world, clip):
+    """Without TE or apex, Megatron's grad norm read one device norm per parameter to the host; here it is one
+    _foreach_norm pass and a device scalar: no sync in the optimizer step, the norm equal to the fp64 norm of the
+    gradients (1e-6), and the gradients clipped by min(1, clip / norm) on the device."""
+    import os
+    import sys
+
+    from fixtures import ROOT
+    from mega_depth.training.host_sync import SyncDetector
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from harness import megatron_run
+
+    backend, sampler = megatron_run(UNIT_MODEL + ["--residual", "attnres", "--attnres-num-blocks", "2",
+                                                  "--clip-grad", clip, "--lr", "1e-3", "--train-iters", "2"], 16)
+    backend.forward_backward(sampler.microbatches(0))
+    params = [p for m in backend.model for p in m.parameters()]
+    before = [p.main_grad.double().clone() for p in params]
+    expected = torch.sqrt(sum(g.pow(2).sum() for g in before)).item()
+    with SyncDetector() as syncs:
+        norm, applied = backend.update()
+    assert isinstance(norm, torch.Tensor) and applied and list(syncs) == []
+    assert float(norm) == pytest.approx(expected, rel=1e-6)
+    factor = min(1.0, float(clip) / (expected + 1e-6))
+    for p, g in zip(params, before):  # the clipped gradient the optimizer stepped with
+        grad = p.main_grad if p.grad is None else p.grad
+        torch.testing.assert_close(grad.double(), g * factor, rtol=1e-5, atol=1e-9)
+    backend.close()

@@ -14,6 +14,7 @@ from mega_depth.config import Config
 from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
+from mega_depth.megatron import grad_norm
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
 from mega_depth.training.trainer import token_mean_loss
 
@@ -87,6 +88,9 @@ class MegatronBackend(Collectives):
         no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
             name="mega_depth_no_weight_decay", fn=lambda param, name: not rule.weight_decay_applies(name, param)))
         self.optimizer = get_megatron_optimizer(opt_config, self.model, config_overrides={no_decay: {"wd_mult": 0.0}})
+        # Without TE or apex: the grad norm and its clip on the device (no sync in the step), torch's fused AdamW
+        grad_norm.apply()
+        grad_norm.use_fused_adamw(self.optimizer)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.grad_scale_func = self.optimizer.scale_loss
@@ -156,10 +160,12 @@ class MegatronBackend(Collectives):
         return self._schedule(microbatches, forward_only=False, poison=poison)
 
     def update(self):
-        update_ok, grad_norm, _ = self.optimizer.step()
+        """(grad norm, applied): the norm a device scalar (the trainer reads it where it logs: no sync in the
+        optimizer step)."""
+        update_ok, norm, _ = self.optimizer.step()
         if update_ok:
             self.scheduler.step(increment=1)
-        return (float(grad_norm) if grad_norm is not None else float("nan")), bool(update_ok)
+        return (norm if norm is not None else float("nan")), bool(update_ok)
 
     def discard(self) -> None:
         for m in self.model:  # the next step starts from zero grads anyway; drop the poisoned ones now
