@@ -6,8 +6,8 @@
 One micro-batch forward and backward of the real Megatron-core model (mega_depth/megatron/step_trace.py), bf16,
 `--mixing-impl triton` as on a GPU: aten calls, the memory-bound aten traffic outside the mixing's Triton kernels
 (and its difference from the baseline's), the GEMMs (count, batched ones, TFLOPs), attention calls, Triton
-launches, custom-op calls and backward passes (the step's own plus one per recomputed region). `--markdown`
-prints the table docs/benchmarks.md keeps.
+launches, custom-op calls and backward passes (the step's own plus one per recomputed region), as the markdown
+table docs/benchmarks.md keeps.
 """
 
 import argparse
@@ -48,7 +48,6 @@ def rows(traced):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mechanisms", default=None, help="catalogue settings, comma-separated (default: all)")
-    parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--out", default=None, help="write the summaries as JSON")
     args, shape = parser.parse_known_args(argv)
     from mega_depth.catalogue import SETTINGS
