@@ -129,31 +129,28 @@ class Trainer:
                     f"{b.format} one; resume it with that trainer, or start from its weights: python "
                     f"tools/convert_from_hf.py --hf {ckpt} --save DIR, then --load DIR")
         if ck.save and (found is None or found[1].get("model_only")):
-            error = None
-            if b.rank == 0:
-                try:
-                    rules.check_fresh_save(ck.save, ck.overwrite_save)
-                except rules.CheckpointError as e:
-                    error = str(e)
-            error = b.broadcast(error)
-            if error:
-                raise rules.CheckpointError(error)
+            self._on_rank0(lambda: rules.check_fresh_save(ck.save, ck.overwrite_save), rules.CheckpointError)
         return found
+
+    def _on_rank0(self, check, error_type=ConfigError) -> None:
+        """Collective: `check()` on rank 0 (the file system is judged once); its ConfigError stops every rank with
+        the same line."""
+        error = None
+        if self.backend.rank == 0:
+            try:
+                check()
+            except ConfigError as e:
+                error = str(e)
+        error = self.backend.broadcast(error)
+        if error:
+            raise error_type(error)
 
     def _check_output_dir(self, found, run_id: str) -> None:
         """Collective: refuse (one line) an --output-dir that holds another run's records (logger.check_output_dir),
-        judged on rank 0 with the run id and step this run will have."""
-        b, error = self.backend, None
-        if b.rank == 0:
-            resumed = found is not None and not found[1].get("model_only")
-            try:
-                check_output_dir(self.cfg, found[1].get("run_id", run_id) if resumed else run_id,
-                                 int(found[1].get("step", 0)) if resumed else 0)
-            except ConfigError as e:
-                error = str(e)
-        error = b.broadcast(error)
-        if error:
-            raise ConfigError(error)
+        judged with the run id and step this run will have."""
+        resumed = found is not None and not found[1].get("model_only")
+        self._on_rank0(lambda: check_output_dir(self.cfg, found[1].get("run_id", run_id) if resumed else run_id,
+                                                int(found[1].get("step", 0)) if resumed else 0))
 
     def _samplers(self, start: int = 0, consumed: int = 0):
         """Training and validation samplers (validation: None where the run does not evaluate, see evaluates); the
