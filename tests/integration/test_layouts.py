@@ -1,7 +1,7 @@
 """Every mechanism in every supported layout gives the single-process losses and step-1 gradients.
 
-One torchrun launch per world size trains every catalogue setting in each of its layouts
-(tests/scripts/run_layout.py), then each (layout, mechanism) pair is compared with the single-process run. Also: the pipeline payload of Block AttnRes
+One torchrun launch per layout trains every catalogue setting (tests/scripts/run_layout.py), then each
+(layout, mechanism) pair is compared with the single-process run. Also: the pipeline payload of Block AttnRes
 with virtual stages, with and without cross-stage caching, against the formula of docs/mechanisms.md §11.
 """
 
@@ -86,16 +86,10 @@ COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-lay
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every layout trained, one torchrun launch per world size (each process start and import costs seconds;
-    a launch rebuilds Megatron's process groups for each of its layouts)."""
     root = tmp_path_factory.mktemp("layouts")
-    plans = {}
     for name, (nproc, flags, _, only) in LAYOUTS.items():
-        plans.setdefault(nproc, []).append({"out": str(root / name), "flags": flags, "mechanisms": only})
-    for nproc, plan in sorted(plans.items()):
-        (root / f"world{nproc}.json").write_text(json.dumps(plan))
-        torchrun(nproc, [SCRIPT, "--plan", str(root / f"world{nproc}.json")], str(root / f"world{nproc}.log"),
-                 timeout=2400)
+        env = {"MECHANISMS": only} if only else {}
+        torchrun(nproc, [SCRIPT, str(root / name)] + flags, str(root / f"{name}.log"), env=env)
     return root
 
 

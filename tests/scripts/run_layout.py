@@ -1,9 +1,7 @@
-"""Train every mechanism for a few steps in one or more parallel layouts; write losses, step-1 grads and hop widths.
+"""Train every mechanism for a few steps in one parallel layout; write losses, step-1 grads and hop widths.
 
-Run under torchrun; every layout of one world size goes in one launch (imports and process start paid once,
-Megatron's process groups rebuilt per layout):
+Run under torchrun (one launch per layout, all mechanisms inside it, so imports are paid once):
     torchrun --nproc-per-node N tests/scripts/run_layout.py OUT_DIR [layout flags...]
-    torchrun --nproc-per-node N tests/scripts/run_layout.py --plan PLAN.json   # [{"out", "flags", "mechanisms"}]
 Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (every rank: full tensors
 under global names, experts included), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
 OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
@@ -66,8 +64,8 @@ def _dynamo_counts():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def run_layout(out_dir: str, layout, only) -> None:
-    """Every mechanism (or those in `only`, comma-separated) in one layout, into out_dir/<mechanism>/."""
+def main() -> None:
+    out_dir, layout = sys.argv[1], sys.argv[2:]
     from megatron.core import parallel_state
 
     from mega_depth.config import parse_args
@@ -75,11 +73,12 @@ def run_layout(out_dir: str, layout, only) -> None:
     from mega_depth.megatron.pipeline import pipelines_of
     from mega_depth.training.backends.megatron import MegatronBackend
 
+    only = os.environ.get("MECHANISMS")
     world = int(os.environ["WORLD_SIZE"])
     for name, flags in mechanism_flags(4).items():
         if only and name not in only.split(","):
             continue
-        cfg = parse_args(LAYOUT_MODEL + flags + list(layout)).validate(world)
+        cfg = parse_args(LAYOUT_MODEL + flags + layout).validate(world)
         _, breaks_before = _dynamo_counts()
         backend = MegatronBackend(cfg)
         backend.build()
@@ -110,19 +109,6 @@ def run_layout(out_dir: str, layout, only) -> None:
                                          for chunk in backend.modules for m in chunk.modules()),
                            "graphs_in_process": graphs, "graph_breaks": breaks - breaks_before}, f)
         backend.close()
-        torch.distributed.barrier()
-
-
-def main() -> None:
-    if sys.argv[1] == "--plan":
-        with open(sys.argv[2]) as f:
-            plan = json.load(f)
-    else:
-        plan = [{"out": sys.argv[1], "flags": sys.argv[2:], "mechanisms": os.environ.get("MECHANISMS")}]
-    for entry in plan:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"layout {os.path.basename(entry['out'])}: {' '.join(entry['flags'])}", flush=True)
-        run_layout(entry["out"], entry["flags"], entry["mechanisms"])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
