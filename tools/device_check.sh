@@ -15,7 +15,8 @@
 #   7. --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole).
 #   FULL=1 adds the quickstart's train -> export -> sample, a short GPU quality run and the mixing's cost on MoE
 #   layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the 560 s box).
-#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry megatron-core wheels)
+#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry the megatron-core and
+#                                               # liger-kernel wheels: pip install --no-deps, no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit

@@ -7,7 +7,8 @@ skipped), one micro-batch goes forward and backward, and
   broadcast input counts its distinct elements once);
 - GEMMs (mm, addmm, bmm, baddbmm) are listed with their shapes and FLOPs, and attention (SDPA) apart;
 - every Triton launch of the mixing kernels is recorded instead of run (kernels/common.recording, as the
-  ahead-of-time compile check does), with the grid a GPU with `sm_count` SMs would get;
+  ahead-of-time compile check does), with the grid a GPU with `sm_count` SMs would get; other libraries' Triton
+  kernels (Liger-Kernel's fused norm) are recorded at Triton's launcher with the bytes of their tensor arguments;
 - the host-side counts: aten ops, Triton launches, custom-op calls and nested backward passes (recomputation).
 
 `memory_bound_bytes` is what runs as eager memory-bound kernels outside the mixing's Triton kernels: the traffic
@@ -60,6 +61,7 @@ class StepTrace:
     gemms: List[Gemm] = field(default_factory=list)
     attention_calls: int = 0
     triton_launches: List = field(default_factory=list)
+    library_launches: List[Tuple[str, int]] = field(default_factory=list)  # (kernel, tensor bytes) of other libraries
     custom_op_calls: int = 0
     backward_passes: int = 0  # autograd.backward / grad calls (1 for the step; more from recomputation)
 
@@ -125,6 +127,27 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return tuple(torch.empty_like(t) for t in ctx.shapes)
+
+
+@contextlib.contextmanager
+def _recorded_library_kernels(trace: StepTrace):
+    """Triton kernels launched by other libraries (kernel[grid](...) reaches JITFunction.run): recorded with the
+    bytes of their tensor arguments, not run (their tensors are meta)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield
+        return
+    run = JITFunction.run
+
+    def recorded(self, *args, grid, warmup, **kwargs):
+        trace.library_launches.append((self.fn.__name__, sum(_distinct_bytes(t) for t in _tensors((args, kwargs)))))
+
+    JITFunction.run = recorded
+    try:
+        yield
+    finally:
+        JITFunction.run = run
 
 
 @contextlib.contextmanager
@@ -198,7 +221,7 @@ def trace_step(cfg, sm_count: int = 132) -> StepTrace:
     for pipe in pipelines_of([model]):
         pipe.start_step()
     with common.recording(sm_count) as launches, _counting_backward_passes(trace), _opaque_attention(trace), \
-            _Recorder(trace):
+            _recorded_library_kernels(trace), _Recorder(trace):
         per_token = model(tokens, positions, attention_mask=None, labels=tokens)  # [b, s] fp32
         loss = per_token.float().mean()
         loss.backward()
@@ -210,5 +233,7 @@ def summary(trace: StepTrace) -> Dict[str, float]:
     return {"aten_calls": trace.aten_calls, "memory_bound_gb": trace.memory_bound_bytes / 1e9,
             "gemm_calls": len(trace.gemms), "bmm_calls": sum(g.op in ("bmm", "baddbmm") for g in trace.gemms),
             "gemm_tflops": trace.gemm_flops / 1e12, "attention_calls": trace.attention_calls,
-            "triton_launches": len(trace.triton_launches), "custom_op_calls": trace.custom_op_calls,
+            "triton_launches": len(trace.triton_launches) + len(trace.library_launches),
+            "library_kernel_gb": sum(b for _, b in trace.library_launches) / 1e9,
+            "custom_op_calls": trace.custom_op_calls,
             "backward_passes": trace.backward_passes}

@@ -302,7 +302,9 @@ class AttnRes(Mechanism):
         subs, queries, gains = state.block_queries[block]
         phase1 = self.kernel("attnres_phase1_sources", attnres_phase1_sources)
         m, z, o = phase1(state.blocks, queries, gains, self.eps, self.weight, self.heads)
-        state.phase1 = {s: (m[i], z[i], o[i]) for i, s in enumerate(subs)}
+        # unbind, not indexing: the backward of each index zero-fills the whole [S, N, d] buffer to write one
+        # slice, and autograd adds S of them; unbind's backward stacks the S gradients once
+        state.phase1 = dict(zip(subs, zip(m.unbind(0), z.unbind(0), o.unbind(0))))
 
     def layer_forward(self, layer, state):
         for name, run in (("attn_mixer", layer.attention_sublayer), ("mlp_mixer", layer.mlp_sublayer)):

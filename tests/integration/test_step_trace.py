@@ -10,11 +10,13 @@ import pytest
 from fixtures import ROOT
 from mega_depth.catalogue import SETTINGS
 
-# The memory-bound aten traffic outside the mixing's kernels over the baseline's, GB per step, as measured when the
-# trace was written (docs/benchmarks.md): a ratchet against new waste, not the speed issue's targets (8-30 GB).
-MEASURED_OVER_BASELINE_GB = {"attnres-full": 109, "attnres-block": 72, "attnres-input-query": 236, "dca": 193,
-                             "dca-2": 174, "depth-attention": 187, "hc": 818, "mhc": 407, "denseformer": 52}
-BASELINE_GB = 297
+# The memory-bound aten traffic outside the kernels (the mixing's, and Liger-Kernel's fused RMSNorm) over the
+# baseline's, GB per step, as measured (docs/benchmarks.md): Block AttnRes meets the speed issue's target (8); the
+# others hold today's numbers as a ratchet against new waste (targets: Depth-Attention 8, 2-DCA 12, Full AttnRes 15,
+# mHC 30; the baseline 100).
+OVER_BASELINE_GB = {"attnres-full": 109, "attnres-block": 8, "attnres-input-query": 236, "dca": 37, "dca-2": 17,
+                    "depth-attention": 38, "hc": 784, "mhc": 373, "denseformer": 52}
+BASELINE_GB = 112
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +45,10 @@ def test_every_projection_is_one_gemm_and_the_mixing_adds_no_gemm_flops(traced):
 
 
 def test_the_memory_bound_traffic_does_not_grow(traced):
-    base = traced["standard"][1]["memory_bound_gb"]
-    assert base <= BASELINE_GB, base
-    for name, expected in MEASURED_OVER_BASELINE_GB.items():
-        over = traced[name][1]["memory_bound_gb"] - base
+    """The fused RMSNorm takes the norms' eager traffic (297 GB of the baseline's, before) into one kernel read and
+    write; phase 1's outputs unbound instead of indexed took Block AttnRes from +71 GB to +5."""
+    base = traced["standard"][1]
+    assert base["memory_bound_gb"] <= BASELINE_GB and base["library_kernel_gb"] > 0, base
+    for name, expected in OVER_BASELINE_GB.items():
+        over = traced[name][1]["memory_bound_gb"] - base["memory_bound_gb"]
         assert over <= expected, (name, over)

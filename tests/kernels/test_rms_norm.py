@@ -1,0 +1,82 @@
+"""mega_depth/megatron/norm.py: the fused RMSNorm (Liger-Kernel's, on a GPU) against the eager Llama-style norm."""
+
+import pytest
+import torch
+from kernel_checks import GPU, interpreted  # first: it switches the interpreter on before triton is imported
+
+from mega_depth.kernels import common
+from mega_depth.megatron import norm
+
+if common.triton_available():
+    import triton.language as tl
+
+    @common.jit
+    def _rsqrt(x):
+        return tl.math.rsqrt(x)
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused path, as a GPU runs it. Under the interpreter two of its gaps are bridged: a float argument
+    becomes an fp32 scalar (the compiler's specialisation; the interpreter passes a Python float, which Liger's
+    kernels cast with .to), and libdevice's rsqrt, which the interpreter does not implement, is tl.math's."""
+    pytest.importorskip("liger_kernel", reason="Liger-Kernel is a test extra (pip install -e '.[test]')")
+    if not interpreted():
+        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
+    monkeypatch.setattr(common, "FORCE_TRITON", True)
+    if not GPU:
+        import numpy as np
+        from liger_kernel.ops import rms_norm as liger
+        from triton.runtime import interpreter
+
+        convert = interpreter._implicit_cvt
+
+        def float_as_fp32(arg):
+            if isinstance(arg, float):
+                return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32),
+                                 tl.float32)
+            return convert(arg)
+
+        monkeypatch.setattr(interpreter, "_implicit_cvt", float_as_fp32)
+        monkeypatch.setattr(liger, "rsqrt", _rsqrt)
+    assert norm.fused_applies(torch.zeros(1))
+
+
+def eager(x, weight, eps):
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (3, 2, 4, 24)])  # rows of d, and the q/k norms' [s, b, heads, hn]
+def test_fused_norm_equals_the_eager_one_in_fp32(fused, shape):
+    x = (torch.randn(*shape) * 3).requires_grad_()
+    w = (torch.rand(shape[-1]) + 0.5).requires_grad_()
+    y = norm.rms_norm(x, w, 1e-6)
+    ref = eager(x, w, 1e-6)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    for got, want in zip(torch.autograd.grad(y, (x, w), g), torch.autograd.grad(ref, (x, w), g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_norm_equals_the_eager_one_to_bf16_rounding(fused):
+    """bf16 in and out with fp32 math: the output and the input gradient within a bf16 rounding of the eager norm
+    (the weight's gradient is checked in fp32 above: the interpreter's bf16 emulation of its partial sums is not
+    the GPU's)."""
+    x = (torch.randn(6, 128) * 2).bfloat16().requires_grad_()
+    w = (torch.rand(128) + 0.5).bfloat16().requires_grad_()
+    y = norm.rms_norm(x, w, 1e-6)
+    ref = eager(x, w, 1e-6)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, (x,), g)
+    (rx,) = torch.autograd.grad(ref, (x,), g)
+    torch.testing.assert_close(dx.float(), rx.float(), rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_the_eager_norm_runs_where_no_fused_kernel_does(monkeypatch):
+    monkeypatch.setattr(common, "FORCE_TRITON", False)
+    x, w = torch.randn(4, 8, device="cpu"), torch.rand(8, device="cpu")
+    assert not norm.fused_applies(x)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), eager(x, w, 1e-6), rtol=0, atol=0)
