@@ -24,6 +24,7 @@ from mega_depth.megatron.attention import SDPAttention
 from mega_depth.megatron.block import DepthMixingGPTModel
 from mega_depth.megatron.compile import compile_layers
 from mega_depth.megatron.layer import DepthMixingLayer, DepthMixingSelfAttention
+from mega_depth.megatron import swiglu
 from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.pipeline import DepthPipeline, StageGeometry
 from mega_depth.model.registry import build as build_mechanism, mechanism_class
@@ -62,7 +63,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         bf16=t.bf16,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        bias_activation_fusion=swiglu.enabled(),  # Liger's fused SwiGLU on a GPU (megatron/swiglu.py)
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -164,6 +165,8 @@ def layer_spec(cfg: Config, mechanism, moe: bool = False) -> ModuleSpec:
 def build_model_chunks(cfg: Config) -> List[GPTModel]:
     """One GPTModel per virtual pipeline stage held by this rank (parallel_state must be initialised)."""
     tconfig = transformer_config(cfg)
+    if tconfig.bias_activation_fusion:
+        swiglu.apply()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = cfg.virtual_pipeline_size or 1

@@ -9,7 +9,7 @@ casts, and as many again in backward), for every norm of every layer, again in e
 norm runs as Liger-Kernel's fused RMSNorm instead (its "llama" casting: the same computation, one read and one
 write a row forward, the weight's gradient from per-SM fp32 partials), where Liger-Kernel is installed (`pip
 install "mega_depth[gpu]"`) and the layer is not being compiled (inductor fuses the eager form itself). The eager
-form stays the reference and the CPU path; tests/kernels/test_rms_norm.py ties the two under Triton's interpreter.
+form stays the reference and the CPU path; tests/kernels/test_liger.py ties the two under Triton's interpreter.
 """
 
 import torch

@@ -189,17 +189,18 @@ def _counting_backward_passes(trace: StepTrace):
 
 
 def build_on_meta(cfg) -> List[torch.nn.Module]:
-    """The Megatron-core model chunks of this rank on the meta device, the keyed initialisation skipped (the
-    parallel state must be initialised)."""
-    from mega_depth.megatron import builder
+    """The Megatron-core model chunks of this rank on the meta device, as a GPU builds them (the fused SwiGLU
+    switch set where Liger-Kernel is installed), the keyed initialisation skipped (the parallel state must be
+    initialised)."""
+    from mega_depth.megatron import builder, swiglu
 
-    init = builder.init_layout_independent
-    builder.init_layout_independent = lambda *a, **k: None
+    init, force = builder.init_layout_independent, swiglu.FORCE
+    builder.init_layout_independent, swiglu.FORCE = (lambda *a, **k: None), True
     try:
         with torch.device("meta"):
             chunks = builder.build_model_chunks(cfg)
     finally:
-        builder.init_layout_independent = init
+        builder.init_layout_independent, swiglu.FORCE = init, force
     for chunk in chunks:  # tensors megatron-core puts on the CPU explicitly (RoPE's inverse frequencies)
         for module in chunk.modules():
             for key, value in list(vars(module).items()):

@@ -10,13 +10,13 @@ import pytest
 from fixtures import ROOT
 from mega_depth.catalogue import SETTINGS
 
-# The memory-bound aten traffic outside the kernels (the mixing's, and Liger-Kernel's fused RMSNorm) over the
-# baseline's, GB per step, as measured (docs/benchmarks.md): Block AttnRes meets the speed issue's target (8); the
-# others hold today's numbers as a ratchet against new waste (targets: Depth-Attention 8, 2-DCA 12, Full AttnRes 15,
-# mHC 30; the baseline 100).
+# The memory-bound aten traffic outside the kernels (the mixing's, and Liger-Kernel's fused RMSNorm and SwiGLU)
+# over the baseline's, GB per step, as measured (docs/benchmarks.md): the baseline (100) and Block AttnRes (8) meet
+# the speed issue's targets; the others hold today's numbers as a ratchet against new waste (targets:
+# Depth-Attention 8, 2-DCA 12, Full AttnRes 15, mHC 30).
 OVER_BASELINE_GB = {"attnres-full": 109, "attnres-block": 8, "attnres-input-query": 236, "dca": 37, "dca-2": 17,
                     "depth-attention": 38, "hc": 784, "mhc": 373, "denseformer": 52}
-BASELINE_GB = 112
+BASELINE_GB = 100
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,8 @@ def test_every_projection_is_one_gemm_and_the_mixing_adds_no_gemm_flops(traced):
 
 
 def test_the_memory_bound_traffic_does_not_grow(traced):
-    """The fused RMSNorm takes the norms' eager traffic (297 GB of the baseline's, before) into one kernel read and
-    write; phase 1's outputs unbound instead of indexed took Block AttnRes from +71 GB to +5."""
+    """The fused RMSNorm and SwiGLU take most of the baseline's eager traffic (297 GB before, 69 after) into one
+    kernel read and write each; phase 1's outputs unbound instead of indexed took Block AttnRes from +71 GB to +5."""
     base = traced["standard"][1]
     assert base["memory_bound_gb"] <= BASELINE_GB and base["library_kernel_gb"] > 0, base
     for name, expected in OVER_BASELINE_GB.items():
