@@ -15,8 +15,8 @@
 #   7. --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole).
 #   FULL=1 adds the quickstart's train -> export -> sample, a short GPU quality run and the mixing's cost on MoE
 #   layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the 560 s box).
-#   OUT=results bash tools/device_check.sh      # on the GPU machine (PY=python3 there; carry the megatron-core and
-#                                               # liger-kernel wheels: pip install --no-deps, no internet there)
+#   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
+#                                                # megatron-core and liger-kernel wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
@@ -30,6 +30,8 @@ WORK=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY
 SUMMARY=""
+# WHEELS=dir: wheels carried to a machine without internet (megatron-core, liger-kernel), installed without deps
+if [ -n "${WHEELS:-}" ]; then "$PY" -m pip install -q --no-deps "$WHEELS"/*.whl; fi
 
 step() {  # step NAME TIMEOUT_S command...
   local name=$1 limit=$2 start rc
