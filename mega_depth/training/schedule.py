@@ -15,7 +15,7 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     t = cfg.training
     decay_iters = t.lr_decay_iters or t.train_iters
     wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=t.lr,
@@ -32,7 +32,6 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
         use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=t.override_opt_param_scheduler,
     )
-    return scheduler
 
 
 def steps_at_zero_lr(cfg: Config, saved_training: Optional[dict] = None) -> Optional[str]:
