@@ -91,29 +91,42 @@ class Recorder:
 
     A mechanism records only while `mechanism.recorder` is set (a probe forward). `add` keeps [K] weights per row
     (averaged over every dim but the first: tokens, samples, heads, channels); `add_matrix` keeps an [n, n] map per
-    row (a stream mix: averaged over every dim but the first two), drawn as one small grid per row."""
+    row (a stream mix: averaged over every dim but the first two), drawn as one small grid per row.
+
+    The reductions stay on the device until `figures` is read, which copies them all to the host at once: a read
+    per row would sync a GPU once per row and, on XLA, compile a graph of the forward so far for each."""
 
     def __init__(self):
-        self.figures: Dict[str, Dict[Tuple[float, str], list]] = {}
+        self._rows: List[Tuple[str, Tuple[float, str], Tensor]] = []  # (figure, (order, label), reduced weights)
+        self._figures: Dict[str, Dict[Tuple[float, str], list]] = {}
 
     def add(self, figure: str, order: float, label: str, weights: Tensor, softmax: bool = False) -> None:
         """softmax: the weights are a softmax over sources per token; then also record, per reader, the mean
         entropy and logit spread (the std over sources of log w: the logits' own, as a softmax is shift-invariant)
         as figure + STATS, and the std over tokens of each source's weight as figure + TOKEN_SPREAD."""
         w = weights.detach().float().flatten(1) if weights.dim() > 1 else weights.detach().float()
-        self.figures.setdefault(figure, {})[(order, label)] = (w.mean(1) if w.dim() > 1 else w).cpu().tolist()
+        self._rows.append((figure, (order, label), w.mean(1) if w.dim() > 1 else w))
         if softmax and w.dim() > 1:
             log_w = w.clamp_min(1e-30).log()
             entropy = -(w * log_w).sum(0).mean()
-            self.figures.setdefault(figure + STATS, {})[(order, label)] = [
-                entropy.item(), log_w.std(0, unbiased=False).mean().item()]
-            self.figures.setdefault(figure + TOKEN_SPREAD, {})[(order, label)] = \
-                w.std(1, unbiased=False).cpu().tolist()
+            self._rows.append((figure + STATS, (order, label),
+                               torch.stack([entropy, log_w.std(0, unbiased=False).mean()])))
+            self._rows.append((figure + TOKEN_SPREAD, (order, label), w.std(1, unbiased=False)))
 
     def add_matrix(self, figure: str, order: float, label: str, weights: Tensor) -> None:
         """weights [n_out, n_in, *]: entry (i, j) is what stream j gives to stream i."""
-        mean = weights.detach().float().flatten(2).mean(2)
-        self.figures.setdefault(figure, {})[(order, label)] = mean.cpu().tolist()
+        self._rows.append((figure, (order, label), weights.detach().float().flatten(2).mean(2)))
+
+    @property
+    def figures(self) -> Dict[str, Dict[Tuple[float, str], list]]:
+        if self._rows:
+            host = torch.cat([t.reshape(-1) for _, _, t in self._rows]).cpu()  # the one device-to-host copy
+            start = 0
+            for figure, key, t in self._rows:
+                self._figures.setdefault(figure, {})[key] = host[start:start + t.numel()].view(t.shape).tolist()
+                start += t.numel()
+            self._rows = []
+        return self._figures
 
 
 def recompute(fn: Callable, *tensors: Optional[Tensor]):

@@ -170,6 +170,9 @@ class PlainBackend:
             total = loss.detach() if total is None else total + loss.detach()
             self._record_routing(step_counts)
         self._update_expert_bias(step_counts)
+        # one graph for the forward, the backward and the loss: a bare loss read would run a loss-only graph, and
+        # the update's graph would then run the forward again for the gradients
+        self._sync()
         return float(total.item())  # one host sync per step: the NaN policy must see the loss before the update
 
     def _record_routing(self, step_counts: dict) -> None:
