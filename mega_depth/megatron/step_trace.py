@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -130,7 +130,7 @@ class _Attention(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _recorded_library_kernels(trace: StepTrace):
+def _recorded_library_kernels(trace: Optional[StepTrace]):
     """Triton kernels launched by other libraries (kernel[grid](...) reaches JITFunction.run): recorded with the
     bytes of their tensor arguments, not run (their tensors are meta)."""
     try:
@@ -141,7 +141,9 @@ def _recorded_library_kernels(trace: StepTrace):
     run = JITFunction.run
 
     def recorded(self, *args, grid, warmup, **kwargs):
-        trace.library_launches.append((self.fn.__name__, sum(_distinct_bytes(t) for t in _tensors((args, kwargs)))))
+        if trace is not None:  # None: skipped, not recorded (host_seconds)
+            trace.library_launches.append((self.fn.__name__,
+                                           sum(_distinct_bytes(t) for t in _tensors((args, kwargs)))))
 
     JITFunction.run = recorded
     try:
@@ -228,6 +230,45 @@ def trace_step(cfg, sm_count: int = 132) -> StepTrace:
         loss.backward()
     trace.triton_launches = list(launches)
     return trace
+
+
+def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
+    """The host's CPU time of one micro-batch forward and backward, `repeats` times after a warm-up: Python,
+    autograd, the dispatcher and the launchers' own Python, at the config's sizes on the CPU (give it toy widths:
+    the host's work does not depend on them, and the CPU's arithmetic then costs little). The mixing's and other
+    libraries' Triton launches are recorded instead of run (their outputs are left unwritten, denormals flushed), as
+    on meta tensors, but the aten ops run their C++ CPU kernels as a GPU's dispatch would: meta tensors would run
+    Python meta functions instead and overstate the elementwise ops' cost. What remains for a GPU is the driver's few
+    microseconds a launch (the step trace counts the launches)."""
+    import time
+
+    from mega_depth.kernels import common
+    from mega_depth.megatron import builder, swiglu
+    from mega_depth.megatron.pipeline import pipelines_of
+
+    force = swiglu.FORCE
+    swiglu.FORCE = True  # Megatron's fused-activation switch as a GPU sets it (the Liger kernel is recorded)
+    try:
+        (model,) = builder.build_model_chunks(cfg)
+    finally:
+        swiglu.FORCE = force
+    s, b = cfg.model.seq_length, cfg.training.micro_batch_size
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    positions = torch.arange(s).expand(b, s)
+    times = []
+    torch.set_flush_denormal(True)
+    try:
+        for _ in range(repeats + 1):
+            for pipe in pipelines_of([model]):
+                pipe.start_step()
+            model.zero_grad(set_to_none=True)
+            with common.recording(sm_count), _recorded_library_kernels(None):
+                start = time.process_time()
+                model(tokens, positions, attention_mask=None, labels=tokens).float().mean().backward()
+                times.append(time.process_time() - start)
+    finally:
+        torch.set_flush_denormal(False)
+    return times[1:]
 
 
 def summary(trace: StepTrace) -> Dict[str, float]:

@@ -31,6 +31,20 @@ def test_bench_throughput_reports_time_memory_and_bounds_against_the_baseline(tm
     assert all(f"measured {name}: " in stdout for name in SETTINGS)
 
 
+def test_bench_host_times_the_hosts_work_per_setting_against_the_baseline(tmp_path):
+    out = tmp_path / "host.json"
+    stdout = run(["tools/bench_host.py", "--mechanisms", "attnres-block,mhc", "--repeats", "2", "--rounds", "2",
+                  "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+                  "--micro-batch-size", "1", "--out", str(out)]).stdout
+    results = json.loads(out.read_text())["settings"]
+    assert list(results) == ["standard", "attnres-block", "mhc"]
+    for r in results.values():  # two rounds of two repeats each, every one timed
+        assert len(r["samples_ms"]) == 4 and all(t > 0 for t in r["samples_ms"])
+        assert r["host_ratio"] == pytest.approx(r["host_ms"] / results["standard"]["host_ms"])
+    assert "| mhc |" in stdout
+    assert "--num-layers" in run(["tools/bench_host.py", "--hidden-size", "32"], expect=2).stderr
+
+
 def test_analytic_io_model_follows_spec():
     """The per-sublayer I/O of each mechanism: the plain residual 3d; two-phase Block AttnRes n/S + 5; Full AttnRes
     reads every earlier output, so it overtakes Block as depth grows."""

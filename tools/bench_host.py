@@ -1,0 +1,75 @@
+"""The host's time per training step, per setting, against the baseline in the same run (no GPU, seconds).
+
+    python tools/bench_host.py                                     # the 1B class's 24 layers, every setting
+    python tools/bench_host.py --mechanisms standard,mhc --num-layers 12 ... [--repeats 5] [--out host.json]
+
+A GPU step is host-bound when Python, autograd and the dispatcher take longer than its kernels: the device idles
+between launches. This measures that host work alone: the process CPU time of one micro-batch forward and backward
+of the real Megatron-core model at toy widths on the CPU (mega_depth/megatron/step_trace.host_seconds: the
+widths barely change the host's work, the layer count and the mechanism do), with the mixing's and Liger-Kernel's
+Triton launches recorded instead of run, the median of --repeats after a warm-up. The baseline and the settings alternate, round by round, so that a machine's
+drift reaches them alike. The ratio to the baseline is the speed issue's host target; the launches counted by
+tools/step_trace.py add the driver's few microseconds each on a GPU.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The 1B class's depth (what the host's work grows with: layers, and so sources, blocks, candidates) at toy widths
+# (what it does not grow with), so that the CPU's arithmetic stays small beside the host's work
+TOY_1B = ["--num-layers", "24", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+          "--seq-length", "64", "--micro-batch-size", "1", "--vocab-size", "256"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mechanisms", default=None, help="catalogue settings, comma-separated (default: all)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward passes per setting and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over all settings, the baseline in each")
+    parser.add_argument("--out", default=None, help="write the results as JSON")
+    args, shape = parser.parse_known_args(argv)
+    if args.repeats < 1 or args.rounds < 1:
+        parser.error(f"--repeats and --rounds must be at least 1 (got {args.repeats}, {args.rounds})")
+    import torch
+
+    from mega_depth.catalogue import SETTINGS, mechanism_flags
+    from mega_depth.config import parse_args
+    from mega_depth.megatron.step_trace import host_seconds
+    from mega_depth.quiet import quiet_known_warnings
+    from mega_depth.training.backends.startup import start_megatron
+
+    quiet_known_warnings()
+    torch.set_num_threads(1)  # the host's work is one thread's; intra-op threads at toy widths only add noise
+    shape = shape or TOY_1B
+    if "--num-layers" not in shape:
+        parser.error("give the model's shape with --num-layers (and the other sizes), or none for the 1B class's depth")
+    layers = int(shape[shape.index("--num-layers") + 1])
+    wanted = args.mechanisms.split(",") if args.mechanisms else list(SETTINGS)
+    names = ["standard"] + [m for m in wanted if m != "standard"]
+    times = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            cfg = parse_args(["--mock-data", "--bf16", "--mixing-impl", "triton"] + list(shape)
+                             + mechanism_flags(name, layers)).validate(1)
+            start_megatron(cfg)
+            times[name] += host_seconds(cfg, args.repeats)
+    base = statistics.median(times["standard"])
+    results = {name: {"host_ms": 1000 * statistics.median(t), "host_ratio": statistics.median(t) / base,
+                      "samples_ms": [1000 * x for x in t]} for name, t in times.items()}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"shape": shape, "repeats": args.repeats, "rounds": args.rounds, "settings": results}, f,
+                      indent=1)
+    print("| setting | host ms (forward + backward) | ratio to the baseline |")
+    print("| --- | ---: | ---: |")
+    for name, r in results.items():
+        print(f"| {name} | {r['host_ms']:.1f} | {r['host_ratio']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
