@@ -26,6 +26,7 @@ from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list
                                        folded_query, folded_query_torch, jit, launch, nothing, pick, pointer_at,
                                        pointer_table, pow2, programs, reduction_grid, register_fake, rms_inverse,
                                        rms_inverse_torch, rows, tl, token, uses_triton, warps)
+from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -538,13 +539,13 @@ def _phase1_backward(ctx, grads):
         return [None] * len(completed), None, None, None, None, None
     if go is None:
         go = completed[0].new_zeros((queries.shape[0], *completed[0].shape))
-    out = phase1_backward_op(go, None if sigmoid else gz, completed[0].new_zeros(0) if m is None else m,
+    out = call(phase1_backward_op, go, None if sigmoid else gz, completed[0].new_zeros(0) if m is None else m,
                              completed, queries, gains, eps, sigmoid, heads)
     return (list(out[:-2]), cast_grad(out[-2], queries, need[1]), cast_grad(out[-1], gains, need[2]), None, None,
             None)
 
 
-phase1_op.register_autograd(_phase1_backward, setup_context=_phase1_setup)
+autograd(phase1_op, _phase1_backward, _phase1_setup)
 
 
 @torch.library.custom_op("mega_depth::attnres_phase2", mutates_args=())
@@ -597,7 +598,7 @@ def _phase2_setup(ctx, inputs, output):
 
 def _phase2_backward(ctx, grad):
     m, z, o, partial, query, gain = ctx.saved_tensors
-    dm, dz, do, dx, dq, dg = phase2_backward_op(grad, m, z, o, partial, query, gain, *ctx.cfg)
+    dm, dz, do, dx, dq, dg = call(phase2_backward_op, grad, m, z, o, partial, query, gain, *ctx.cfg)
     need = ctx.needs_input_grad
     do = grad if ctx.cfg[1] else do  # sigmoid: out = o + sigmoid(l) x
     return (cast_grad(dm, m, need[0]), cast_grad(dz, z, need[1]), cast_grad(do, o, need[2]),
@@ -605,7 +606,7 @@ def _phase2_backward(ctx, grad):
             None, None, None)
 
 
-phase2_op.register_autograd(_phase2_backward, setup_context=_phase2_setup)
+autograd(phase2_op, _phase2_backward, _phase2_setup)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -621,7 +622,7 @@ def attnres_phase1_sources(completed: Sources, queries: Tensor, key_norm_weights
     completed = as_list(completed)
     heads = check_heads(completed[0].shape[-1], heads)
     sigmoid = depth_weight_is_sigmoid(weight)
-    m, z, o = phase1_op(completed, queries, key_norm_weights, float(eps), sigmoid, heads)
+    m, z, o = call(phase1_op, completed, queries, key_norm_weights, float(eps), sigmoid, heads)
     return m.detach(), (z.detach() if sigmoid else z), o
 
 
@@ -635,4 +636,4 @@ def attnres_phase2(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], q
     if partial is not None and partial.shape != o.shape:
         partial = partial.expand(o.shape)
     m, z = m.expand(*o.shape[:-1], heads), z.expand(*o.shape[:-1], heads)
-    return phase2_op(m, z, o, partial, query, key_norm_weight, float(eps), sigmoid, heads)
+    return call(phase2_op, m, z, o, partial, query, key_norm_weight, float(eps), sigmoid, heads)

@@ -23,6 +23,7 @@ from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list
                                        depth_weight_is_sigmoid, folded_query, folded_query_torch, jit, launch, nothing,
                                        pointer_at, pointer_table, pow2, programs, register_fake, rms_inverse,
                                        rms_inverse_torch, rows, tl, token, uses_triton, warps)
+from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -311,13 +312,13 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     query, gain, *sources = ctx.saved_tensors
-    out = attnres_mix_backward_op(grad, sources, query, gain, *ctx.cfg)
+    out = call(attnres_mix_backward_op, grad, sources, query, gain, *ctx.cfg)
     need = ctx.needs_input_grad
     return ([g if need[0] else None for g in out[:-2]], cast_grad(out[-2], query, need[1]),
             cast_grad(out[-1], gain, need[2]), None, None, None)
 
 
-attnres_mix_op.register_autograd(_backward, setup_context=_setup)
+autograd(attnres_mix_op, _backward, _setup)
 
 
 def attnres_mix_sources(sources: Sources, query: Tensor, key_norm_weight: Optional[Tensor], eps: float,
@@ -329,4 +330,4 @@ def attnres_mix_sources(sources: Sources, query: Tensor, key_norm_weight: Option
     heads = check_heads(shape[-1], heads)
     if query.dim() > 1 and query.shape != shape:
         query = query.expand(shape)  # a broadcast query: autograd sums its gradient back
-    return attnres_mix_op(sources, query, key_norm_weight, float(eps), depth_weight_is_sigmoid(weight), heads)
+    return call(attnres_mix_op, sources, query, key_norm_weight, float(eps), depth_weight_is_sigmoid(weight), heads)

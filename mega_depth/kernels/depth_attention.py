@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mega_depth.kernels.common import (Sources, accumulation_dtype, jit, launch, pointer_at, pointer_table, pow2,
                                        programs, register_fake, tl, token, uses_triton, warps)
+from mega_depth.kernels.eager import autograd, call
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -351,12 +352,12 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     query, key, value, *cands = ctx.saved_tensors
     group, c = ctx.cfg
-    dq, dk, dv, *dc = depth_attention_backward_op(grad, query, key, value, cands[:c], cands[c:], group)
+    dq, dk, dv, *dc = call(depth_attention_backward_op, grad, query, key, value, cands[:c], cands[c:], group)
     need = ctx.needs_input_grad
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:], None)
 
 
-depth_attention_op.register_autograd(_backward, setup_context=_setup)
+autograd(depth_attention_op, _backward, _setup)
 
 
 def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Optional[Sources],
@@ -386,4 +387,4 @@ def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Op
     for c in cv:
         if c.dtype != value.dtype or c.shape != cv[0].shape or c.shape[:-2] != value.shape[:-2]:
             raise ValueError("candidate values must match the value's leading shape and dtype")
-    return depth_attention_op(query, key, value, ck, cv, gqa_mode == "group")
+    return call(depth_attention_op, query, key, value, ck, cv, gqa_mode == "group")

@@ -22,6 +22,7 @@ from torch import Tensor
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        jit, launch, nothing, pointer_at, pointer_table, pow2, programs, reduction_grid,
                                        register_fake, rows, tl, token, uses_triton)
+from mega_depth.kernels.eager import autograd, call
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -310,12 +311,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     bias, proj, *sources = ctx.saved_tensors
-    out = grn_backward_op(grad, sources, bias, proj, ctx.version)
+    out = call(grn_backward_op, grad, sources, bias, proj, ctx.version)
     need = ctx.needs_input_grad
     return list(out[:-2]), cast_grad(out[-2], bias, need[1]), cast_grad(out[-1], proj, need[2]), None
 
 
-grn_op.register_autograd(_backward, setup_context=_setup)
+autograd(grn_op, _backward, _setup)
 
 
 def grn_apply_sources(sources: Sources, bias: Tensor, proj: Optional[Tensor], version: str) -> Tensor:
@@ -328,4 +329,4 @@ def grn_apply_sources(sources: Sources, bias: Tensor, proj: Optional[Tensor], ve
         raise ValueError(f"GRN bias for {bias.shape[-1]} sources got {len(sources)}")
     if version == "v3" and proj is None:
         raise ValueError("GRN v3 needs proj")
-    return grn_op(sources, bias, proj if version == "v3" else None, int(version[1]))
+    return call(grn_op, sources, bias, proj if version == "v3" else None, int(version[1]))

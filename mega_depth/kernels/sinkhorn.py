@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels.common import cdiv, jit, launch, pow2, register_fake, tl, uses_triton
+from mega_depth.kernels.eager import autograd, call
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -242,10 +243,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (logits,) = ctx.saved_tensors
-    return sinkhorn_backward_op(grad, logits, *ctx.cfg), None, None, None, None
+    return call(sinkhorn_backward_op, grad, logits, *ctx.cfg), None, None, None, None
 
 
-sinkhorn_op.register_autograd(_backward, setup_context=_setup)
+autograd(sinkhorn_op, _backward, _setup)
 
 
 def sinkhorn(logits: Tensor, iters: int, order: str = "paper", eps_style: str = "clamp", eps: float = 1e-6) -> Tensor:
@@ -255,4 +256,4 @@ def sinkhorn(logits: Tensor, iters: int, order: str = "paper", eps_style: str = 
                          f"{mixing.MHC_SK_ORDERS} and {mixing.MHC_EPS_STYLES}")
     if iters < 1:
         raise ValueError(f"Sinkhorn needs at least one iteration, got {iters}")
-    return sinkhorn_op(mixing.fp32(logits), int(iters), order, eps_style, float(eps))
+    return call(sinkhorn_op, mixing.fp32(logits), int(iters), order, eps_style, float(eps))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
                                        rows, tl, token, uses_triton, warps)
+from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -262,12 +263,12 @@ def _save_inputs(ctx, inputs, output):
 
 def _in_backward(ctx, grad):
     streams, weights = ctx.saved_tensors
-    ds, dw = streams_in_backward_op(grad, streams, weights)
+    ds, dw = call(streams_in_backward_op, grad, streams, weights)
     need = ctx.needs_input_grad
     return ds if need[0] else None, cast_grad(dw, weights, need[1])
 
 
-streams_in_op.register_autograd(_in_backward, setup_context=_save_inputs)
+autograd(streams_in_op, _in_backward, _save_inputs)
 
 
 @torch.library.custom_op("mega_depth::hc_streams_out", mutates_args=())
@@ -306,18 +307,18 @@ def _(grad, streams, output, mix, post):
 
 def _out_backward(ctx, grad):
     streams, output, mix, post = ctx.saved_tensors
-    ds, dy, dmix, dpost = streams_out_backward_op(grad, streams, output, mix, post)
+    ds, dy, dmix, dpost = call(streams_out_backward_op, grad, streams, output, mix, post)
     need = ctx.needs_input_grad
     return (ds if need[0] else None, dy if need[1] else None, cast_grad(dmix, mix, need[2]),
             cast_grad(dpost, post, need[3]))
 
 
-streams_out_op.register_autograd(_out_backward, setup_context=_save_inputs)
+autograd(streams_out_op, _out_backward, _save_inputs)
 
 
 def streams_in(streams: Tensor, weights: Tensor) -> Tensor:
     """== mixing.streams_in(...): streams [n, *, d], weights [n, *] (or broadcastable, [n, 1...]) -> [*, d]."""
-    return streams_in_op(streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
+    return call(streams_in_op, streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
 
 
 def streams_out(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> Tensor:
@@ -326,4 +327,4 @@ def streams_out(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> T
     n, lead = streams.shape[0], streams.shape[1:-1]
     if output.shape != streams.shape[1:]:
         output = output.expand(streams.shape[1:])
-    return streams_out_op(streams, output, mix.expand(n, *lead, n), post.expand(n, *lead))
+    return call(streams_out_op, streams, output, mix.expand(n, *lead, n), post.expand(n, *lead))

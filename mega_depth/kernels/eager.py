@@ -1,0 +1,121 @@
+"""Eager calls of the mixing's custom ops without torch.library's dispatch.
+
+Each op is a `torch.library.custom_op` with registered autograd, so that torch.compile, fake tensors and the
+ahead-of-time check see one opaque op. In eager mode that dispatch is pure host time: a custom-op call walks the
+dispatcher, Dynamo's disable wrapper and the autograd glue, about 0.1 ms more than an autograd.Function (measured
+with `tools/bench_host.py`), once per mixing call and per backward op, on a GPU's critical path where the step is
+host-bound. `call(op, *args)` runs the same implementation, context setup and backward as the registration,
+through a plain autograd.Function where nothing traces the call, and the op itself where something does.
+
+    autograd(op, backward, setup_context)    # in place of op.register_autograd(backward, setup_context=...)
+    call(op, *args)                          # in place of op(*args), forward ops and backward ops alike
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+_FUNCTIONS: Dict[Any, type] = {}  # op -> its eager autograd.Function (ops with registered autograd)
+
+
+def traced(args: Sequence[Any]) -> bool:
+    """Whether this call is being traced (Dynamo, AOTAutograd's fake or functional tensors, a proxy): then the op
+    must stay one opaque node. Plain tensors and parameters are eager."""
+    if torch.compiler.is_compiling():
+        return True
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, Tensor) and type(t) not in (Tensor, nn.Parameter):
+                return True
+    return False
+
+
+def _flatten(args: Sequence[Any]) -> Tuple[List[Any], Tuple[int, ...]]:
+    """The op's arguments as apply's flat arguments (a list argument's tensors one by one) and each argument's
+    length (-1: not a list)."""
+    flat, spec = [], []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            flat.extend(a)
+            spec.append(len(a))
+        else:
+            flat.append(a)
+            spec.append(-1)
+    return flat, tuple(spec)
+
+
+def _unflatten(flat: Sequence[Any], spec: Tuple[int, ...]) -> List[Any]:
+    out, i = [], 0
+    for n in spec:
+        if n < 0:
+            out.append(flat[i])
+            i += 1
+        else:
+            out.append(list(flat[i:i + n]))
+            i += n
+    return out
+
+
+class _Context:
+    """The op's autograd context as its registered functions see it: `needs_input_grad` per op argument (any of a
+    list argument's tensors), everything else the Function's own context."""
+
+    def __init__(self, ctx, spec: Tuple[int, ...]):
+        object.__setattr__(self, "_ctx", ctx)
+        needs = _unflatten(ctx.needs_input_grad[1:], spec)
+        object.__setattr__(self, "needs_input_grad", tuple(any(n) if isinstance(n, list) else n for n in needs))
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._ctx, name, value)
+
+
+def _function(op, backward: Callable, setup_context: Callable) -> type:
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, spec, *flat):
+            args = _unflatten(flat, spec)
+            out = op._init_fn(*args)
+            ctx.spec, ctx.many = spec, isinstance(out, (list, tuple))
+            setup_context(_Context(ctx, spec), args, out)
+            return tuple(out) if ctx.many else out
+
+        @staticmethod
+        def backward(ctx, *grads):
+            got = backward(_Context(ctx, ctx.spec), list(grads) if ctx.many else grads[0])
+            flat = [None]  # spec
+            for n, g in zip(ctx.spec, got):
+                if n < 0:
+                    flat.append(g)
+                else:
+                    flat.extend([None] * n if g is None else g)
+            return tuple(flat)
+
+    Eager.__name__ = f"Eager_{op._name}"
+    return Eager
+
+
+def autograd(op, backward: Callable, setup_context: Callable) -> None:
+    """op.register_autograd(backward, setup_context=setup_context), and the same for `call`'s eager path."""
+    op.register_autograd(backward, setup_context=setup_context)
+    _FUNCTIONS[op] = _function(op, backward, setup_context)
+
+
+def call(op, *args):
+    """op(*args), through the eager autograd.Function (or, for an op without autograd, its implementation) where
+    the call is not traced."""
+    if traced(args):
+        return op(*args)
+    function = _FUNCTIONS.get(op)
+    if function is None:
+        return op._init_fn(*args)
+    flat, spec = _flatten(args)
+    if not torch.is_grad_enabled() or not any(isinstance(t, Tensor) and t.requires_grad for t in flat):
+        return op._init_fn(*args)
+    out = function.apply(spec, *flat)
+    return list(out) if isinstance(out, tuple) else out
