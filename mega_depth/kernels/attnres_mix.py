@@ -159,7 +159,8 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     n, d = srcs[0].shape
     grads = [torch.empty_like(s) for s in srcs]
     per_token = q.dim() == 2
-    dq = torch.zeros(q.shape, dtype=F32, device=go.device)
+    # a per-token query's gradient is stored row by row (every row once); a static one is summed into by atomics
+    dq = (torch.empty if per_token else torch.zeros)(q.shape, dtype=F32, device=go.device)
     dg = torch.zeros(d, dtype=F32, device=go.device) if g is not None else None
     if n == 0:
         return grads, dq, dg
