@@ -76,18 +76,13 @@ def train(cfg: Config, make_backend: Callable, prog: str = "mega_depth") -> int:
 
 
 # The model fields --use-checkpoint-args takes from the checkpoint (its architecture; not how it runs)
-CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                         "vocab_size", "qk_layernorm", "untie_embeddings_and_output_weights", "rotary_base",
-                         "norm_epsilon")
-
-
 def apply_checkpoint_args(cfg: Config, say: Callable[[str], None] = lambda msg: None) -> None:
     """--use-checkpoint-args (Megatron-LM's flag): the model's shape and the mechanism with its options come from
     the --load checkpoint, over the flags and the YAML, so fine-tuning an imported model needs no --config. Reads
     the metadata only (every rank, before any process group); the trainer verifies the checkpoint when it loads."""
     import dataclasses
 
-    from mega_depth.checkpoint.rules import CheckpointError, peek_metadata
+    from mega_depth.checkpoint.rules import CheckpointError, architecture_model_fields, peek_metadata
     from mega_depth.checkpoint.weights import saved_config
 
     ck = cfg.checkpoint
@@ -106,7 +101,8 @@ def apply_checkpoint_args(cfg: Config, say: Callable[[str], None] = lambda msg: 
     if not {"model", "residual"} <= set(meta["config"]):
         raise ConfigError(f"--use-checkpoint-args: {path} records no model or mechanism; pass --config instead")
     saved = saved_config(meta)
-    recorded = [name for name in CHECKPOINT_MODEL_ARGS if name in meta["config"]["model"]]  # older: fewer fields
+    # every field of the architecture record, MoE included (an older checkpoint records fewer)
+    recorded = [name for name in architecture_model_fields() if name in meta["config"]["model"]]
     changed = [name for name in recorded if getattr(cfg.model, name) != getattr(saved.model, name)]
     for name in recorded:
         setattr(cfg.model, name, getattr(saved.model, name))

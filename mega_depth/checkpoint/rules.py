@@ -24,6 +24,7 @@ Collective calls take `comm`: an object with `rank`, `barrier()` and `broadcast(
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -425,6 +426,23 @@ def resolve_load(load: str, comm, own: bool = False) -> Optional[Tuple[str, dict
 # Architecture fields whose flag is not their name; training switches that may change on resume
 _FIELD_FLAGS = {"tie_word_embeddings": "--untie-embeddings-and-output-weights", "moe_layer_pattern": "--moe-layer-freq"}
 _NOT_ARCHITECTURE = ("hidden_dropout", "residual")
+
+
+def architecture_model_fields() -> Tuple[str, ...]:
+    """The ModelConfig fields the architecture record (DecoderConfig) is built from: what --use-checkpoint-args
+    takes from a checkpoint. Derived from the record's fields (through their flags), so a new field is never
+    missed."""
+    from mega_depth.config import ModelConfig
+    from mega_depth.model.config import DecoderConfig
+
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = []
+    for f in dataclasses.fields(DecoderConfig):
+        if f.name not in _NOT_ARCHITECTURE:
+            name = _FIELD_FLAGS.get(f.name, "--" + f.name)[2:].replace("-", "_")
+            assert name in model_fields, f"DecoderConfig.{f.name} has no ModelConfig field ({name})"
+            out.append(name)
+    return tuple(out)
 
 
 def check_compatible(meta: dict, cfg: Config, where: str) -> None:

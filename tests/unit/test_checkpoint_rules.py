@@ -388,3 +388,25 @@ def test_a_resume_compares_every_architecture_field(monkeypatch):
                             (["--attnres-num-blocks", "2"], "--attnres-num-blocks: checkpoint None, this run 2")):
         with pytest.raises(rules.CheckpointError, match=re.escape(expected)):
             rules.check_compatible(meta, parse_args(base + flags), "c")
+
+
+def test_use_checkpoint_args_takes_every_architecture_field_from_an_moe_checkpoint(tmp_path):
+    """--use-checkpoint-args took a hand-kept list of ten fields: an MoE checkpoint's experts, top-k, expert width,
+    layer pattern and router were left at the flags' defaults. The list is now derived from the architecture record
+    (DecoderConfig): the run's record equals the checkpoint's, MoE included."""
+    from mega_depth.config import parse_args, to_dict
+    from mega_depth.train import apply_checkpoint_args
+
+    saved = parse_args(["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--num-query-groups",
+                        "2", "--vocab-size", "96", "--num-experts", "6", "--moe-router-topk", "3",
+                        "--moe-ffn-hidden-size", "40", "--moe-layer-freq", "([0]*1+[1]*2)",
+                        "--moe-shared-expert-intermediate-size", "24", "--moe-router-score-function", "sigmoid",
+                        "--moe-router-enable-expert-bias", "--rotary-base", "500000", "--residual", "attnres"])
+    (tmp_path / rules.META).write_text(json.dumps({"step": 4, "config": to_dict(saved)}))
+    cfg = parse_args(["--mock-data", "--load", str(tmp_path), "--use-checkpoint-args"])
+    said = []
+    apply_checkpoint_args(cfg, said.append)
+    assert cfg.decoder_config() == saved.decoder_config() and cfg.model.num_experts == 6, said
+    assert "num_experts" in said[0] and "moe_layer_freq" in said[0]
+    # the training switches stay this run's
+    assert cfg.model.moe_aux_loss_coeff == parse_args([]).model.moe_aux_loss_coeff
