@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import warnings
 from typing import Dict, Tuple
 
@@ -23,6 +22,7 @@ from mega_depth.checkpoint.manifest import CorruptCheckpoint
 from mega_depth.config import Config, ModelConfig
 from mega_depth.init import padded_vocab_size
 from mega_depth.model.config import DecoderConfig, residual_config
+from mega_depth.model.state_dict_adapter import LOCAL_EXPERT, STACKED_EXPERTS
 
 WEIGHTS = "model.safetensors"
 # The local layer spec's sharded_state_dict_keys_map (megatron/core/models/gpt/gpt_layer_specs.py, 0.16.1): layer
@@ -81,9 +81,8 @@ def megatron_full_state(ckpt_dir: str, dc: DecoderConfig) -> Dict[str, torch.Ten
     request, where = {}, {}
     for name, t in expected.items():
         # a routed expert's weight is stored stacked over the layer's experts: experts.experts.<x> [E, ...]
-        expert = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.", name)
-        sharded = _sharded_key(name) if expert is None else \
-            _sharded_key(name).replace(expert.group(0), ".mlp.experts.experts.")
+        expert = LOCAL_EXPERT.search(name)
+        sharded = _sharded_key(name) if expert is None else _sharded_key(name).replace(expert.group(0), STACKED_EXPERTS)
         parts = sharded.split(".")
         stacked = ".".join(parts[:2] + parts[3:]) if name.startswith("decoder.layers.") else None
         inner = () if expert is None else (int(expert.group(1)),)

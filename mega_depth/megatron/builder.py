@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import re
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -28,6 +27,7 @@ from mega_depth.megatron import swiglu
 from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.pipeline import DepthPipeline, StageGeometry
 from mega_depth.model.registry import build as build_mechanism, mechanism_class
+from mega_depth.model.state_dict_adapter import is_expert_param, renumber_experts
 
 
 def transformer_config(cfg: Config) -> TransformerConfig:
@@ -225,17 +225,7 @@ def global_param_name(local_name: str, first_layer: int, first_expert: int = 0) 
     if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
         parts[2] = str(int(parts[2]) + first_layer)
     name = ".".join(parts)
-    if first_expert:
-        name = re.sub(r"(\.experts\.local_experts\.)(\d+)(\.)", lambda m: f"{m[1]}{int(m[2]) + first_expert}{m[3]}",
-                      name)
-        name = re.sub(r"(\.experts\.linear_fc[12]\.weight)(\d+)$", lambda m: f"{m[1]}{int(m[2]) + first_expert}",
-                      name)
-    return name
-
-
-def is_expert_param(name: str) -> bool:
-    """A routed expert's weight (sharded over the expert-TP group, one per expert-parallel rank's experts)."""
-    return ".mlp.experts." in name
+    return renumber_experts(name, first_expert) if first_expert else name
 
 
 def first_local_expert(cfg: Config) -> int:

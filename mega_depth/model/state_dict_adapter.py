@@ -34,6 +34,26 @@ _TOP_RENAMES = {
 }
 _FUSED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _ROUTER = {"mlp.router.weight": "mlp.gate.weight", "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"}
+# Megatron's names of a routed expert's weights, in one place (the builder, the checkpoint reader and this adapter):
+# per-expert modules `mlp.experts.local_experts.<e>.linear_fc1.weight` (the local index on an expert-parallel rank);
+# grouped-GEMM weights `mlp.experts.linear_fc1.weight<e>`; and, in a dist checkpoint, stacked over the layer's
+# experts as `mlp.experts.experts.linear_fc1.weight` [E, ...].
+LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+STACKED_EXPERTS = ".mlp.experts.experts."
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (sharded over the expert-TP group, one per expert-parallel rank's experts)."""
+    return ".mlp.experts." in "." + name
+
+
+def renumber_experts(name: str, first_expert: int) -> str:
+    """A local expert's weight name with its global index (the rank's first expert + the local index)."""
+    name = LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{int(m[1]) + first_expert}.", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + first_expert}", name)
+
+
 # a SwiGLU MLP's prefix: a dense layer's, a routed expert's, the shared expert's (Megatron -> canonical)
 _MEGATRON_MLP = re.compile(r"(mlp\.(?:experts\.local_experts\.(\d+)\.|shared_experts\.)?)linear_fc([12])\.weight")
 _CANONICAL_MLP = re.compile(r"(mlp\.(?:experts\.(\d+)\.|shared_expert\.)?)(gate_proj|up_proj|down_proj)\.weight")

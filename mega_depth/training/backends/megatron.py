@@ -53,7 +53,8 @@ class MegatronBackend(Collectives):
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamWithNamePredicate, get_megatron_optimizer
 
-        from mega_depth.megatron.builder import build_model_chunks, is_expert_param, load_full_state, transformer_impl
+        from mega_depth.megatron.builder import build_model_chunks, load_full_state, transformer_impl
+        from mega_depth.model.state_dict_adapter import is_expert_param
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.training
         if cfg.model.transformer_impl is None and torch.cuda.is_available() and transformer_impl(cfg) == "local" \
