@@ -8,7 +8,8 @@ A mechanism (one file beside this one, registered in registry.py) holds
 - its cross-layer state and the pipeline payload (`initial_state`, `layout`, `entries`, `state_from`);
 - the depth weights it draws in heatmaps (`self.recorder`), and the fields an exported config carries.
 
-Hosts. The Megatron-core layer (megatron/layer.py) and the plain decoder's layer (decoder.py) both offer:
+Hosts (the `Host` protocol below). The Megatron-core layer (megatron/layer.py), the plain decoder's layer
+(decoder.py) and the ahead-of-time check's stand-in (kernels/aot.py) all offer:
     layer_index                                   0-based global layer number
     attention_sublayer(x, k_in=None, v_in=None, value_mixer=None) -> [*, d]
         pre-norm (applied to each input) + attention (+ hidden dropout); x may be a `Recomputed` input (the norm
@@ -30,10 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+
+
+@runtime_checkable
+class Host(Protocol):
+    """What a mechanism runs one layer on (the module docstring says what each member does). A new attention hook
+    is a new keyword here; tests/unit/test_backend_protocol.py holds every host to these signatures."""
+
+    layer_index: int
+
+    def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None) -> Tensor: ...
+
+    def attention_sublayer_recomputed(self, make_inputs, sources) -> Tuple[Tensor, Tensor]: ...
+
+    def mlp_sublayer(self, x) -> Tensor: ...
 
 
 @dataclass(frozen=True)
