@@ -19,7 +19,7 @@ import torch
 from mega_depth.config import Config, ConfigError
 from mega_depth.model.moe import MoEMLP, update_expert_bias
 from mega_depth.training import rng
-from mega_depth.training.trainer import token_mean_loss
+from mega_depth.training.loss import token_mean_loss
 
 WEIGHTS = "model.safetensors"
 TRAINER_STATE = "trainer_state.pt"

@@ -16,7 +16,7 @@ from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
 from mega_depth.megatron import grad_norm
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state
-from mega_depth.training.trainer import token_mean_loss
+from mega_depth.training.loss import token_mean_loss
 
 
 class MegatronBackend(Collectives):
