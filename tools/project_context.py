@@ -15,7 +15,6 @@ sequence parallelism), with the config's TP / SP / PP / recompute and one micro-
   included) / TP / (MFU x peak), against the traffic's time at each link: hidden when the traffic fits under it.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from project_pipeline import load_config  # noqa: E402
+from project_pipeline import load_config, parse_links, projection_parser  # noqa: E402
 
 
 def activation_gib(cfg, mechanism_name: str, seq: int, cp: int) -> float:
@@ -60,20 +59,11 @@ def traffic(cfg, seq: int, cp: int, links: dict, mfu: float, peak: float) -> dic
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--configs", default="1b,7b")
-    parser.add_argument("--seq", default="32768,131072")
-    parser.add_argument("--cp", default="1,2,4,8,16")
-    parser.add_argument("--mfu", type=float, default=0.4)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the chip (H100/H200)")
-    parser.add_argument("--link", default="nvlink=450e9,ib=50e9", help="name=bytes/s,...")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    args = projection_parser(__doc__, seq="32768,131072", cp="1,2,4,8,16").parse_args(argv)
 
     from mega_depth.catalogue import SETTINGS
 
-    links = {k: float(v) for k, v in (item.split("=") for item in args.link.split(","))}
+    links = parse_links(args.link)
     rows = []
     for config in args.configs.split(","):
         base = load_config(config)

@@ -36,6 +36,25 @@ def load_config(name: str):
     return cfg
 
 
+def projection_parser(doc: str, **defaults) -> argparse.ArgumentParser:
+    """The arguments both projections take (sizes, the chip, the links); defaults: the tool's own (e.g. pp="2,4")."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    parser.add_argument("--configs", default="1b,7b")
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=default)
+    parser.add_argument("--mfu", type=float, default=0.4)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the chip (H100/H200)")
+    parser.add_argument("--link", default="nvlink=450e9,ib=50e9", help="name=bytes/s,...")
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+def parse_links(text: str) -> dict:
+    """'nvlink=450e9,ib=50e9' -> {link: bytes/s}."""
+    return {k: float(v) for k, v in (item.split("=") for item in text.split(","))}
+
+
 def projection(cfg, mechanism_name: str, pp: int, vpp: int, links: dict, mfu: float, peak: float,
                bytes_per_element: int = 2) -> dict:
     from mega_depth.training.flops import flops_per_token
@@ -72,23 +91,15 @@ def projection(cfg, mechanism_name: str, pp: int, vpp: int, links: dict, mfu: fl
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--configs", default="1b,7b")
-    parser.add_argument("--pp", default="2,4,8")
-    parser.add_argument("--vpp", default="1,2,4")
-    parser.add_argument("--mfu", type=float, default=0.4)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the chip (H100/H200)")
-    parser.add_argument("--link", default="nvlink=450e9,ib=50e9", help="name=bytes/s,...")
+    parser = projection_parser(__doc__, pp="2,4,8", vpp="1,2,4")
     parser.add_argument("--mechanisms", default=None)
     parser.add_argument("--bytes-per-element", type=int, default=2, help="2: bf16 training; 4: fp32")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
     from mega_depth.catalogue import SETTINGS, parse_mechanisms
 
     names = parse_mechanisms(args.mechanisms) if args.mechanisms else list(SETTINGS)
-    links = {k: float(v) for k, v in (item.split("=") for item in args.link.split(","))}
+    links = parse_links(args.link)
     rows = []
     for config in args.configs.split(","):
         cfg = load_config(config)
