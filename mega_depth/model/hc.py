@@ -43,8 +43,19 @@ class StreamMechanism(Mechanism):
     """What HC and mHC share: n streams in the state and the payload, expansion and collapse."""
 
     module_prefix: str = ""  # the per-sublayer modules are attn_<prefix> and mlp_<prefix>
-    final_name: str = ""  # the learned collapse head's module name
-    collapse_option: str = ""  # the option that picks the collapse
+    final_name: str = ""  # the learned collapse head's module name: final_<prefix>
+    collapse_option: str = ""  # the option that picks the collapse: <prefix>_collapse
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass names its prefix (its own name); its module names and collapse option follow from it."""
+        super().__init_subclass__(**kwargs)
+        p = cls.module_prefix = cls.name
+        cls.final_name, cls.collapse_option = f"final_{p}", f"{p}_collapse"
+        cls.module_names = (f"attn_{p}", f"mlp_{p}", cls.final_name)
+
+    @classmethod
+    def catalogue(cls, num_layers):
+        return {cls.name: {"mechanism": cls.name, "hc_expansion": 4}}
 
     @property
     def n(self) -> int:
@@ -158,12 +169,6 @@ class HC(StreamMechanism):
                "projections by sqrt(n) (multiply) or 1/sqrt(n) (divide); the paper's direction is unclear",
                ("none", "multiply", "divide")),
     )
-    module_names = ("attn_hc", "mlp_hc", "final_hc")
-    module_prefix, final_name, collapse_option = "hc", "final_hc", "hc_collapse"
-
-    @classmethod
-    def catalogue(cls, num_layers):
-        return {"hc": {"mechanism": "hc", "hc_expansion": 4}}
 
     @classmethod
     def validate(cls, cfg, fail):

@@ -61,12 +61,6 @@ class MHC(StreamMechanism):
         Option("mhc_collapse", str, "mean", "mHC: streams -> one before the final norm", COLLAPSES),
     )
     shared_options = ("hc_expansion",)
-    module_names = ("attn_mhc", "mlp_mhc", "final_mhc")
-    module_prefix, final_name, collapse_option = "mhc", "final_mhc", "mhc_collapse"
-
-    @classmethod
-    def catalogue(cls, num_layers):
-        return {"mhc": {"mechanism": "mhc", "hc_expansion": 4}}
 
     @classmethod
     def validate(cls, cfg, fail):
