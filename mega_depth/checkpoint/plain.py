@@ -18,9 +18,9 @@ WEIGHTS = "model.safetensors"
 
 
 class SingleProcess:
-    """The collectives of rules.save for one process."""
+    """The collectives of one process (or one SPMD program): rules.save's, and the XLA backend's."""
 
-    rank = 0
+    rank, world_size = 0, 1
 
     def barrier(self) -> None:
         pass
@@ -30,6 +30,9 @@ class SingleProcess:
 
     def any(self, flag: bool) -> bool:
         return bool(flag)
+
+    def gather(self, obj) -> list:
+        return [obj]
 
 
 def check_weights(canonical: Dict[str, torch.Tensor], cfg: Config, where: str) -> Dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
+from mega_depth.checkpoint.plain import SingleProcess
 from mega_depth.config import Config, ConfigError
 from mega_depth.model.moe import MoEMLP, update_expert_bias
 from mega_depth.training import rng
@@ -55,9 +56,8 @@ def _to_cpu(obj):
     return obj
 
 
-class PlainBackend:
+class PlainBackend(SingleProcess):  # its collectives: one SPMD program
     format = "plain"
-    rank, world_size = 0, 1
 
     def __init__(self, cfg: Config, device: str = "xla", mesh: Optional[str] = None):
         from mega_depth.init import seed_everything
@@ -74,19 +74,6 @@ class PlainBackend:
             self.device = torch_xla.device()
         else:
             self.device = torch.device("cpu")
-
-    # --- collectives (one SPMD program) ----------------------------------------------------------------------------
-    def barrier(self) -> None:
-        pass
-
-    def broadcast(self, obj):
-        return obj
-
-    def any(self, flag: bool) -> bool:
-        return flag
-
-    def gather(self, obj) -> list:
-        return [obj]
 
     def peak_flops(self):
         return None  # TPU peaks are not tabulated: no MFU on the console
