@@ -8,6 +8,7 @@ deep inside a step.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -195,6 +196,30 @@ class TrainingConfig:
                               "estimate (at the layout's world, in one process), then "
                               "exit without a step")
 
+    def check(self) -> None:
+        t = self
+        _check(t.micro_batch_size >= 1, f"--micro-batch-size {t.micro_batch_size} must be >= 1")
+        _check(t.global_batch_size is None or t.global_batch_size >= 1,
+               f"--global-batch-size {t.global_batch_size} must be >= 1 (a multiple of --micro-batch-size x the "
+               "data-parallel size), or left out for one micro-batch per rank")
+        _check(t.train_iters >= 1, "--train-iters must be >= 1")
+        _check(t.lr > 0, f"--lr {t.lr} must be positive")
+        _check(0 <= t.min_lr <= t.lr, f"--min-lr {t.min_lr} must lie in [0, --lr {t.lr}]")
+        _check(t.weight_decay >= 0, f"--weight-decay {t.weight_decay} must be >= 0")
+        _check(t.clip_grad >= 0, f"--clip-grad {t.clip_grad} must be >= 0 (0 disables clipping)")
+        _check(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1,
+               f"--adam-beta1 {t.adam_beta1} and --adam-beta2 {t.adam_beta2} must lie in [0, 1)")
+        _check(t.adam_eps > 0, f"--adam-eps {t.adam_eps} must be positive")
+        _check(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+        _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
+               "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each other; pass "
+               "one (this run's schedule, or the checkpoint's)")
+        decay = t.lr_decay_iters or t.train_iters
+        _check(t.lr_warmup_iters < decay,
+               f"--lr-warmup-iters {t.lr_warmup_iters} must be below the decay length ({decay}: --lr-decay-iters, "
+               "else --train-iters)")
+        _check(t.exit_interval is None or t.exit_interval >= 1, "--exit-interval must be >= 1")
+
 
 @dataclass
 class DataConfig:
@@ -208,6 +233,18 @@ class DataConfig:
     eval_iters: int = _f(10, "validation batches per evaluation (0: none)")
     data_cache_path: Optional[str] = _f(None, "where Megatron caches its sample indexes (default: in memory)")
 
+    def check(self) -> None:
+        d = self
+        _check(d.mock_data != bool(d.data_path),
+               "give exactly one data source: --data-path PREFIX... (see tools/preprocess_data.py) or --mock-data")
+        if d.data_path:
+            _check(d.tokenizer_model is not None, "--data-path needs --tokenizer-model (the tokenizer that made it)")
+        if d.tokenizer_model is not None:
+            _check(os.path.isfile(d.tokenizer_model),
+                   f"--tokenizer-model {d.tokenizer_model} does not exist; train one with tools/train_tokenizer.py")
+        _check(d.eval_interval is None or d.eval_interval >= 1, "--eval-interval must be >= 1")
+        _check(d.eval_iters >= 0, "--eval-iters must be >= 0 (0: no evaluation)")
+
 
 @dataclass
 class CheckpointConfig:
@@ -219,6 +256,13 @@ class CheckpointConfig:
     overwrite_save: bool = _f(False, "let a run started from scratch save beside another run's checkpoints")
     use_checkpoint_args: bool = _f(False, "take the model and mechanism from the --load checkpoint (Megatron-LM's "
                                           "flag): fine-tune an imported model without its original --config")
+
+    def check(self) -> None:
+        c = self
+        _check(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
+        _check(c.save_interval is None or c.save_interval >= 1, "--save-interval must be >= 1")
+        _check(c.keep_last >= 1, "--keep-last must be >= 1")
+        _check_folder("--save", c.save)
 
 
 @dataclass
@@ -233,6 +277,15 @@ class LoggingConfig:
                                             "'mega_depth[wandb]'; WANDB_MODE=offline writes local files)")
     wandb_exp_name: Optional[str] = _f(None, "W&B run name (default: the --output-dir folder's name)")
     wandb_save_dir: Optional[str] = _f(None, "W&B's local folder (default: --output-dir)")
+
+    def check(self) -> None:
+        log = self
+        _check_folder("--output-dir", log.output_dir)
+        _check(log.log_interval >= 1, "--log-interval must be >= 1")
+        _check(log.heatmap_interval is None or log.heatmap_interval >= 1, "--heatmap-interval must be >= 1")
+        if log.wandb_project:  # here, before any process group, so every rank fails alike (not rank 0 alone)
+            _check(importlib.util.find_spec("wandb") is not None, "--wandb-project needs the wandb package: pip "
+                   "install 'mega_depth[wandb]' (or pip install wandb)")
 
 
 @dataclass
@@ -267,162 +320,22 @@ class Config:
         return gbs // (t.micro_batch_size * dp)
 
     def validate(self, world_size: int = 1) -> "Config":
-        """Refuse every combination that cannot work, naming the fix. Returns self."""
-        m, r, p, t = self.model, self.residual, self.parallel, self.training
-        _check(r.mechanism in MECHANISMS, f"unknown --residual {r.mechanism!r}; choose one of {', '.join(MECHANISMS)}")
-        _check_choices(self)
-        _check(m.num_layers >= 1 and m.hidden_size >= 1, "--num-layers and --hidden-size must be positive")
-        _check(m.num_attention_heads >= 1 and m.seq_length >= 1,
-               "--num-attention-heads and --seq-length must be positive")
-        _check(
-            m.hidden_size % m.num_attention_heads == 0,
-            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
-            "pick a head count that divides the hidden size",
-        )
-        _check(
-            m.num_attention_heads % m.query_groups == 0,
-            f"--num-query-groups {m.query_groups} must divide --num-attention-heads {m.num_attention_heads}",
-        )
-        _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
-               "--hidden-dropout and --attention-dropout must lie in [0, 1)")
-        if m.transformer_impl == "transformer_engine":
-            try:
-                import transformer_engine  # noqa: F401
-            except ImportError:
-                raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine, which is not "
-                                  "installed; install transformer-engine or use --transformer-impl local") from None
-            _check(mechanism_class(r.mechanism).runs_on_fused_norm_qkv, f"--residual {r.mechanism} feeds separate "
-                   "query/key/value inputs, which Transformer Engine's fused norm+QKV projection cannot take; use "
-                   "--transformer-impl local")
-        if m.mixing_impl == "triton":
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                raise ConfigError("--mixing-impl triton needs triton (pip install triton==3.6.0, the version the "
-                                  "GPU's torch uses); or use --mixing-impl eager") from None
-        tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
-        _check(tp >= 1 and pp >= 1 and cp >= 1, "parallel sizes must be >= 1")
-        if cp == 1:
-            _check(world_size % (tp * pp) == 0,
-                   f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}; launch a multiple of "
-                   f"{tp * pp} processes (torchrun --nproc-per-node)")
-        else:
-            _check(world_size % (tp * cp * pp) == 0,
-                   f"world size {world_size} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}; launch a "
-                   f"multiple of {tp * cp * pp} processes (torchrun --nproc-per-node), the rest is data parallel")
-        _check(m.num_attention_heads % tp == 0,
-               f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-               f"--tensor-model-parallel-size {tp}")
-        _check(m.query_groups % tp == 0,
-               f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
-               "use a TP size that divides the key-value heads")
-        _check(m.ffn_size % tp == 0, f"the FFN size {m.ffn_size} is not divisible by TP={tp}")
-        if m.vocab_size is None and self.data.mock_data:
-            m.vocab_size = 256
-        _check(m.vocab_size is not None, "the vocabulary size comes from --tokenizer-model (or --vocab-size with "
-                                         "--mock-data)")
-        _check(m.vocab_size >= 2, "--vocab-size must be at least 2")
-        if p.sequence_parallel:
-            _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
-            _check(m.seq_length % tp == 0,
-                   f"--seq-length {m.seq_length} is not divisible by TP={tp}, which --sequence-parallel needs")
-        if cp > 1:
-            _check(m.seq_length % (2 * cp) == 0,
-                   f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
-                   "sequence is split into 2 x CP chunks); pick a sequence length that is")
-            _check(not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
-                   f"--sequence-parallel splits each CP rank's {m.seq_length // cp} tokens over TP={tp}; pick a "
-                   f"--seq-length divisible by CP x TP = {cp * tp}")
-            _check(m.attention_backend == "sdpa" or m.transformer_impl == "transformer_engine",
-                   "--context-parallel-size needs --attention-backend sdpa (the unfused reference attention has no "
-                   "context parallelism)")
+        """Refuse every combination that cannot work, naming the fix. Returns self. Each section checks itself; the
+        rules across sections (the world's factorisation, the sequence splits, experts, pipelines, DeepSpeed's
+        refusals, the batch) follow, in this order (the first broken rule is the one reported)."""
+        _check_model(self)
+        _check_world(self, world_size)
+        _check_vocab(self)
+        _check_sequence_splits(self)
         _check_moe(self, world_size)
-        _check(m.num_layers % pp == 0,
-               f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-        if p.num_layers_per_virtual_pipeline_stage is not None:
-            v = p.num_layers_per_virtual_pipeline_stage
-            _check(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-            _check(v >= 1 and m.num_layers % (pp * v) == 0,
-                   f"--num-layers {m.num_layers} is not divisible by pipeline stages x layers per virtual stage "
-                   f"({pp} x {v}); change --num-layers-per-virtual-pipeline-stage")
-            _check(m.num_layers // (pp * v) >= 2,
-                   "--num-layers-per-virtual-pipeline-stage leaves a single virtual stage per rank; drop the flag "
-                   "(plain 1F1B) or lower it")
-        if p.recompute_granularity is not None:
-            _check(p.recompute_num_layers >= 1, "--recompute-num-layers must be >= 1")
-        _check(t.micro_batch_size >= 1, f"--micro-batch-size {t.micro_batch_size} must be >= 1")
-        _check(t.global_batch_size is None or t.global_batch_size >= 1,
-               f"--global-batch-size {t.global_batch_size} must be >= 1 (a multiple of --micro-batch-size x the "
-               "data-parallel size), or left out for one micro-batch per rank")
-        _check(t.train_iters >= 1, "--train-iters must be >= 1")
-        _check(t.lr > 0, f"--lr {t.lr} must be positive")
-        _check(0 <= t.min_lr <= t.lr, f"--min-lr {t.min_lr} must lie in [0, --lr {t.lr}]")
-        _check(t.weight_decay >= 0, f"--weight-decay {t.weight_decay} must be >= 0")
-        _check(t.clip_grad >= 0, f"--clip-grad {t.clip_grad} must be >= 0 (0 disables clipping)")
-        _check(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1,
-               f"--adam-beta1 {t.adam_beta1} and --adam-beta2 {t.adam_beta2} must lie in [0, 1)")
-        _check(t.adam_eps > 0, f"--adam-eps {t.adam_eps} must be positive")
-        _check(t.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
-        _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
-               "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each other; pass "
-               "one (this run's schedule, or the checkpoint's)")
-        decay = t.lr_decay_iters or t.train_iters
-        _check(t.lr_warmup_iters < decay,
-               f"--lr-warmup-iters {t.lr_warmup_iters} must be below the decay length ({decay}: --lr-decay-iters, "
-               "else --train-iters)")
-        _check(t.exit_interval is None or t.exit_interval >= 1, "--exit-interval must be >= 1")
-        d, c, log = self.data, self.checkpoint, self.logging
-        _check(d.mock_data != bool(d.data_path),
-               "give exactly one data source: --data-path PREFIX... (see tools/preprocess_data.py) or --mock-data")
-        if d.data_path:
-            _check(d.tokenizer_model is not None, "--data-path needs --tokenizer-model (the tokenizer that made it)")
-        if d.tokenizer_model is not None:
-            _check(os.path.isfile(d.tokenizer_model),
-                   f"--tokenizer-model {d.tokenizer_model} does not exist; train one with tools/train_tokenizer.py")
-        _check(d.eval_interval is None or d.eval_interval >= 1, "--eval-interval must be >= 1")
-        _check(d.eval_iters >= 0, "--eval-iters must be >= 0 (0: no evaluation)")
-        _check(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR")
-        _check(c.save_interval is None or c.save_interval >= 1, "--save-interval must be >= 1")
-        _check(c.keep_last >= 1, "--keep-last must be >= 1")
-        for flag, folder in (("--save", c.save), ("--output-dir", log.output_dir)):
-            _check(folder is None or not os.path.exists(folder) or os.path.isdir(folder),
-                   f"{flag} {folder} is a file, not a folder; give a folder (it is created if missing)")
-        _check(log.log_interval >= 1, "--log-interval must be >= 1")
-        _check(log.heatmap_interval is None or log.heatmap_interval >= 1, "--heatmap-interval must be >= 1")
-        if log.wandb_project:  # here, before any process group, so every rank fails alike (not rank 0 alone)
-            import importlib.util
-
-            _check(importlib.util.find_spec("wandb") is not None, "--wandb-project needs the wandb package: pip "
-                   "install 'mega_depth[wandb]' (or pip install wandb)")
-        if t.deepspeed:
-            _check(t.deepspeed_config is not None, "--deepspeed needs --deepspeed-config ds.json")
-            _check(p.pipeline_model_parallel_size == 1,
-                   "the DeepSpeed engine shards data-parallel state (ZeRO) and cannot drive Megatron's pipeline "
-                   "schedules; use --pipeline-model-parallel-size 1 with --deepspeed, or drop --deepspeed")
-            _check(not p.use_distributed_optimizer,
-                   "--use-distributed-optimizer is Megatron's ZeRO-1; with --deepspeed use the ZeRO stage in the "
-                   "DeepSpeed config instead")
-            _check(p.tensor_model_parallel_size == 1 and p.context_parallel_size == 1,
-                   "--deepspeed trains with data parallelism (ZeRO); use the Megatron path (no --deepspeed) for "
-                   "tensor, context or pipeline parallelism")
-        dp = self.data_parallel_size(world_size)
-        if t.global_batch_size is not None:
-            _check(
-                t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x data-parallel "
-                f"size ({t.micro_batch_size} x {dp})",
-            )
-        vpp = self.virtual_pipeline_size
-        if vpp is not None:
-            nmb = self.num_microbatches(world_size)
-            _check(nmb % pp == 0,
-                   f"interleaved pipelines need the number of micro-batches ({nmb}) to be a multiple of "
-                   f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
-            _check(r.mechanism == "standard" or nmb >= 2 * pp,
-                   f"interleaved pipelines with --residual {r.mechanism} need at least 2 x "
-                   f"--pipeline-model-parallel-size micro-batches per step (got {nmb}): with every micro-batch in "
-                   "warm-up the variable-shape p2p exchange deadlocks on this version; raise --global-batch-size")
-        mechanism_class(r.mechanism).validate(self, _check)
+        _check_pipeline(self)
+        self.training.check()
+        self.data.check()
+        self.checkpoint.check()
+        self.logging.check()
+        _check_deepspeed(self)
+        _check_batches(self, world_size)
+        mechanism_class(self.residual.mechanism).validate(self, _check)
         return self
 
     def decoder_config(self, vocab_size: Optional[int] = None) -> DecoderConfig:
@@ -440,6 +353,147 @@ class Config:
             moe_router_score_function=m.moe_router_score_function,
             moe_router_pre_softmax=m.moe_router_pre_softmax,
             moe_router_enable_expert_bias=m.moe_router_enable_expert_bias, residual=self.residual)
+
+
+def _check_model(cfg: "Config") -> None:
+    """The model's shape and the implementations it asks for."""
+    m, r = cfg.model, cfg.residual
+    _check(r.mechanism in MECHANISMS, f"unknown --residual {r.mechanism!r}; choose one of {', '.join(MECHANISMS)}")
+    _check_choices(cfg)
+    _check(m.num_layers >= 1 and m.hidden_size >= 1, "--num-layers and --hidden-size must be positive")
+    _check(m.num_attention_heads >= 1 and m.seq_length >= 1,
+           "--num-attention-heads and --seq-length must be positive")
+    _check(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}; "
+        "pick a head count that divides the hidden size",
+    )
+    _check(
+        m.num_attention_heads % m.query_groups == 0,
+        f"--num-query-groups {m.query_groups} must divide --num-attention-heads {m.num_attention_heads}",
+    )
+    _check(0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+           "--hidden-dropout and --attention-dropout must lie in [0, 1)")
+    if m.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine, which is not "
+                              "installed; install transformer-engine or use --transformer-impl local") from None
+        _check(mechanism_class(r.mechanism).runs_on_fused_norm_qkv, f"--residual {r.mechanism} feeds separate "
+               "query/key/value inputs, which Transformer Engine's fused norm+QKV projection cannot take; use "
+               "--transformer-impl local")
+    if m.mixing_impl == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ConfigError("--mixing-impl triton needs triton (pip install triton==3.6.0, the version the "
+                              "GPU's torch uses); or use --mixing-impl eager") from None
+
+
+def _check_world(cfg: "Config", world_size: int) -> None:
+    """The world's factorisation, written once: TP x CP x PP model-parallel ranks, the rest data parallel (EP and
+    expert-TP inside it: _check_moe); the heads and the FFN split over TP."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    _check(tp >= 1 and pp >= 1 and cp >= 1, "parallel sizes must be >= 1")
+    names, sizes = ("TP x PP", f"{tp} x {pp}") if cp == 1 else ("TP x CP x PP", f"{tp} x {cp} x {pp}")
+    _check(world_size % (tp * cp * pp) == 0,
+           f"world size {world_size} is not divisible by {names} = {sizes}; launch a multiple of {tp * cp * pp} "
+           "processes (torchrun --nproc-per-node)" + (", the rest is data parallel" if cp > 1 else ""))
+    _check(m.num_attention_heads % tp == 0,
+           f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+           f"--tensor-model-parallel-size {tp}")
+    _check(m.query_groups % tp == 0,
+           f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
+           "use a TP size that divides the key-value heads")
+    _check(m.ffn_size % tp == 0, f"the FFN size {m.ffn_size} is not divisible by TP={tp}")
+
+
+def _check_vocab(cfg: "Config") -> None:
+    m = cfg.model
+    if m.vocab_size is None and cfg.data.mock_data:
+        m.vocab_size = 256
+    _check(m.vocab_size is not None, "the vocabulary size comes from --tokenizer-model (or --vocab-size with "
+                                     "--mock-data)")
+    _check(m.vocab_size >= 2, "--vocab-size must be at least 2")
+
+
+def _check_sequence_splits(cfg: "Config") -> None:
+    """Sequence parallelism and context parallelism: how each sequence is cut."""
+    m, p = cfg.model, cfg.parallel
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    if p.sequence_parallel:
+        _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1")
+        _check(m.seq_length % tp == 0,
+               f"--seq-length {m.seq_length} is not divisible by TP={tp}, which --sequence-parallel needs")
+    if cp > 1:
+        _check(m.seq_length % (2 * cp) == 0,
+               f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size = {2 * cp} (each "
+               "sequence is split into 2 x CP chunks); pick a sequence length that is")
+        _check(not p.sequence_parallel or (m.seq_length // cp) % tp == 0,
+               f"--sequence-parallel splits each CP rank's {m.seq_length // cp} tokens over TP={tp}; pick a "
+               f"--seq-length divisible by CP x TP = {cp * tp}")
+        _check(m.attention_backend == "sdpa" or m.transformer_impl == "transformer_engine",
+               "--context-parallel-size needs --attention-backend sdpa (the unfused reference attention has no "
+               "context parallelism)")
+
+
+def _check_pipeline(cfg: "Config") -> None:
+    """Pipeline stages, interleaved (virtual) stages and recomputation."""
+    m, p = cfg.model, cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    _check(m.num_layers % pp == 0,
+           f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        v = p.num_layers_per_virtual_pipeline_stage
+        _check(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        _check(v >= 1 and m.num_layers % (pp * v) == 0,
+               f"--num-layers {m.num_layers} is not divisible by pipeline stages x layers per virtual stage "
+               f"({pp} x {v}); change --num-layers-per-virtual-pipeline-stage")
+        _check(m.num_layers // (pp * v) >= 2,
+               "--num-layers-per-virtual-pipeline-stage leaves a single virtual stage per rank; drop the flag "
+               "(plain 1F1B) or lower it")
+    if p.recompute_granularity is not None:
+        _check(p.recompute_num_layers >= 1, "--recompute-num-layers must be >= 1")
+
+
+def _check_deepspeed(cfg: "Config") -> None:
+    """What the DeepSpeed backend cannot run (ZeRO data parallelism only)."""
+    p, t = cfg.parallel, cfg.training
+    if not t.deepspeed:
+        return
+    _check(t.deepspeed_config is not None, "--deepspeed needs --deepspeed-config ds.json")
+    _check(p.pipeline_model_parallel_size == 1,
+           "the DeepSpeed engine shards data-parallel state (ZeRO) and cannot drive Megatron's pipeline "
+           "schedules; use --pipeline-model-parallel-size 1 with --deepspeed, or drop --deepspeed")
+    _check(not p.use_distributed_optimizer,
+           "--use-distributed-optimizer is Megatron's ZeRO-1; with --deepspeed use the ZeRO stage in the "
+           "DeepSpeed config instead")
+    _check(p.tensor_model_parallel_size == 1 and p.context_parallel_size == 1,
+           "--deepspeed trains with data parallelism (ZeRO); use the Megatron path (no --deepspeed) for "
+           "tensor, context or pipeline parallelism")
+
+
+def _check_batches(cfg: "Config", world_size: int) -> None:
+    """The global batch over the data-parallel ranks, and the micro-batches interleaved pipelines need."""
+    t, pp = cfg.training, cfg.parallel.pipeline_model_parallel_size
+    dp = cfg.data_parallel_size(world_size)
+    if t.global_batch_size is not None:
+        _check(
+            t.global_batch_size % (t.micro_batch_size * dp) == 0,
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x data-parallel "
+            f"size ({t.micro_batch_size} x {dp})",
+        )
+    if cfg.virtual_pipeline_size is not None:
+        nmb, mechanism = cfg.num_microbatches(world_size), cfg.residual.mechanism
+        _check(nmb % pp == 0,
+               f"interleaved pipelines need the number of micro-batches ({nmb}) to be a multiple of "
+               f"--pipeline-model-parallel-size {pp}; raise --global-batch-size")
+        _check(mechanism == "standard" or nmb >= 2 * pp,
+               f"interleaved pipelines with --residual {mechanism} need at least 2 x "
+               f"--pipeline-model-parallel-size micro-batches per step (got {nmb}): with every micro-batch in "
+               "warm-up the variable-shape p2p exchange deadlocks on this version; raise --global-batch-size")
 
 
 def _check_moe(cfg: "Config", world_size: int) -> None:
@@ -471,8 +525,6 @@ def _check_moe(cfg: "Config", world_size: int) -> None:
     _check(width % etp == 0, f"the expert FFN size {width} is not divisible by --expert-tensor-parallel-size {etp}")
     cfg.decoder_config()  # parses --moe-layer-freq against --num-layers (its own error)
     if m.moe_grouped_gemm:
-        import importlib.util
-
         _check(any(importlib.util.find_spec(name) is not None for name in ("transformer_engine", "grouped_gemm")),
                "--moe-grouped-gemm needs Transformer Engine or the grouped_gemm package (GPU); install one, or drop "
                "the flag (the experts then run one after another)")
@@ -494,6 +546,11 @@ def _check_choices(cfg: "Config") -> None:
             if choices and value not in choices:
                 shown = ", ".join(str(c) for c in choices if c is not None)
                 raise ConfigError(f"unknown {_field_flag(f.name)} {value!r}; choose one of {shown}")
+
+
+def _check_folder(flag: str, folder: Optional[str]) -> None:
+    _check(folder is None or not os.path.exists(folder) or os.path.isdir(folder),
+           f"{flag} {folder} is a file, not a folder; give a folder (it is created if missing)")
 
 
 def _check(condition: bool, message: str) -> None:
