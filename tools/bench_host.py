@@ -7,9 +7,9 @@ A GPU step is host-bound when Python, autograd and the dispatcher take longer th
 between launches. This measures that host work alone: the process CPU time of one micro-batch forward and backward
 of the real Megatron-core model at toy widths on the CPU (mega_depth/megatron/step_trace.host_seconds: the
 widths barely change the host's work, the layer count and the mechanism do), with the mixing's and Liger-Kernel's
-Triton launches recorded instead of run, the median of --repeats after a warm-up. The baseline and the settings alternate, round by round, so that a machine's
-drift reaches them alike. The ratio to the baseline is the speed issue's host target; the launches counted by
-tools/step_trace.py add the driver's few microseconds each on a GPU.
+Triton launches recorded instead of run, the median of --repeats after a warm-up. The baseline and the settings
+alternate, round by round, so that a machine's drift reaches them alike. The ratio to the baseline is the speed
+issue's host target; the launches counted by tools/step_trace.py add the driver's few microseconds each on a GPU.
 """
 
 import argparse
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         parser.error(f"--repeats and --rounds must be at least 1 (got {args.repeats}, {args.rounds})")
     import torch
 
-    from mega_depth.catalogue import SETTINGS, mechanism_flags
+    from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms
     from mega_depth.config import parse_args
     from mega_depth.megatron.step_trace import host_seconds
     from mega_depth.quiet import quiet_known_warnings
@@ -47,9 +47,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)  # the host's work is one thread's; intra-op threads at toy widths only add noise
     shape = shape or TOY_1B
     if "--num-layers" not in shape:
-        parser.error("give the model's shape with --num-layers (and the other sizes), or none for the 1B class's depth")
+        parser.error("give the model's shape with --num-layers (and the other sizes), or none for the 1B depth")
     layers = int(shape[shape.index("--num-layers") + 1])
-    wanted = args.mechanisms.split(",") if args.mechanisms else list(SETTINGS)
+    wanted = parse_mechanisms(args.mechanisms) if args.mechanisms else list(SETTINGS)
     names = ["standard"] + [m for m in wanted if m != "standard"]
     times = {name: [] for name in names}
     for _ in range(args.rounds):

@@ -477,6 +477,6 @@ def load_config_dict(meta: dict) -> dict:
 
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "META", "POINTER", "check_compatible", "check_fresh_save",
-           "WRITE_ERRORS", "config_hash", "disk_full", "find_checkpoint", "interrupted_saves", "iter_dir", "list_checkpoints", "new_run_id",
-           "predates_manifests", "prune", "quarantine", "read_meta", "read_pointer", "resolve_load", "save", "to_dict",
-           "write_pointer"]
+           "WRITE_ERRORS", "architecture_model_fields", "config_hash", "disk_full", "find_checkpoint",
+           "interrupted_saves", "iter_dir", "list_checkpoints", "new_run_id", "predates_manifests", "prune",
+           "quarantine", "read_meta", "read_pointer", "resolve_load", "save", "to_dict", "write_pointer"]

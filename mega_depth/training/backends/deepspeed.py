@@ -5,7 +5,7 @@ partitioning, gradient accumulation and clipping; Megatron's pipeline schedules 
 Megatron backend (config.validate refuses --deepspeed with PP > 1 or TP > 1, with the reason). mega_depth sets
 the batch keys of the DeepSpeed config from its own flags so the two can never disagree.
 
-Skipping an update (--on-nan skip): the loss of a bad step is NaN and so are its gradients (training/loss.token_mean_loss),
+Skipping an update (--on-nan skip): the loss of a bad step is NaN and so are its gradients (token_mean_loss),
 which DeepSpeed's own overflow check skips for ZeRO 1-3 and bf16; ZeRO-0 in fp32 has no such check, so the
 boundary step is taken with the inner optimizer's step disabled (counters advance, weights and state do not move).
 Checkpoints: DeepSpeed's own files under iter_N/deepspeed/, plus model.safetensors (canonical names, for export).
