@@ -75,12 +75,13 @@ def test_kill_during_save_keeps_the_previous_checkpoint(data, tmp_path):
     assert "at step 5" in out and sorted(metrics(tmp_path / "again")) == [6]
 
 
-def resume_elsewhere(flags, tmp_path, name, saved_at=(1, []), resumed_at=(1, [])):
+def resume_elsewhere(flags, tmp_path, name, saved_at=(1, []), resumed_at=(1, []), resumed_flags=None):
     """Train `flags` to step 11 at the layout `saved_at` = (processes, extra flags), saving at step 10, then resume
-    that checkpoint at the layout `resumed_at`. Both runs' step-11 losses agree. Returns both runs' metrics."""
-    def train(layout, extra, out):
+    that checkpoint at the layout `resumed_at` (with `resumed_flags` if given). Both runs' step-11 losses agree.
+    Returns both runs' metrics."""
+    def train(layout, extra, out, run_flags=flags):
         nproc, layout_flags = layout
-        cmd = ["-m", "mega_depth.train"] + flags + layout_flags + extra + ["--output-dir", str(out)]
+        cmd = ["-m", "mega_depth.train"] + run_flags + layout_flags + extra + ["--output-dir", str(out)]
         if nproc > 1:
             torchrun(nproc, cmd, str(out) + ".log")
         else:
@@ -88,7 +89,7 @@ def resume_elsewhere(flags, tmp_path, name, saved_at=(1, []), resumed_at=(1, [])
 
     ckpt = tmp_path / name
     train(saved_at, ["--save", str(ckpt), "--save-interval", "10"], tmp_path / f"{name}-run")
-    train(resumed_at, ["--load", str(ckpt / "iter_0000010")], tmp_path / f"{name}-resumed")
+    train(resumed_at, ["--load", str(ckpt / "iter_0000010")], tmp_path / f"{name}-resumed", resumed_flags or flags)
     original, resumed = metrics(tmp_path / f"{name}-run"), metrics(tmp_path / f"{name}-resumed")
     assert min(resumed) == 11
     assert resumed[11]["loss"] == pytest.approx(original[11]["loss"], rel=1e-5)
@@ -112,14 +113,17 @@ def test_a_cp2_checkpoint_resumes_in_one_process_with_the_same_losses(data, tmp_
 
 def test_an_ep2xpp2_moe_run_logs_its_routing_and_resumes_in_one_process_with_the_same_losses(data, tmp_path):
     """Experts saved by 4 ranks (each stage's experts split over EP2 x DP2) resume at EP1 x PP1 in one process with
-    the 4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on. The run
+    the 4-rank run's step-11 loss; Block AttnRes with a dense first layer and the load-balancing loss on. The
+    one-process run gives no model flags: --use-checkpoint-args builds the MoE model from the checkpoint alone. The run
     logs the routing at each log interval: the load-balancing loss and the load imbalance in metrics.jsonl, per
     layer in TensorBoard with a tokens-per-expert histogram that counts every routed token once (tokens x top-k),
     and the expert-load heatmap."""
     flags = TRAIN_MODEL + data["flags"] + ["--num-layers", "4", "--train-iters", "11", "--num-experts", "4",
                                            "--moe-layer-freq", "([0]*1+[1]*3)", "--moe-aux-loss-coeff", "0.01"]
     big = (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
-    original, resumed = resume_elsewhere(flags, tmp_path, "a", saved_at=big)
+    from_checkpoint = TRAIN_MODEL + data["flags"] + ["--train-iters", "11", "--moe-aux-loss-coeff", "0.01",
+                                                     "--use-checkpoint-args"]  # 2 dense layers, the flags say
+    original, resumed = resume_elsewhere(flags, tmp_path, "a", saved_at=big, resumed_flags=from_checkpoint)
     for step in (5, 10, 11):
         assert original[step]["moe_load_balancing_loss"] > 0 and original[step]["moe_load_max_over_mean"] >= 1
         assert resumed.get(step, {}).get("moe_load_balancing_loss", 1.0) > 0
