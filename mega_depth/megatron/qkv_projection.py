@@ -51,8 +51,10 @@ def project_rows_backward(inputs: Sequence[Tensor], grads: Sequence[Optional[Ten
     backward computes them."""
     d = weight.shape[-1]
     w = weight.view(groups, heads_per_group + 2, head_dim, d)
-    d_weight = torch.zeros_like(w)
-    d_bias = torch.zeros(w.shape[:3], dtype=bias.dtype, device=bias.device) if bias is not None else None
+    # every row block is written where all three gradients arrive (the usual case): no zero fill then
+    fresh = torch.empty_like if all(g is not None for g in grads) else torch.zeros_like
+    d_weight = fresh(w)
+    d_bias = fresh(w[..., 0], dtype=bias.dtype) if bias is not None else None
     d_inputs: List[Tensor] = []
     for x, grad, rows in zip(inputs, grads, _rows(heads_per_group)):
         n = rows.stop - rows.start
