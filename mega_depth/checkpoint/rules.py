@@ -435,14 +435,14 @@ def architecture_model_fields() -> Tuple[str, ...]:
     from mega_depth.config import ModelConfig
     from mega_depth.model.config import DecoderConfig
 
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    out = []
+    model_fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    wanted = set()
     for f in dataclasses.fields(DecoderConfig):
         if f.name not in _NOT_ARCHITECTURE:
             name = _FIELD_FLAGS.get(f.name, "--" + f.name)[2:].replace("-", "_")
             assert name in model_fields, f"DecoderConfig.{f.name} has no ModelConfig field ({name})"
-            out.append(name)
-    return tuple(out)
+            wanted.add(name)
+    return tuple(name for name in model_fields if name in wanted)  # in the flags' order
 
 
 def check_compatible(meta: dict, cfg: Config, where: str) -> None:
