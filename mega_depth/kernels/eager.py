@@ -109,9 +109,17 @@ def autograd(op, backward: Callable, setup_context: Callable) -> None:
 
 def call(op, *args):
     """op(*args), through the eager autograd.Function (or, for an op without autograd, its implementation) where
-    the call is not traced."""
+    the call is not traced. Under torch.profiler the call is a range named as the op (mega_depth::...), as the op's
+    own dispatch would record it."""
     if traced(args):
         return op(*args)
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(op._qualname):
+            return _call(op, args)
+    return _call(op, args)
+
+
+def _call(op, args):
     function = _FUNCTIONS.get(op)
     if function is None:
         return op._init_fn(*args)

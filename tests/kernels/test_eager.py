@@ -54,3 +54,13 @@ def test_a_traced_call_is_the_op():
         fake = torch.empty(4, 8)
     assert eager.traced(([fake], None)) and eager.traced((fake,))
     assert not eager.traced(([torch.empty(2)], torch.nn.Parameter(torch.empty(2)), 1.0, None))
+
+
+def test_a_profiled_eager_call_is_named_as_the_op(path):
+    """tools/profile_step.py finds the mixing on a CPU by the op's name: the eager call records it."""
+    sources = sources_of(2, 3, 8)
+    query, gain = leaf(8), leaf(8, scale=0.3, shift=1.0)
+    with torch.profiler.profile() as prof:
+        eager.call(attnres_mix_op, sources, query, gain, EPS, False, 1).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "mega_depth::attnres_mix" in names and "mega_depth::attnres_mix_backward" in names, sorted(names)[:20]
