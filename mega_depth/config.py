@@ -14,8 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mega_depth.model.base import NORM_EPSILON
-from mega_depth.model.config import DecoderConfig, ResidualConfig, option_flag
+from mega_depth.model.config import DecoderConfig, architecture_flags, ResidualConfig, option_flag
 from mega_depth.model.registry import MECHANISMS, mechanism_class
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -42,21 +41,12 @@ def _f(default, help: str, choices=None, aliases=()):
 
 
 @dataclass
-class ModelConfig:
-    num_layers: int = _f(4, "transformer layers (each an attention and an MLP sublayer)")
-    hidden_size: int = _f(64, "model width d")
-    num_attention_heads: int = _f(4, "query heads")
-    num_query_groups: Optional[int] = _f(None, "key/value heads for GQA (default: one per query head, MHA)")
-    ffn_hidden_size: Optional[int] = _f(None, "SwiGLU width (default: 8/3 x hidden, rounded up to a multiple of 64)")
+class ModelConfig(architecture_flags()):
+    """The `model:` section: the architecture flags, generated from the one record of the model (DecoderConfig:
+    --num-layers, --num-experts, ...; `decoder_config()` reads them), and the training switches below, which a
+    run may change on resume."""
     seq_length: int = _f(64, "tokens per training sample")
-    vocab_size: Optional[int] = _f(None, "vocabulary size; set by --tokenizer-model (with --mock-data: default 256)")
-    qk_layernorm: bool = _f(True, "Qwen3-style RMSNorm on queries and keys")
-    untie_embeddings_and_output_weights: bool = _f(False, "separate output-layer weights instead of the "
-                                                          "embedding's")
-    rotary_base: int = _f(10000, "RoPE base")
-    norm_epsilon: float = _f(NORM_EPSILON, "RMSNorm epsilon")
     init_method_std: float = _f(0.02, "std of the normal initialisation of the weight matrices")
-    hidden_dropout: float = _f(0.0, "dropout on each sublayer's output")
     attention_dropout: float = _f(0.0, "dropout on the attention probabilities")
     transformer_impl: Optional[str] = _f(None, "Megatron layer spec: local (torch ops) or transformer_engine "
                                                "(default: transformer_engine on a GPU where it imports, else local)",
@@ -72,21 +62,7 @@ class ModelConfig:
                                       "keeping it (activation memory near the baseline's)")
     compile_layers: bool = _f(False, "torch.compile every layer whole, mixing included (eager stays the "
                                      "reference)")
-    # Mixture of experts (Megatron-LM's flags); dense MLPs everywhere unless --num-experts is given
-    num_experts: Optional[int] = _f(None, "routed experts per MoE layer (default: dense MLPs)")
-    moe_router_topk: int = _f(2, "experts each token is routed to")
-    moe_ffn_hidden_size: Optional[int] = _f(None, "each expert's SwiGLU width (default: the FFN size)")
-    moe_layer_freq: str = _f("1", "which layers are MoE: N (every N-th layer, from the first) or one 0/1 per layer "
-                                  "as Megatron-LM writes it, e.g. '([0]*1+[1]*23)': a dense first layer")
-    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "a shared expert of this SwiGLU width beside the "
-                                                                  "routed ones, on every token")
-    moe_router_score_function: str = _f("softmax", "routing scores: softmax (over the top-k, renormalised) or "
-                                                   "sigmoid (DeepSeek-V3)", ("softmax", "sigmoid"))
-    moe_router_pre_softmax: bool = _f(False, "softmax over all experts before the top-k (the chosen weights then "
-                                              "sum to less than 1); needed for top-1 softmax routing")
-    moe_router_enable_expert_bias: bool = _f(False, "DeepSeek-V3's aux-loss-free balancing: a per-expert bias on "
-                                                    "the routing choice, moved toward the under-loaded experts after "
-                                                    "each step (with --moe-router-score-function sigmoid)")
+    # Mixture-of-experts training switches (Megatron-LM's flags; the experts themselves are architecture flags)
     moe_router_bias_update_rate: float = _f(1e-3, "the expert bias's step per optimizer step")
     moe_router_load_balancing_type: str = _f("aux_loss", "the load-balancing loss: aux_loss (over the micro-batch), "
                                                          "seq_aux_loss (per sequence) or none",
@@ -97,46 +73,6 @@ class ModelConfig:
                                                     "expert rank)", ("alltoall", "allgather"))
     moe_grouped_gemm: bool = _f(False, "the experts as one grouped GEMM (GPU: Transformer Engine's or Megatron's "
                                        "grouped_gemm)")
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        return max(64, int(8 * self.hidden_size / 3 + 63) // 64 * 64)
-
-    @property
-    def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
-
-    def moe_layer_pattern(self) -> List[int]:
-        """1 for each MoE layer, 0 for a dense one (empty without --num-experts)."""
-        if not self.num_experts:
-            return []
-        return parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
-
-
-def parse_moe_layer_freq(text: str, num_layers: int) -> List[int]:
-    """--moe-layer-freq as Megatron-LM reads it: an int N (layer i is MoE when i % N == 0) or a list of 0/1 per
-    layer written as sums of repeated lists, e.g. ([0]*1+[1]*23). Parsed, not evaluated."""
-    import re
-
-    text = str(text).strip()
-    if re.fullmatch(r"\d+", text):
-        freq = int(text)
-        if freq < 1:
-            raise ConfigError(f"--moe-layer-freq {text} must be >= 1 (every N-th layer is MoE)")
-        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
-    body = text[1:-1] if text.startswith("(") and text.endswith(")") else text
-    pattern: List[int] = []
-    for term in body.split("+"):
-        match = re.fullmatch(r"\s*\[([01](?:\s*,\s*[01])*)\]\s*(?:\*\s*(\d+))?\s*", term)
-        if match is None:
-            raise ConfigError(f"--moe-layer-freq {text!r}: expected N or a list of 0/1 per layer such as "
-                              "'([0]*1+[1]*23)'")
-        pattern += [int(v) for v in match.group(1).split(",")] * int(match.group(2) or 1)
-    if len(pattern) != num_layers:
-        raise ConfigError(f"--moe-layer-freq {text!r} lists {len(pattern)} layers but --num-layers is {num_layers}")
-    return pattern
 
 
 @dataclass
@@ -339,20 +275,11 @@ class Config:
         return self
 
     def decoder_config(self, vocab_size: Optional[int] = None) -> DecoderConfig:
-        """The model as the plain decoder, the HF export and the state-dict adapter see it (vocab_size: padded)."""
-        m = self.model
-        return DecoderConfig(
-            vocab_size=vocab_size or m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
-            num_attention_heads=m.num_attention_heads, num_query_groups=m.query_groups, ffn_hidden_size=m.ffn_size,
-            norm_epsilon=m.norm_epsilon, rotary_base=m.rotary_base, qk_layernorm=m.qk_layernorm,
-            tie_word_embeddings=not m.untie_embeddings_and_output_weights, hidden_dropout=m.hidden_dropout,
-            num_experts=m.num_experts or 0, moe_router_topk=m.moe_router_topk,
-            moe_ffn_hidden_size=(m.moe_ffn_hidden_size or m.ffn_size) if m.num_experts else 0,
-            moe_layer_pattern=m.moe_layer_pattern(),
-            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or 0,
-            moe_router_score_function=m.moe_router_score_function,
-            moe_router_pre_softmax=m.moe_router_pre_softmax,
-            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias, residual=self.residual)
+        """The one record of the model, read from the `model:` flags and the mechanism (vocab_size: padded)."""
+        try:
+            return DecoderConfig.from_flags(self.model, self.residual, vocab_size)
+        except ValueError as e:  # a flag that cannot be read (--moe-layer-freq); the message names the fix
+            raise ConfigError(str(e)) from None
 
 
 def _check_model(cfg: "Config") -> None:

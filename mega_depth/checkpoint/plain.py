@@ -11,7 +11,7 @@ from typing import Dict, Optional
 import torch
 
 from mega_depth.checkpoint import rules
-from mega_depth.config import Config, ConfigError, to_dict
+from mega_depth.config import Config, ConfigError
 from mega_depth.init import padded_vocab_size
 
 WEIGHTS = "model.safetensors"
@@ -73,7 +73,6 @@ def write_model_only(canonical: Dict[str, torch.Tensor], cfg: Config, save: str,
         shutil.copy(tokenizer, os.path.join(save, "tokenizer.model"))
         cfg.data.tokenizer_model = os.path.abspath(os.path.join(save, "tokenizer.model"))
     weights = {k: v.detach().float().contiguous() for k, v in canonical.items()}
-    meta = {"format": "plain", "model_only": True, "run_id": rules.new_run_id(), "imported_from": source,
-            "config_hash": rules.config_hash(cfg), "config": to_dict(cfg), "layout": {}}
+    meta = rules.run_meta(cfg, "plain", rules.new_run_id(), model_only=True, imported_from=source, layout={})
     return rules.save(save, 0, lambda tmp: save_file(weights, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"}),
                       meta, keep_last=1, comm=SingleProcess())[0]

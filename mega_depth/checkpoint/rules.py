@@ -24,7 +24,6 @@ Collective calls take `comm`: an object with `rank`, `barrier()` and `broadcast(
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import json
@@ -36,7 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 from mega_depth.checkpoint.manifest import CorruptCheckpoint, has_manifest, verify, write_manifest
 from mega_depth.config import Config, ConfigError, to_dict
-from mega_depth.model.config import option_flag
+from mega_depth.model.config import architecture_fields, flag_name, option_flag
 
 POINTER = "latest_checkpointed_iteration.txt"
 META = "mega_depth.json"
@@ -104,10 +103,16 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def run_meta(cfg: Config, format: str, run_id: str, **extra) -> dict:
+    """What a checkpoint records beside its tensors (mega_depth.json): its format, the run, the model's hash and the
+    whole config, whose `model:` flags hold every field of the architecture record (DecoderConfig)."""
+    return {"format": format, "run_id": run_id, "config_hash": config_hash(cfg), "config": to_dict(cfg), **extra}
+
+
 def config_hash(cfg: Config) -> str:
     """Identifies the model a checkpoint holds (shape and mechanism; not the layout or the schedule)."""
-    values = cfg.decoder_config().to_dict()
-    values.pop("hidden_dropout", None)
+    record = cfg.decoder_config().to_dict()
+    values = {key: record[key] for key in architecture_fields() + ["residual"]}
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -423,26 +428,10 @@ def resolve_load(load: str, comm, own: bool = False) -> Optional[Tuple[str, dict
     return value
 
 
-# Architecture fields whose flag is not their name; training switches that may change on resume
-_FIELD_FLAGS = {"tie_word_embeddings": "--untie-embeddings-and-output-weights", "moe_layer_pattern": "--moe-layer-freq"}
-_NOT_ARCHITECTURE = ("hidden_dropout", "residual")
-
-
 def architecture_model_fields() -> Tuple[str, ...]:
-    """The ModelConfig fields the architecture record (DecoderConfig) is built from: what --use-checkpoint-args
-    takes from a checkpoint. Derived from the record's fields (through their flags), so a new field is never
-    missed."""
-    from mega_depth.config import ModelConfig
-    from mega_depth.model.config import DecoderConfig
-
-    model_fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    wanted = set()
-    for f in dataclasses.fields(DecoderConfig):
-        if f.name not in _NOT_ARCHITECTURE:
-            name = _FIELD_FLAGS.get(f.name, "--" + f.name)[2:].replace("-", "_")
-            assert name in model_fields, f"DecoderConfig.{f.name} has no ModelConfig field ({name})"
-            wanted.add(name)
-    return tuple(name for name in model_fields if name in wanted)  # in the flags' order
+    """The `model:` flags that make the model: what --use-checkpoint-args takes from a checkpoint. Derived from the
+    architecture record (DecoderConfig), in its order, so a new field is never missed."""
+    return tuple(flag_name(name) for name in architecture_fields())
 
 
 def check_compatible(meta: dict, cfg: Config, where: str) -> None:
@@ -452,11 +441,8 @@ def check_compatible(meta: dict, cfg: Config, where: str) -> None:
 
     saved = saved_config(meta).decoder_config().to_dict()
     now = cfg.decoder_config().to_dict()
-    diffs = []
-    for key in now:
-        if key not in _NOT_ARCHITECTURE and saved.get(key) != now[key]:
-            flag = _FIELD_FLAGS.get(key, option_flag(key))
-            diffs.append(f"{flag}: checkpoint {saved.get(key)!r}, this run {now[key]!r}")
+    diffs = [f"{option_flag(flag_name(key))}: checkpoint {saved.get(key)!r}, this run {now[key]!r}"
+             for key in architecture_fields() if saved.get(key) != now[key]]
     saved_r, now_r = saved["residual"], now["residual"]
     for key in sorted(set(saved_r) | set(now_r), key=lambda k: (k != "mechanism", k)):
         if saved_r.get(key) != now_r.get(key):
@@ -479,4 +465,4 @@ def load_config_dict(meta: dict) -> dict:
 __all__ = ["CheckpointError", "CorruptCheckpoint", "META", "POINTER", "check_compatible", "check_fresh_save",
            "WRITE_ERRORS", "architecture_model_fields", "config_hash", "disk_full", "find_checkpoint",
            "interrupted_saves", "iter_dir", "list_checkpoints", "new_run_id", "predates_manifests", "prune",
-           "quarantine", "read_meta", "read_pointer", "resolve_load", "save", "to_dict", "write_pointer"]
+           "quarantine", "read_meta", "read_pointer", "resolve_load", "run_meta", "save", "to_dict", "write_pointer"]

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from mega_depth.config import Config, ConfigError
-from mega_depth.model.config import DecoderConfig
+from mega_depth.model.config import DecoderConfig, flag_values
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _MODEL_DIR = os.path.join(os.path.dirname(_HERE), "model")
@@ -266,29 +266,31 @@ def check_agreement(hf: dict, cfg: Config, folder: str) -> None:
 def _native_config(hf: dict, folder: str) -> Config:
     """The training config of a native Qwen3 / Llama folder (standard residual)."""
     rope = hf.get("rope_parameters") or {}
-    cfg = Config()
-    m = cfg.model
-    m.num_layers, m.hidden_size = hf["num_hidden_layers"], hf["hidden_size"]
-    m.num_attention_heads, m.num_query_groups = hf["num_attention_heads"], hf.get("num_key_value_heads")
-    m.ffn_hidden_size, m.vocab_size = hf["intermediate_size"], hf["vocab_size"]
-    m.norm_epsilon, m.qk_layernorm = hf.get("rms_norm_eps", 1e-6), hf["model_type"] in ("qwen3", "qwen3_moe")
-    m.rotary_base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    m.untie_embeddings_and_output_weights = not hf.get("tie_word_embeddings", False)
-    m.seq_length = min(hf.get("max_position_embeddings", 4096), 4096)
-    if hf.get("head_dim", m.hidden_size // m.num_attention_heads) != m.hidden_size // m.num_attention_heads:
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
         raise ConfigError(f"{folder}: head_dim != hidden_size / num_attention_heads is not supported")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ConfigError(f"{folder}: attention or MLP biases are not supported (Llama/Qwen3 without bias)")
+    moe = {}
     if hf["model_type"] == "qwen3_moe":
         if not hf.get("norm_topk_prob", False):
             raise ConfigError(f"{folder}: Qwen3-MoE with norm_topk_prob false (top-k weights not renormalised) is "
                               "not a routing mega_depth trains; only norm_topk_prob true imports")
         step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
-        pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(m.num_layers)]
-        m.num_experts = hf.get("num_experts", hf.get("num_local_experts"))  # (transformers 5 writes the latter)
-        m.moe_router_topk = hf["num_experts_per_tok"]
-        m.moe_ffn_hidden_size = hf["moe_intermediate_size"]
-        m.moe_layer_freq = "(" + "+".join(f"[{v}]" for v in pattern) + ")"
+        moe = dict(num_experts=hf.get("num_experts", hf.get("num_local_experts")),  # (transformers 5: the latter)
+                   moe_router_topk=hf["num_experts_per_tok"], moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                   moe_layer_pattern=[int(i not in dense and (i + 1) % step == 0) for i in range(layers)])
+    record = DecoderConfig(
+        num_layers=layers, hidden_size=hf["hidden_size"], num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        qk_layernorm=hf["model_type"] in ("qwen3", "qwen3_moe"),
+        rotary_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False), **moe)
+    cfg = Config()
+    for name, value in flag_values(record).items():
+        setattr(cfg.model, name, value)
+    cfg.model.seq_length = min(hf.get("max_position_embeddings", 4096), 4096)
     return cfg
 
 

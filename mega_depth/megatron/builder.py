@@ -26,6 +26,7 @@ from mega_depth.megatron.layer import DepthMixingLayer, DepthMixingSelfAttention
 from mega_depth.megatron import swiglu
 from mega_depth.megatron.norm import RMSNorm
 from mega_depth.megatron.pipeline import DepthPipeline, StageGeometry
+from mega_depth.model.config import DecoderConfig
 from mega_depth.model.registry import build as build_mechanism, mechanism_class
 from mega_depth.model.state_dict_adapter import is_expert_param, renumber_experts
 
@@ -36,7 +37,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.training
     dc = cfg.decoder_config()
     dtype = torch.bfloat16 if t.bf16 else torch.float32
-    needs_variable_shapes = mechanism_of(cfg).mixes_depth and p.pipeline_model_parallel_size > 1
+    needs_variable_shapes = mechanism_class(cfg.residual.mechanism).mixes_depth and p.pipeline_model_parallel_size > 1
     return TransformerConfig(
         num_layers=dc.num_layers,
         hidden_size=dc.hidden_size,
@@ -76,25 +77,28 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         recompute_num_layers=p.recompute_num_layers if p.recompute_granularity == "full" else None,
         deterministic_mode=False,
         deallocate_pipeline_outputs=False,
-        **moe_settings(cfg),
+        **moe_settings(cfg, dc),
     )
 
 
-def moe_settings(cfg: Config) -> dict:
-    """TransformerConfig's mixture-of-experts fields (none for a dense model). Dropless (no capacity factor), the
-    router in fp32."""
-    m, p, dc = cfg.model, cfg.parallel, cfg.decoder_config()
+# DecoderConfig's MoE fields that Megatron's TransformerConfig names or spells otherwise (0 is "none" in the record)
+_MEGATRON_MOE = {"num_experts": ("num_moe_experts", int), "moe_layer_pattern": ("moe_layer_freq", list),
+                 "moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size", lambda v: v or None)}
+
+
+def moe_settings(cfg: Config, dc: DecoderConfig) -> dict:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model): the record's MoE fields, each under
+    Megatron's name, then the training switches and the expert layout. Dropless (no capacity factor), the router in
+    fp32."""
+    m, p = cfg.model, cfg.parallel
     if not dc.num_experts:
         return {"moe_token_dispatcher_type": "alltoall"}
+    record = {}
+    for name, value in dc.moe_values().items():
+        megatron_name, convert = _MEGATRON_MOE.get(name, (name, None))
+        record[megatron_name] = convert(value) if convert else value
     return dict(
-        num_moe_experts=dc.num_experts,
-        moe_router_topk=dc.moe_router_topk,
-        moe_ffn_hidden_size=dc.moe_ffn_hidden_size,
-        moe_layer_freq=list(dc.moe_layer_pattern),
-        moe_shared_expert_intermediate_size=dc.moe_shared_expert_intermediate_size or None,
-        moe_router_score_function=dc.moe_router_score_function,
-        moe_router_enable_expert_bias=dc.moe_router_enable_expert_bias,
-        moe_router_pre_softmax=dc.moe_router_pre_softmax,
+        record,
         moe_router_bias_update_rate=m.moe_router_bias_update_rate,
         moe_router_load_balancing_type=m.moe_router_load_balancing_type,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
@@ -164,16 +168,15 @@ def layer_spec(cfg: Config, mechanism, moe: bool = False) -> ModuleSpec:
 
 def build_model_chunks(cfg: Config) -> List[GPTModel]:
     """One GPTModel per virtual pipeline stage held by this rank (parallel_state must be initialised)."""
-    tconfig = transformer_config(cfg)
+    dc, tconfig = cfg.decoder_config(), transformer_config(cfg)
     if tconfig.bias_activation_fusion:
         swiglu.apply()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = cfg.virtual_pipeline_size or 1
     mechanism = mechanism_of(cfg, parallel_state.get_tensor_model_parallel_world_size())
-    dc = cfg.decoder_config()
     specs = {False: layer_spec(cfg, mechanism), True: layer_spec(cfg, mechanism, moe=True) if dc.num_experts else None}
-    geometry = StageGeometry(cfg.model.num_layers, pp, vpp)
+    geometry = StageGeometry(dc.num_layers, pp, vpp)
     pipeline = DepthPipeline(mechanism, geometry, cfg.parallel.vp_cache)  # one per rank, shared by its chunks
     chunks = []
     for vp_stage in range(vpp):
@@ -193,9 +196,9 @@ def build_model_chunks(cfg: Config) -> List[GPTModel]:
             max_sequence_length=cfg.model.seq_length,
             pre_process=pre,
             post_process=post,
-            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            share_embeddings_and_output_weights=dc.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=cfg.model.rotary_base,
+            rotary_base=dc.rotary_base,
             vp_stage=vp_arg,
         )
         if mechanism.mixes_depth:

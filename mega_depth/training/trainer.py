@@ -16,7 +16,7 @@ import time
 from typing import List
 
 from mega_depth.checkpoint import rules
-from mega_depth.config import Config, ConfigError, to_dict
+from mega_depth.config import Config, ConfigError
 from mega_depth.training import report
 from mega_depth.training.logger import Logger, check_output_dir
 
@@ -273,7 +273,7 @@ class Trainer:
         error = b.broadcast(error)
         if error:
             raise ConfigError(error)
-        meta = {"format": b.format, "run_id": run_id, "config_hash": rules.config_hash(cfg), "config": to_dict(cfg)}
+        meta = rules.run_meta(cfg, b.format, run_id)
         history, train_time, last_routing = [], 0.0, None
         try:
             for step in range(start, cfg.training.train_iters):

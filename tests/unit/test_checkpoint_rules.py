@@ -410,3 +410,52 @@ def test_use_checkpoint_args_takes_every_architecture_field_from_an_moe_checkpoi
     assert "num_experts" in said[0] and "moe_layer_freq" in said[0]
     # the training switches stay this run's
     assert cfg.model.moe_aux_loss_coeff == parse_args([]).model.moe_aux_loss_coeff
+
+
+_NEW_FIELD = '''
+import dataclasses, json, sys
+import mega_depth.model.config as record
+
+@dataclasses.dataclass
+class WithRopeScaling(record.DecoderConfig):  # a new architecture field, declared as every field is, and nothing else
+    rope_scaling: float = record._field("RoPE position scaling", 1.0, "float", default=1.0)
+
+record.DecoderConfig = WithRopeScaling  # before the config layer is built from it
+
+from mega_depth.checkpoint import rules
+from mega_depth.checkpoint.plain import SingleProcess
+from mega_depth.config import parse_args
+from mega_depth.train import apply_checkpoint_args
+
+root = sys.argv[1]
+run = parse_args(["--mock-data", "--rope-scaling", "4.0"])
+rules.save(root, 1, lambda tmp: None, rules.run_meta(run, "plain", "r"), keep_last=1, comm=SingleProcess())
+meta = rules.read_meta(rules.iter_dir(root, 1))
+fresh = parse_args(["--mock-data", "--load", root, "--use-checkpoint-args"])
+said = []
+apply_checkpoint_args(fresh, said.append)
+try:
+    rules.check_compatible(meta, parse_args(["--mock-data"]), "c")
+    refused = ""
+except rules.CheckpointError as e:
+    refused = str(e)
+print(json.dumps({"saved": meta["config"]["model"].get("rope_scaling"), "hash_differs": meta["config_hash"] !=
+                  rules.config_hash(parse_args(["--mock-data"])), "taken": fresh.decoder_config().rope_scaling,
+                  "said": said[0], "refused": refused}))
+'''
+
+
+def test_a_new_decoder_config_field_is_saved_compared_and_taken_with_no_other_edit(tmp_path):
+    """DecoderConfig is the one record of the architecture: a field added to it (here by a subclass put in its
+    place before the config layer is built) is a flag, goes into a real checkpoint's metadata and its model hash,
+    is compared on resume (named by its flag) and is restored by --use-checkpoint-args, with no other edit."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NEW_FIELD, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["saved"] == 4.0 and found["hash_differs"] and found["taken"] == 4.0, found
+    assert "(set: rope_scaling)" in found["said"], found
+    assert "--rope-scaling: checkpoint 4.0, this run 1.0" in found["refused"], found
