@@ -7,7 +7,9 @@ For each config launch/configs/<size>-<mechanism>.yaml the mechanism's mixing ru
 tensors at the config's sizes and TP/SP split, its Triton launches are recorded (mega_depth/kernels/aot.py), and
 each distinct specialisation is compiled for each target (sm_80 A100, sm_90 H100/H200, sm_100 B200) and dtype. No
 GPU is needed. Per kernel: registers, stack, shared memory, spill stores / loads (ptxas -v) and occupancy (resident
-warps per SM). Exits 1 on a compile error or a spill. --markdown prints the table docs/benchmarks.md keeps.
+warps per SM) and the width of its global loads (PTX: a bf16 row read 2 bytes a load is a failure, 16 is what
+bandwidth wants). Exits 1 on a compile error, a spill or a narrow load. --markdown prints the table
+docs/benchmarks.md keeps.
 """
 
 import argparse
@@ -37,44 +39,67 @@ def load_config(path):
     return cfg.validate(per_stage * p.pipeline_model_parallel_size)
 
 
-def survey(sizes, targets, dtypes, log=print):
+def survey(sizes, targets, dtypes, log=print, workers=None):
     """[{configs, dtype, target, kernel, registers, ..., error}]: every distinct launch of the configs (a kernel
-    specialisation that several configs launch is compiled once per target and dtype)."""
+    specialisation that several configs launch is compiled once per target and dtype). Each (dtype, target) is
+    one job; the jobs run in `workers` processes (default: one per core), since compiling is CPU-bound."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(sizes, dtype, target) for dtype in dtypes for target in targets]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    if workers == 1:
+        done = map(_survey_one, jobs)
+    else:
+        pool = ProcessPoolExecutor(workers)
+        done = pool.map(_survey_one, jobs)
+    rows = []
+    for job_rows, line in done:
+        rows += job_rows
+        log(line)
+    if workers > 1:
+        pool.shutdown()
+    return rows
+
+
+def _survey_one(job):
+    """(rows, a log line) of one (sizes, dtype, target) job."""
     import torch
 
     from mega_depth.kernels import aot
 
-    configs = [(os.path.basename(p)[:-5], load_config(p)) for p in config_paths(sizes)]
+    sizes, dtype, target = job
+    start, seen = time.time(), {}
+    for path in config_paths(sizes):
+        name, cfg = os.path.basename(path)[:-5], load_config(path)
+        for launch in aot.config_launches(cfg, getattr(torch, DTYPES[dtype]), aot.TARGETS[target][0]):
+            seen.setdefault(aot.specialisation(launch), (launch, set()))[1].add(name)
     rows = []
-    for dtype in dtypes:
-        for target in targets:
-            start, seen = time.time(), {}
-            for name, cfg in configs:
-                for launch in aot.config_launches(cfg, getattr(torch, DTYPES[dtype]), aot.TARGETS[target][0]):
-                    seen.setdefault(aot.specialisation(launch), (launch, set()))[1].add(name)
-            for launch, names in seen.values():
-                row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}",
-                       "kernel": aot.describe(launch)}
-                try:
-                    row.update(aot.resources(aot.compile_launch(launch, target), target))
-                except Exception as exc:  # a compile error is a result here, not a crash
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                rows.append(row)
-            log(f"{dtype} sm_{target}: {len(seen)} distinct kernels in {time.time() - start:.1f} s")
-    return rows
+    for launch, names in seen.values():
+        row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}", "kernel": aot.describe(launch)}
+        try:
+            row.update(aot.resources(aot.compile_launch(launch, target), target))
+        except Exception as exc:  # a compile error is a result here, not a crash
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        rows.append(row)
+    return rows, f"{dtype} sm_{target}: {len(seen)} distinct kernels in {time.time() - start:.1f} s"
 
 
 def failures(rows):
-    return [r for r in rows if r.get("error") or r.get("spill_stores") or r.get("local")]
+    """Rows with a compile error, a spill, or a global load of 2 bytes or less a thread (a bf16 row read one value
+    at a time: latency-bound where it should move 16 bytes a load)."""
+    return [r for r in rows if r.get("error") or r.get("spill_stores") or r.get("local") or r.get("narrow_loads")]
 
 
 def markdown(rows):
     """One line per kernel: over all its specialisations (configs, shapes) and both dtypes, per target the most
-    registers and the lowest occupancy; the most shared memory and stack; the spills (all 0 when the check passes)."""
+    registers and the lowest occupancy; the most shared memory and stack; the spills and the narrow loads (all 0
+    when the check passes); over the bf16 rows, the narrowest of the kernels' widest loads (bytes a thread) and the
+    smallest load wave (KiB an SM asks for with one such load a thread)."""
     kernels = {}
     for r in rows:
         k = kernels.setdefault(r["kernel"].split("(")[0], {"targets": {}, "shared": 0, "stack": 0, "spills": 0,
-                                                           "n": 0, "errors": 0})
+                                                           "n": 0, "errors": 0, "narrow": 0, "widest": None,
+                                                           "wave": None})
         if r.get("error"):
             k["errors"] += 1
             continue
@@ -82,15 +107,20 @@ def markdown(rows):
         t[0], t[1] = max(t[0], r["registers"]), min(t[1], r["occupancy"])
         k["shared"], k["stack"] = max(k["shared"], r["shared"]), max(k["stack"], r["stack"])
         k["spills"] += r["spill_stores"] + r["local"]
+        k["narrow"] += r.get("narrow_loads", 0)
+        if r["dtype"] == "bf16" and "widest_load" in r:
+            k["widest"] = min(k["widest"] or r["widest_load"], r["widest_load"])
+            k["wave"] = min(k["wave"] or r["load_wave"], r["load_wave"])
         k["n"] += 1
     targets = sorted({r["target"] for r in rows}, key=lambda t: int(t[3:]))
     lines = ["| kernel | compiled | " + " | ".join(f"{t}: regs / occupancy" for t in targets) +
-             " | shared B | stack B | spills B | errors |",
-             "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|"]
+             " | shared B | stack B | spills B | narrow loads | bf16 load B | bf16 load wave KiB/SM | errors |",
+             "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|---:|---:|---:|"]
     for name, k in sorted(kernels.items()):
         cells = [f"{k['targets'][t][0]} / {k['targets'][t][1]} %" if t in k["targets"] else "" for t in targets]
-        lines.append(f"| `{name}` | {k['n']} | " + " | ".join(cells) +
-                     f" | {k['shared']} | {k['stack']} | {k['spills']} | {k['errors']} |")
+        wave = "" if k["wave"] is None else f"{k['wave'] / 1024:.0f}"
+        lines.append(f"| `{name}` | {k['n']} | " + " | ".join(cells) + f" | {k['shared']} | {k['stack']} | "
+                     f"{k['spills']} | {k['narrow']} | {k['widest'] or ''} | {wave} | {k['errors']} |")
     return "\n".join(lines)
 
 
@@ -110,9 +140,10 @@ def main(argv=None) -> int:
         print(markdown(rows))
     bad = failures(rows)
     for r in bad:
-        why = r.get("error") or f"{r['spill_stores']} B spill stores, {r['local']} B local"
+        why = r.get("error") or (f"{r['narrow_loads']} global loads of 2 bytes or less" if r.get("narrow_loads")
+                                 else f"{r['spill_stores']} B spill stores, {r['local']} B local")
         print(f"FAIL {','.join(r['configs'])} {r['dtype']} {r['target']} {r['kernel']}: {why}")
-    print(f"{len(rows)} compiled kernels, {len(bad)} with a compile error or a spill")
+    print(f"{len(rows)} compiled kernels, {len(bad)} with a compile error, a spill or a narrow load")
     return 1 if bad else 0
 
 

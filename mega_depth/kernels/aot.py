@@ -194,7 +194,9 @@ def _nvidia_tool(name: str) -> str:
 
 def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
     """{"registers", "stack" (bytes a thread), "shared" (bytes a block), "local" (bytes a thread), "spill_stores" /
-    "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds)} of a compiled kernel: the
+    "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds), "narrow_loads" (global loads of
+    2 bytes or less a thread), "widest_load" (bytes a thread), "load_wave" (bytes the resident threads of an SM
+    ask for with one widest load each: what one load instruction puts in flight)} of a compiled kernel: the
     cubin's resource usage as cuobjdump --dump-resource-usage reads it, and the spills ptxas -v reports for its
     PTX (Triton runs ptxas with -v but keeps the report to itself; a spill goes to the stack frame, which cuobjdump
     shows as STACK, not LOCAL)."""
@@ -214,9 +216,38 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
     found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     regs, shared = int(found["REG"]), max(int(found["SHARED"]), compiled.shared)
+    resident = occupancy(regs, shared, compiled.num_warps, capability)
+    widths = load_widths(compiled.ptx)
+    widest = max(widths, default=0)
     return {"registers": regs, "stack": int(found["STACK"]), "shared": shared, "local": int(found["LOCAL"]),
-            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
-            "occupancy": occupancy(regs, shared, compiled.num_warps, capability)}
+            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)), "occupancy": resident,
+            "narrow_loads": sum(count for size, count in widths.items() if size <= 2), "widest_load": widest,
+            "load_wave": resident * 64 * 32 // 100 * widest}
+
+
+# A global load in PTX: ld.global[.nc][.L1::...].[v2|v4].<type> (predicated or not), or an asynchronous copy to
+# shared memory (cp.async.{ca,cg}.shared.global [dst], [src], <bytes>).
+_GLOBAL_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global((?:\.[\w:]+)*)\s", re.M)
+_LOAD_TYPE = re.compile(r"\.(?:v(\d+)\.)?[bsuf](8|16|32|64|128)$")
+_ASYNC_COPY = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?cp\.async\.\w+\.shared\.global\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)", re.M)
+
+
+def load_widths(ptx: str) -> Dict[int, int]:
+    """{bytes one thread loads in one instruction: how many such global loads} in a kernel's PTX. A bf16 row read
+    through a pointer whose alignment Triton cannot prove compiles to 2-byte loads (ld.global.b16); a row at
+    bandwidth wants 16 (ld.global.v4.b32, or cp.async of 16 bytes)."""
+    out: Dict[int, int] = {}
+    for match in _GLOBAL_LOAD.finditer(ptx):
+        kind = _LOAD_TYPE.search(match.group(1))
+        if kind is None:
+            raise ValueError(f"unreadable PTX load: ld.global{match.group(1)}")
+        size = int(kind.group(1) or 1) * int(kind.group(2)) // 8
+        out[size] = out.get(size, 0) + 1
+    for match in _ASYNC_COPY.finditer(ptx):
+        size = int(match.group(1), 0)
+        out[size] = out.get(size, 0) + 1
+    return out
 
 
 def occupancy(registers: int, shared: int, num_warps: int, capability: int) -> int:

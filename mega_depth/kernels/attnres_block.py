@@ -22,10 +22,10 @@ from torch import Tensor
 
 from mega_depth.kernels.attnres_mix import accumulate
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, channel_block,
-                                       check_heads, chunk, chunk_block, contiguous, depth_weight_is_sigmoid,
-                                       folded_query, folded_query_torch, jit, launch, nothing, pick, pointer_at,
-                                       pointer_table, pow2, programs, reduction_grid, register_fake, rms_inverse,
-                                       rms_inverse_torch, rows, tl, token, uses_triton, warps)
+                                       check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32, dot_dim, dot_t,
+                                       folded_query, folded_query_torch, jit, launch, nothing, pointer_at,
+                                       pointer_table, pointers_at, pow2, programs, reduction_grid, register_fake,
+                                       rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
@@ -36,36 +36,49 @@ from mega_depth.kernels.eager import autograd, call
 @jit
 def _phase1_pass1(table, q_ptr, g_ptr, go_ptr, n, valid, K, N, S, D, C, H, eps, like_ptr, BK: tl.constexpr,
                   BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr, GO: tl.constexpr):
-    """Pass 1 over a token's K blocks, chunk by chunk (each chunk of the queries loaded once for all blocks): the
-    logits of every (block, query, head) [BK, BS, BH], their dot products with the folded queries before the key
-    norm, 1 / RMS of every block [BK] (1 without a key norm) and, with GO, go_s . v_k [BK, BS, BH] (go_ptr:
-    [S, N, d])."""
+    """Pass 1 over a token's K blocks, head by head and chunk by chunk: each chunk of all K blocks is one [BK, BCH]
+    tile (16-byte loads), its products with the S folded queries (and, with GO, the S output gradients go_ptr
+    [S, N, d]) one dot each, accumulated over the chunks. -> the logits of every (block, query, head) [BK, BS, BH],
+    their dots before the key norm, go_s . v_k [BK, BS, BH] and 1 / RMS of every block [BK] (1 without a key
+    norm)."""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
+    oh = tl.arange(0, BH)
+    oc = tl.arange(0, BCH)
+    kmask = ok < K
     smask = os_ < S
+    blocks = pointers_at(table, ok, kmask, like_ptr)
     dots = tl.zeros([BK, BS, BH], dtype=tl.float32)
     gov = tl.zeros([BK, BS, BH], dtype=tl.float32)
-    squares = tl.zeros([BK], dtype=tl.float32)
-    for c0 in range(0, C, BCH):
-        offs, cmask = chunk_block(c0, C, H, BH, BCH)
-        qmask = smask[:, None, None] & cmask[None, :, :]
-        f = folded_query(q_ptr, g_ptr, os_[:, None, None] * D + offs[None, :, :], qmask, like_ptr, NORM)
-        if GO:
-            go = tl.load(go_ptr + os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :],
-                         mask=qmask & valid, other=0.).to(tl.float32)
-        for k in range(K):
-            v = tl.load(pointer_at(table, k, like_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
-            sel = (ok == k)[:, None, None]
-            dots = tl.where(sel, dots + tl.sum(v[None, :, :] * f, axis=2)[None, :, :], dots)
+    squares = tl.zeros([BK, BCH], dtype=tl.float32)
+    for h in range(H):
+        head_dots = tl.zeros([BK, BS], dtype=tl.float32)
+        head_gov = tl.zeros([BK, BS], dtype=tl.float32)
+        for c0 in range(0, C, BCH):
+            offs = h * C + c0 + oc
+            cmask = (c0 + oc < C) & valid
+            v = tl.load(blocks[:, None] + n * D + offs[None, :], mask=kmask[:, None] & cmask[None, :], other=0.)
+            qmask = smask[:, None] & cmask[None, :]
+            f = folded_query(q_ptr, g_ptr, os_[:, None] * D + offs[None, :], qmask, like_ptr, NORM)
+            head_dots = dot_t(v, f.to(v.dtype), head_dots)
             if GO:
-                gov = tl.where(sel, gov + tl.sum(v[None, :, :] * go, axis=2)[None, :, :], gov)
+                go = tl.load(go_ptr + os_[:, None].to(tl.int64) * N * D + n * D + offs[None, :], mask=qmask, other=0.)
+                head_gov = dot_t(v, go, head_gov)
             if NORM:
-                squares = tl.where(ok == k, squares + tl.sum(tl.sum(v * v, axis=1), axis=0), squares)
+                squares += v.to(tl.float32) * v.to(tl.float32)
+        dots = tl.where((oh == h)[None, None, :], head_dots[:, :, None], dots)
+        gov = tl.where((oh == h)[None, None, :], head_gov[:, :, None], gov)
     if NORM:
-        rinv = tl.rsqrt(squares / D + eps)
+        rinv = tl.rsqrt(tl.sum(squares, axis=1) / D + eps)
     else:
         rinv = tl.full([BK], 1., tl.float32)
     return dots * rinv[:, None, None], dots, gov, rinv
+
+
+@jit
+def _head(tile, oh, h):
+    """tile[:, :, h] of a [BK, BS, BH] tile: [BK, BS]."""
+    return tl.sum(tl.where((oh == h)[None, None, :], tile, 0.), axis=2)
 
 
 @jit
@@ -73,35 +86,40 @@ def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, 
                        BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr):
     """Per token: pass 1 finds the logits of every (block, query, head), pass 2 walks the chunks again and sums
-    the blocks weighted by exp(l - m) (or sigmoid(l)); the second read of a token's blocks comes from cache."""
+    the blocks weighted by exp(l - m) (or sigmoid(l)), one dot [BS, BK] x [BK, BCH] a chunk; the second read of a
+    token's blocks comes from cache."""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
+    oc = tl.arange(0, BCH)
     smask = os_ < S
-    kmask = (ok < K)[:, None, None]
+    kmask = ok < K
+    live = kmask[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
+    blocks = pointers_at(table, ok, kmask, o_ptr)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
         logit, _, _, _ = _phase1_pass1(table, q_ptr, g_ptr, o_ptr, n, valid, K, N, S, D, C, H, eps, o_ptr, BK, BS,
                                        BH, BCH, NORM, False)
         if SIGMOID:
-            p = tl.where(kmask, tl.sigmoid(logit), 0.)
+            p = tl.where(live, tl.sigmoid(logit), 0.)
         else:
-            logit = tl.where(kmask, logit, float("-inf"))
+            logit = tl.where(kmask[:, None, None], logit, float("-inf"))
             m = tl.max(logit, axis=0)
-            p = tl.where(kmask, tl.exp(logit - m[None, :, :]), 0.)
+            p = tl.where(live, tl.exp(logit - m[None, :, :]), 0.)
             soffs = os_[:, None].to(tl.int64) * N * H + n * H + oh[None, :]
             smask2 = smask[:, None] & (oh < H)[None, :] & valid
             tl.store(m_ptr + soffs, m, mask=smask2)
             tl.store(z_ptr + soffs, tl.sum(p, axis=0), mask=smask2)
-        for c0 in range(0, C, BCH):
-            offs, cmask = chunk_block(c0, C, H, BH, BCH)
-            acc = tl.zeros([BS, BH, BCH], dtype=tl.float32)
-            for k in range(K):
-                v = tl.load(pointer_at(table, k, o_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
-                acc += pick(p, ok, k)[:, :, None] * v[None, :, :]
-            orow = os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :]
-            tl.store(o_ptr + orow, acc.to(o_ptr.dtype.element_ty), mask=smask[:, None, None] & cmask[None, :, :] & valid)
+        for h in range(H):
+            weights = tl.trans(_head(p, oh, h))  # [BS, BK]
+            for c0 in range(0, C, BCH):
+                offs = h * C + c0 + oc
+                cmask = (c0 + oc < C) & valid
+                v = tl.load(blocks[:, None] + n * D + offs[None, :], mask=kmask[:, None] & cmask[None, :], other=0.)
+                orow = os_[:, None].to(tl.int64) * N * D + n * D + offs[None, :]
+                tl.store(o_ptr + orow, dot32(weights, v).to(o_ptr.dtype.element_ty),
+                         mask=smask[:, None] & cmask[None, :])
 
 
 @jit
@@ -109,13 +127,18 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
                        BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
     """Per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its gradient are local
-    to block j. Pass 1: logits and go . v of every block; pass 2: the block gradients, chunk by chunk. The logit
-    gradients (times 1 / RMS) go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
+    to block j. Pass 1: logits and go . v of every block; pass 2: the block gradients, chunk by chunk, as
+    p^T go + dl^T f (two dots [BK, BS] x [BS, BCH]) less the key norm's term. The logit gradients (times 1 / RMS)
+    go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
+    oc = tl.arange(0, BCH)
     smask = os_ < S
-    live = (ok < K)[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
+    kmask = ok < K
+    live = kmask[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
+    blocks = pointers_at(table, ok, kmask, go_ptr)
+    block_grads = pointers_at(gtable, ok, kmask, go_ptr)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -138,40 +161,52 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
         dl = dl * rinv[:, None, None]
         woffs = ((n * K + ok[:, None, None]) * S + os_[None, :, None]) * H + oh[None, None, :]
         tl.store(w_ptr + woffs, dl, mask=live & valid)
-        for c0 in range(0, C, BCH):
-            offs, cmask = chunk_block(c0, C, H, BH, BCH)
-            qmask = smask[:, None, None] & cmask[None, :, :]
-            f = folded_query(q_ptr, g_ptr, os_[:, None, None] * D + offs[None, :, :], qmask, go_ptr, NORM)
-            go = tl.load(go_ptr + os_[:, None, None].to(tl.int64) * N * D + n * D + offs[None, :, :],
-                         mask=qmask & valid, other=0.).to(tl.float32)
-            for k in range(K):
-                v = tl.load(pointer_at(table, k, go_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
-                dv = tl.sum(pick(p, ok, k)[:, :, None] * go + pick(dl, ok, k)[:, :, None] * f, axis=0)
+        shrink = dr * rinv * rinv * rinv / D  # the key norm's term: dv -= shrink * v
+        for h in range(H):
+            p_h = _head(p, oh, h)
+            dl_h = _head(dl, oh, h)
+            for c0 in range(0, C, BCH):
+                offs = h * C + c0 + oc
+                cmask = (c0 + oc < C) & valid
+                qmask = smask[:, None] & cmask[None, :]
+                f = folded_query(q_ptr, g_ptr, os_[:, None] * D + offs[None, :], qmask, go_ptr, NORM)
+                go = tl.load(go_ptr + os_[:, None].to(tl.int64) * N * D + n * D + offs[None, :], mask=qmask,
+                             other=0.)
+                dv = dot32(p_h, go) + dot32(dl_h, f)
+                tile = kmask[:, None] & cmask[None, :]
                 if NORM:
-                    r = tl.sum(tl.where(ok == k, rinv, 0.), axis=0)
-                    dv -= (tl.sum(tl.where(ok == k, dr, 0.), axis=0) * r * r * r / D) * v
-                tl.store(pointer_at(gtable, k, go_ptr) + n * D + offs, dv.to(go_ptr.dtype.element_ty),
-                         mask=cmask & valid)
+                    v = tl.load(blocks[:, None] + n * D + offs[None, :], mask=tile, other=0.).to(tl.float32)
+                    dv -= shrink[:, None] * v
+                tl.store(block_grads[:, None] + n * D + offs[None, :], dv.to(go_ptr.dtype.element_ty), mask=tile)
 
 
 @jit
-def _phase1_dq_kernel(table, like_ptr, w_ptr, df_ptr, K, N, S, D, C, H, TOK, BS: tl.constexpr, BH: tl.constexpr,
+def _phase1_dq_kernel(table, like_ptr, w_ptr, df_ptr, K, N, S, D, C, H, TOK, BS: tl.constexpr, BT: tl.constexpr,
                       BCH: tl.constexpr):
     """dL/d(folded queries) [S, d] = sum over tokens and blocks of w[n, k, s, h] v_k[n, h-th channels]: one
-    program per (channel chunk, token split), one atomic add per program."""
+    program per (head, channel chunk, token split), BT tokens a step as one dot [BS, BT] x [BT, BCH], one atomic
+    add per program."""
+    chunks = tl.cdiv(C, BCH)
+    h = tl.program_id(0) // chunks
+    c0 = (tl.program_id(0) % chunks) * BCH
     os_ = tl.arange(0, BS)
-    oh = tl.arange(0, BH)
-    offs, cmask = chunk_block(tl.program_id(0) * BCH, C, H, BH, BCH)
-    wmask = (os_ < S)[:, None] & (oh < H)[None, :]
-    acc = tl.zeros([BS, BH, BCH], dtype=tl.float32)
-    for t in range(TOK):
-        n = token(tl.program_id(1), t, TOK)
-        valid = n < N
-        for k in range(K):
-            v = tl.load(pointer_at(table, k, like_ptr) + n * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
-            w = tl.load(w_ptr + ((n * K + k) * S + os_[:, None]) * H + oh[None, :], mask=wmask & valid, other=0.)
-            acc += w[:, :, None] * v[None, :, :]
-    tl.atomic_add(df_ptr + os_[:, None, None] * D + offs[None, :, :], acc, mask=(os_ < S)[:, None, None] & cmask[None])
+    oc = tl.arange(0, BCH)
+    ot = tl.arange(0, BT)
+    offs = h * C + c0 + oc
+    cmask = c0 + oc < C
+    first = tl.program_id(1).to(tl.int64) * TOK
+    end = tl.minimum(first + TOK, N)
+    acc = tl.zeros([BS, BCH], dtype=tl.float32)
+    for k in range(K):
+        block = pointer_at(table, k, like_ptr)
+        for t0 in range(0, TOK, BT):
+            n = first + t0 + ot
+            tmask = n < end
+            v = tl.load(block + n[:, None] * D + offs[None, :], mask=tmask[:, None] & cmask[None, :], other=0.)
+            w = tl.load(w_ptr + ((n[None, :] * K + k) * S + os_[:, None]) * H + h,
+                        mask=(os_ < S)[:, None] & tmask[None, :], other=0.)
+            acc += dot32(w, v)
+    tl.atomic_add(df_ptr + os_[:, None] * D + offs[None, :], acc, mask=(os_ < S)[:, None] & cmask[None, :])
 
 
 @jit
@@ -276,11 +311,20 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
         tl.atomic_add(df_ptr + offs, total, mask=cmask)
 
 
+_DQ_TOKENS = 32  # tokens per step of the queries' gradient: a [32, chunk] tile of a block's rows per load
+
+
+def _phase1_warps(bs: int) -> int:
+    """Warps of a phase-1 program: 4 (16-byte loads of a [16, 64] tile, 3 blocks an SM at the 1B size), 8 past 16
+    queries a block, where 4 spill in fp32 (compiled for sm_80 / sm_90 / sm_100: tests/unit/test_kernels_aot.py)."""
+    return 4 if bs <= 16 else 8
+
+
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
-    """Block dims of the phase-1 kernels: (BK, BS, BH, BCH) for K blocks, S queries, heads."""
-    d = srcs[0].shape[1]
-    bs, bh = pow2(s), pow2(heads)
-    return pow2(len(srcs)), bs, bh, chunk(d // heads, bs * bh)
+    """Block dims of the phase-1 kernels: (BK, BS, BCH) for K blocks, S queries and a head's channels (compiled, at
+    least 16 each: the dots' smallest tile)."""
+    c = srcs[0].shape[1] // heads
+    return dot_dim(len(srcs)), dot_dim(s), dot_dim(chunk(c, 16))  # 64 channels (a [16, 64] tile) when compiled
 
 
 def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
@@ -291,11 +335,11 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
     z = (torch.ones if sigmoid else torch.empty)((s, n, heads), dtype=F32, device=o.device)  # and z = 1
     if n == 0:
         return m, z, o
-    bk, bs, bh, bch = _phase1_blocks(srcs, s, heads)
+    bk, bs, bch = _phase1_blocks(srcs, s, heads)
     count, tok = programs(n, o.device, reduces=False)
     launch(_phase1_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs), n, s,
                                           d, d // heads, heads, eps, tok),
-           4, BK=bk, BS=bs, BH=bh, BCH=bch, NORM=g is not None, SIGMOID=sigmoid)
+           _phase1_warps(bs), BK=bk, BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid)
     return m, z, o
 
 
@@ -306,19 +350,20 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
     grads = [torch.empty_like(x) for x in srcs]
     df = torch.zeros((s, d), dtype=F32, device=go.device)
     if n > 0:
-        bk, bs, bh, bch = _phase1_blocks(srcs, s, heads)
+        bk, bs, bch = _phase1_blocks(srcs, s, heads)
         w = torch.empty((n, len(srcs), s, heads), dtype=F32, device=go.device)  # the logits' gradients
         table = pointer_table(srcs)
         count, tok = programs(n, go.device, reduces=False)
         launch(_phase1_bwd_kernel, (count,), (table, pointer_table(grads), q, q if g is None else g, m, go,
                                               m if gz is None else gz, w, len(srcs), n, s, d, d // heads, heads, eps,
                                               tok),
-               4, BK=bk, BS=bs, BH=bh, BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+               _phase1_warps(bs), BK=bk, BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid,
+               HAS_GZ=gz is not None)
         chunks = cdiv(d // heads, bch)
-        splits, tok = reduction_grid(n, chunks, go.device)
-        launch(_phase1_dq_kernel, (chunks, splits), (table, srcs[0], w, df, len(srcs), n, s, d, d // heads, heads,
-                                                     tok),
-               4, BS=bs, BH=bh, BCH=bch)
+        splits, tok = reduction_grid(n, heads * chunks, go.device)
+        launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, df, len(srcs), n, s, d, d // heads,
+                                                             heads, tok),
+               8, BS=bs, BT=_DQ_TOKENS, BCH=bch)
     if g is None:
         return grads, df, None
     return grads, df * g.float(), df * q.float()

@@ -167,6 +167,12 @@ def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
     return cdiv(n, tok), tok
 
 
+def dot_dim(n: int) -> int:
+    """A block dim that a tl.dot multiplies over: the next power of two, at least 16 when compiled (the smallest
+    dot tile); under the interpreter as small as the data, so that tests walk several chunks."""
+    return max(pow2(n), 1 if interpreting() and _RECORDER is None else 16)
+
+
 def chunk(c: int, rows: int = 1) -> int:
     """Channels per step of a kernel that walks a row in chunks (a [rows, chunk] tile of about 1k values, so that
     registers do not grow with d); 4 under the interpreter, so that tests walk several chunks and a masked tail."""
@@ -200,6 +206,10 @@ def pointer_table(tensors: Sequence[Tensor]) -> Tensor:
     mixing call, forward, backward and recompute). The caching host allocator keeps the pinned block until the
     copy has run."""
     device = tensors[0].device
+    misaligned = [i for i, t in enumerate(tensors) if t.data_ptr() % 16]
+    if misaligned:  # the kernels load rows through the table in 16-byte vectors (pointer_at's hint)
+        raise ValueError(f"pointer_table: tensors {misaligned} do not start on a 16-byte boundary; pass "
+                         "contiguous tensors of their own (.contiguous() or .clone())")
     host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
@@ -224,9 +234,16 @@ def as_list(sources: Sources) -> List[Tensor]:
 
 
 def rows(t: Tensor, d: int) -> Tensor:
-    """[*, d] as contiguous token rows [N, d]: a view when the layout allows, else a transient copy."""
+    """[*, d] as contiguous token rows [N, d], 16-byte aligned: a view when the layout allows, else a transient
+    copy."""
     t = t.reshape(-1, d)
-    return t if t.is_contiguous() else t.contiguous()
+    return aligned(t if t.is_contiguous() else t.contiguous())
+
+
+def aligned(t: Tensor) -> Tensor:
+    """t, or a copy where it does not start on a 16-byte boundary (a view into a tensor at an odd offset): what a
+    pointer table may hold (pointer_table)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -331,8 +348,36 @@ def rms_inverse(v, D, eps):
 
 @jit
 def pointer_at(table, k, like_ptr):
-    """The k-th pointer of a pointer table, typed like like_ptr."""
-    return tl.load(table + k).to(tl.pointer_type(like_ptr.dtype.element_ty))
+    """The k-th pointer of a pointer table, typed like like_ptr, and known 16-byte aligned (pointer_table checks it):
+    without the hint Triton cannot prove the alignment of a loaded pointer and reads bf16 rows 2 bytes at a time."""
+    return tl.multiple_of(tl.load(table + k).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
+
+
+@jit
+def pointers_at(table, ok, kmask, like_ptr):
+    """The pointers [BK] of a table's first K entries (ok = arange(BK), kmask = ok < K; masked ones are null and
+    never read), typed like like_ptr and 16-byte aligned: a [BK, chunk] tile of rows loads in 16-byte vectors."""
+    return tl.multiple_of(tl.load(table + ok, mask=kmask, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
+
+
+# Whether tl.dot takes bf16/fp16 operands as they are (on the tensor cores: exact products, fp32 sums). Compiled
+# it does; the interpreter misreads bf16 in a dot, so there both operands go in as fp32 (the same products).
+NATIVE_DOT = tl.constexpr(not interpreting()) if tl is not None else None
+
+
+@jit
+def dot_t(a, b, acc):
+    """acc + a @ b^T in fp32: [M, C] and [N, C] (one dtype; compiled, M, N and C >= 16) -> [M, N]."""
+    if NATIVE_DOT:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+
+
+@jit
+def dot32(a, b):
+    """a @ b in fp32 (weights [M, K] times rows [K, N]) to fp32 accuracy on the tensor cores: three TF32 products
+    (tf32x3), not one (TF32 alone keeps 10 mantissa bits)."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
 
 
 def _patch_interpreter_index() -> None:

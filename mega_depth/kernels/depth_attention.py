@@ -17,8 +17,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import (Sources, accumulation_dtype, jit, launch, pointer_at, pointer_table, pow2,
-                                       programs, register_fake, tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (Sources, accumulation_dtype, aligned, jit, launch, pointer_at, pointer_table,
+                                       pow2, programs, register_fake, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.model import mixing
 
@@ -306,8 +306,8 @@ def _head_rows(t: Tensor) -> Tensor:
 
 
 def _operands(query, key, value, cand_keys, cand_values):
-    ck = [_head_rows(c).contiguous() for c in cand_keys]
-    cv = [_head_rows(c).contiguous() for c in cand_values]
+    ck = [aligned(_head_rows(c).contiguous()) for c in cand_keys]
+    cv = [aligned(_head_rows(c).contiguous()) for c in cand_values]
     return _head_rows(query), _head_rows(key), _head_rows(value), ck, cv
 
 

@@ -1,5 +1,6 @@
 """Every Triton kernel the shipped 125M / 1B / 7B configs launch compiles ahead of time for sm_80, sm_90 and sm_100,
-in bf16 and fp32, without a spill (tools/kernel_resources.py; mega_depth/kernels/aot.py). No GPU is needed: the
+in bf16 and fp32, without a spill and without a global load of 2 bytes or less a thread (a bf16 row read one value at
+a time) (tools/kernel_resources.py; mega_depth/kernels/aot.py). No GPU is needed: the
 launches are recorded on meta tensors at the configs' real sizes and TP/SP splits, then compiled by Triton for each
 target and read with ptxas -v and cuobjdump from the triton wheel."""
 
@@ -32,6 +33,28 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     configs = {c.split("-")[0] for r in rows for c in r["configs"]}
     assert configs == {"125m", "1b", "7b"}
     assert all(r["registers"] > 0 and 0 < r["occupancy"] <= 100 for r in rows)
+    # the bf16 kernels of the 1B step on an H100 read rows 16 bytes a load (ld.global.v4 or cp.async of 16 bytes),
+    # the phase-1 kernels of Block AttnRes included (they read 2 bytes a load before)
+    step = [r for r in rows if r["dtype"] == "bf16" and r["target"] == "sm_90" and any(c.startswith("1b-")
+                                                                                        for c in r["configs"])]
+    assert step and all(r["narrow_loads"] == 0 and r["widest_load"] >= 8 for r in step), step[:3]
+    assert all(r["widest_load"] == 16 for r in step if "_phase1_" in r["kernel"]), step
+
+
+def test_the_load_widths_of_a_kernel_are_read_from_its_ptx():
+    """What the narrow-load check counts: the bytes one thread loads per global load instruction."""
+    from mega_depth.kernels.aot import load_widths
+
+    ptx = """
+        ld.global.b64 { %rd19 }, [ %rd40 + 0 ];
+        @%p9 ld.global.b16 { %rs9 }, [ %rd20 + 0 ];
+        @!%p2 ld.global.nc.L1::evict_last.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+        @%p1 ld.global.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];
+        cp.async.cg.shared.global [ %r214 + 0 ], [ %rd46 + 0 ], 0x10, %r30;
+        ld.shared.v4.b16 {%rs1, %rs2, %rs3, %rs4}, [%r49];
+        st.global.b16 [ %rd2 + 0 ], { %rs1 };
+    """
+    assert load_widths(ptx) == {8: 2, 2: 1, 16: 2}
 
 
 def test_a_spill_or_a_compile_error_fails_the_check():
@@ -40,7 +63,8 @@ def test_a_spill_or_a_compile_error_fails_the_check():
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from kernel_resources import failures
 
-    ok = {"kernel": "k", "spill_stores": 0, "local": 0}
+    ok = {"kernel": "k", "spill_stores": 0, "local": 0, "narrow_loads": 0}
     assert failures([ok]) == []
     assert failures([dict(ok, spill_stores=4)]) and failures([dict(ok, local=8)])
+    assert failures([dict(ok, narrow_loads=1)])
     assert failures([{"kernel": "k", "error": "CompilationError: ..."}])
