@@ -2,25 +2,28 @@
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
 # important first:
 #   1. environment;
-#   2. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
-#      excluded (tools/sync_check.py); the optimizer step's syncs counted (Megatron's grad-norm read). It also pays
-#      Triton's compilation once for the steps after it (Triton's cache is on disk);
-#   3. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
-#      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton, same run, interleaved, one mechanism
-#      and the baseline resident at a time; MFU, saved-for-backward bytes, the analytic bound;
-#   4. a torch.profiler trace of one 1B-size step, baseline and Block AttnRes: top kernels, device idle time and the
+#   2. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
+#      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
+#   3. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes, torch.compile
+#      of the eager math and the published peers (tools/bench_kernels.py): the kernel table;
+#   4. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
+#      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton (Block AttnRes, Depth-Attention and
+#      2-DCA first), same run, interleaved, one mechanism and the baseline resident at a time; MFU,
+#      saved-for-backward bytes, the analytic bound;
+#   5. a torch.profiler trace of one 1B-size step, baseline and Block AttnRes: top kernels, device idle time and the
 #      longest gaps (tools/profile_step.py), so a missed ratio says where its time went;
-#   5. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math).
+#   6. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
+#      excluded (tools/sync_check.py); the optimizer step's syncs counted (0 for every setting on the H100 last time).
 #   FULL=1 adds throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
 #   and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU quality
 #   run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the
 #   560 s box). The boxes are sized from the last GPU run (H100, docs/benchmarks.md): a 1B pair takes ~55 s.
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
-#                                                # megatron-core and liger-kernel wheels: no internet there)
+#                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
-# status; the timeouts add up to 545 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
+# status; the timeouts add up to 550 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
 # logs, summary.txt) and $OUT/device_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +70,8 @@ if [ "${SCALE:-full}" = tiny ]; then
   TP_MOE=(--hidden-size 64 --num-layers 4 --seq-length 64 --micro-batch-size 2 --steps 1 --rounds 1
           --mechanisms attnres-block --num-experts 4 --moe-layer-freq "([0]*1+[1]*3)")
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
+  KERNELS=(--toy --ops attnres_mix,phase1)
+  INTERPRET=1
 else
   SYNC=()
   # the speed issue's targets first: a pair's numbers reach the JSON as soon as it finishes, so a step cut short by
@@ -85,18 +90,23 @@ else
           --micro-batch-size 2 --steps 3 --rounds 2 --mechanisms attnres-block,mhc --num-experts 16 --moe-router-topk 4
           --moe-ffn-hidden-size 1408 --moe-layer-freq "([0]*1+[1]*23)" --moe-aux-loss-coeff 0.001)
   QUICK=()
+  KERNELS=(--shapes 1b)
+  INTERPRET=0
 fi
 
-step environment 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
+step environment 25 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
   $PY -c 'import sys, torch, megatron.core, transformers; print(sys.version.split()[0], torch.__version__,
   megatron.core.__version__, transformers.__version__, torch.cuda.is_available())';
   $PY -c 'import triton; print(\"triton\", triton.__version__)'"
-step sync_check 85 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
-step throughput_1b 315 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
-  --out "$WORK/throughput_1b.json"
-step profile_1b 75 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
-  --out-dir "$WORK"
 step kernels 40 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained"
+# (on a CPU, --toy runs the Triton kernels under the interpreter)
+step bench_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+  "$PY" tools/bench_kernels.py "${KERNELS[@]}" --out "$WORK/kernels.json" --markdown
+step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
+  --out "$WORK/throughput_1b.json"
+step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
+  --out-dir "$WORK"
+step sync_check 45 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
 if [ "${FULL:-0}" = 1 ]; then
   step throughput_d512 80 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
     --out "$WORK/throughput_d512.json"

@@ -138,7 +138,8 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
                           env=dict(ENV, SCALE="tiny", OUT=str(tmp_path), PY=PY))
     summary = (tmp_path / "device_check.log").read_text()
     steps = dict(line.split(": exit ") for line in summary.strip().splitlines())
-    assert set(steps) == {"environment", "sync_check", "throughput_1b", "profile_1b", "kernels"}, summary
+    assert set(steps) == {"environment", "kernels", "bench_kernels", "throughput_1b", "profile_1b",
+                          "sync_check"}, summary
     assert all(v.startswith("0 ") for v in steps.values()), (summary, proc.stdout[-3000:])
     with tarfile.open(tmp_path / "device_check.tar.gz") as tar:
         tar.extractall(tmp_path / "results")
@@ -150,3 +151,6 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     assert list(profile) == ["standard", "attnres-block"]
     assert profile["attnres-block"]["mixing_kernels_ms"] > 0 == profile["standard"]["mixing_kernels_ms"]
     assert "| kernel | ms | % of busy |" in (tmp_path / "results" / "profile.md").read_text()
+    kernels = json.loads((tmp_path / "results" / "kernels.json").read_text())["rows"]
+    assert {(r["op"], r["status"]) for r in kernels if r["impl"] == "mega_depth"} == {("attnres_mix", "ok"),
+                                                                                      ("phase1", "ok")}

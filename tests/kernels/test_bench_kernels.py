@@ -1,0 +1,37 @@
+"""tools/bench_kernels.py at toy size under the interpreter: every op runs on our kernels and is checked against
+the eager math, and every peer that can run on a CPU is checked against ours (the GPU run times them)."""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+
+import bench_kernels  # noqa: E402
+from kernel_peers import Peer  # noqa: E402
+
+
+def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path):
+    out = tmp_path / "kernels.json"
+    assert bench_kernels.main(["--toy", "--out", str(out)]) == 0
+    found = json.loads(out.read_text())
+    status = {(r["op"], r["impl"]): r["status"] for r in found["rows"]}
+    assert {op for op, impl in status if impl == "mega_depth"} == set(bench_kernels.OPS)
+    assert all(s == "ok" for (op, impl), s in status.items() if impl == "mega_depth")
+    # the peers that run under the interpreter compute our function; fla's kernels need CUDA tensors
+    for peer in (("attnres_mix", "liger attn_res"), ("phase1", "flash-attn-res phase 1"),
+                 ("phase2", "flash-attn-res phase 2"), ("streams_out", "liger mhc_post_res")):
+        assert status[peer].startswith("equal"), (peer, status[peer])
+    assert status[("attnres_mix", "fla fused_attnres")].startswith("skipped") and "CUDA" in \
+        status[("attnres_mix", "fla fused_attnres")]
+    assert all(r["fwd_s"] is None for r in found["rows"])  # nothing is timed on a CPU
+
+
+def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
+    case = next(c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True)
+                if c.op == "attnres_mix")
+    case.peers = {"off by 1 %": Peer(lambda *a: case.run(*a) * 1.01)}
+    rows = bench_kernels.measure(case, torch.device("cpu"), 1, 1e-4, compile_floor=False)
+    assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("differs"), rows

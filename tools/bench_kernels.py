@@ -1,0 +1,309 @@
+"""Every depth-mixing op alone, forward and backward, at the sizes the 1B and 7B steps launch it: time, bytes, GB/s
+and % of a copy of the same bytes, with the published peers side by side on the same function.
+
+    python tools/bench_kernels.py [--shapes 1b,7b] [--ops attnres_mix,phase1,...] [--out kernels.json] [--markdown]
+    TRITON_INTERPRET=1 MEGA_DEPTH_KERNELS_FORCE_TRITON=1 python tools/bench_kernels.py --toy     # CPU, checks only
+
+A case is one op at the size a config's step launches it (tokens = micro-batch x sequence on one GPU, the config's
+width, a middle layer's number of sources). Bytes are what the op must move at the least: each input read once and
+each output written once, in the run's dtype (bf16); backward (which recomputes what forward did not keep) reads
+the sources and the output gradient and writes the sources' gradients. The bandwidth references, in the same run:
+a copy of the same bytes (read + write), and a sum of 8 sources into one (a mix with no arithmetic). Each op runs
+on our kernels (mega_depth/kernels), on `torch.compile` of the eager math (mega_depth/model/mixing.py: the floor a
+user gets for free), and on every peer that computes the same function (tools/kernel_peers.py): a peer's output
+and gradients are checked equal to ours before it is timed; one that differs is reported so, not timed; one that
+cannot run here is skipped with the reason.
+
+--toy runs the same code at toy sizes in fp32 on the CPU under Triton's interpreter: every op and every peer that
+can run there is run and checked, nothing is timed (timings on a CPU say nothing of a GPU).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+EPS = 1e-6
+BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
+OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out")
+
+
+@dataclass
+class Case:
+    """One op at one size: make(seed) -> (inputs that need gradients, other arguments); run(*inputs, *others) ->
+    output; bytes moved at the least, forward and backward."""
+    op: str
+    shape: str
+    what: str
+    make: Callable
+    run: Callable
+    fwd_bytes: int
+    bwd_bytes: int
+    peers: Dict[str, Callable] = field(default_factory=dict)
+
+
+def sizes(shape: str, toy: bool) -> Dict[str, int]:
+    """tokens, width, and the sources a middle layer mixes, from the shipped configs (toy: tiny)."""
+    if toy:
+        return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "queries": 3, "grn_sources": 3,
+                "streams": 4}
+    from mega_depth.config import parse_args
+
+    cfg = parse_args(["--config", os.path.join(ROOT, "launch", "configs", f"{shape}-attnres.yaml"), "--mock-data"])
+    layers = cfg.model.num_layers
+    sublayers_per_block = 2 * layers // (cfg.residual.attnres_num_blocks or 8)
+    return {"tokens": cfg.training.micro_batch_size * cfg.model.seq_length, "d": cfg.model.hidden_size,
+            "full_sources": layers + 1, "blocks": (cfg.residual.attnres_num_blocks or 8) // 2,
+            "queries": sublayers_per_block, "grn_sources": 4, "streams": 4}
+
+
+def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
+    import torch
+
+    from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2
+    from mega_depth.kernels.attnres_mix import attnres_mix_sources
+    from mega_depth.kernels.grn import grn_apply_sources
+    from mega_depth.kernels.streams import streams_out
+
+    s = sizes(shape, toy)
+    n, d, item = s["tokens"], s["d"], torch.tensor([], dtype=dtype).element_size()
+    row = n * d * item
+
+    def rand(*shape_, scale=1.0, shift=0.0, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(*shape_, generator=g) * scale + shift).to(device=device, dtype=dtype)
+
+    k = s["full_sources"]
+    full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources", lambda: (
+        [rand(n, d, seed=i) for i in range(k)] + [rand(d, seed=100), rand(d, scale=0.1, shift=1.0, seed=101)], ()),
+        lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
+    b, q = s["blocks"], s["queries"]
+    phase1 = Case("phase1", shape, f"Block AttnRes phase 1 and its normalisation, {b} blocks x {q} queries", lambda: (
+        [rand(n, d, seed=i) for i in range(b)] + [rand(q, d, seed=100), rand(q, d, scale=0.1, shift=1.0, seed=101)],
+        ()), lambda *a: _normalised(attnres_phase2, attnres_phase1_sources(list(a[:-2]), a[-2], a[-1], EPS), a),
+        (b + q) * row, (2 * b + q) * row)
+    phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)", lambda: (
+        [rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float(), rand(n, d, seed=3), rand(n, d, seed=4),
+         rand(d, seed=5), rand(d, scale=0.1, shift=1.0, seed=6)], ()),
+        lambda m, z, o, x, qv, gv: attnres_phase2(m, z, o, x, qv, gv, EPS), 3 * row, 5 * row)
+    gk = s["grn_sources"]
+    grn = Case("grn", shape, f"DCA's GRN v3, {gk} sources x 3 instances", lambda: (
+        [rand(n, d, seed=i) for i in range(gk)] + [rand(3, d, gk, scale=0.1, seed=100),
+                                                   rand(3, d, scale=0.1, seed=101)], ()),
+        lambda *a: grn_apply_sources(list(a[:-2]), a[-2], a[-1], "v3"), (gk + 3) * row, (2 * gk + 3) * row)
+    ns = s["streams"]
+    streams = Case("streams_out", shape, f"HC streams out, {ns} streams", lambda: (
+        [rand(ns, n, d, seed=1), rand(n, d, seed=2), rand(ns, n, ns, scale=0.3, seed=3).float(),
+         rand(ns, n, scale=0.3, seed=4).float()], ()),
+        lambda st, y, mix, post: streams_out(st, y, mix, post), (2 * ns + 1) * row, (3 * ns + 2) * row)
+    from kernel_peers import peers_for
+
+    out = [full, phase1, phase2, grn, streams]
+    for case in out:
+        case.peers = peers_for(case.op, EPS)
+    return out
+
+
+def _normalised(phase2, phase1_out, args):
+    """o / z of every query: phase 2 without a partial sum (what a block's first sublayer reads), the output that
+    the phase-1 peers return."""
+    m, z, o = phase1_out
+    return phase2(m, z, o, None, args[-2][0], args[-1][0], EPS)
+
+
+def reference(op: str):
+    """The eager math of an op, called like Case.run (what torch.compile compiles)."""
+    import torch
+
+    from mega_depth.model import mixing
+
+    return {
+        "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
+        "phase1": lambda *a: _normalised(mixing.attnres_block_phase2,
+                                         mixing.attnres_block_phase1(torch.stack(a[:-2]), a[-2], a[-1], EPS), a),
+        "phase2": lambda m, z, o, x, q, g: mixing.attnres_block_phase2(m, z, o, x, q, g, EPS),
+        "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
+        "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
+    }[op]
+
+
+def timed(fn, device, repeats: int) -> Optional[float]:
+    """Median seconds of fn() on a GPU (CUDA events, after warm-up); None on a CPU (not timed)."""
+    import torch
+
+    if device.type != "cuda":
+        fn()
+        return None
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def forward_backward(run, inputs, others, device, repeats):
+    """(output, gradients, forward seconds, backward seconds) of run on leaves made from inputs."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    fwd = timed(lambda: run(*leaves, *others), device, repeats)
+    out = run(*leaves, *others)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)  # the same for every impl
+    wanted = [t for t in leaves if t.requires_grad]
+    bwd = timed(lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), device, repeats)
+    grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
+    return out.detach(), [g.detach() for g in grads], fwd, bwd
+
+
+def agree(a, b, tol: float) -> Optional[str]:
+    """None when a equals b to tol (relative to b's scale), else what differs."""
+    scale = b.float().abs().max().item() or 1.0
+    err = (a.float() - b.float()).abs().max().item() / scale
+    return None if err <= tol else f"max relative error {err:.2e} > {tol:g}"
+
+
+def measure(case: Case, device, repeats: int, tol: float, compile_floor: bool) -> List[dict]:
+    """One row per implementation of the case: ours, torch.compile of the eager math, each peer."""
+    import torch
+
+    inputs, others = case.make()
+    out, grads, fwd, bwd = forward_backward(case.run, inputs, others, device, repeats)
+    rows = [dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, status="ok")]
+    ref_out, ref_grads, _, _ = forward_backward(reference(case.op), inputs, others, device, 1)
+    problem = agree(out, ref_out, tol) or next((p for p in (agree(g, r, tol) for g, r in zip(grads, ref_grads))
+                                                if p), None)
+    if problem:
+        raise SystemExit(f"{case.op} {case.shape}: our kernels differ from the eager math ({problem})")
+    if compile_floor:
+        compiled = torch.compile(reference(case.op))
+        _, _, cf, cb = forward_backward(compiled, inputs, others, device, repeats)
+        rows.append(dict(impl="torch.compile(eager)", fwd_s=cf, bwd_s=cb, status="ok"))
+    for name, peer in case.peers.items():
+        row = dict(impl=name, fwd_s=None, bwd_s=None)
+        peer_inputs = peer.prepare(inputs) if peer.prepare else inputs
+        try:
+            p_out, p_grads, _, _ = forward_backward(peer.run, peer_inputs, others, device, 1)
+            p_grads = peer.grads_back(p_grads) if peer.grads_back else p_grads
+        except Exception as exc:  # a peer that cannot run here: said, not fatal
+            rows.append(dict(row, status=f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
+            continue
+        # a peer that rounds its output to bf16 where we run fp32 is held to bf16's precision, in its gradients too
+        # (they come back through its rounded output)
+        p_tol = max(tol, BF16_TOL) if peer.rounds_to_bf16 else tol
+        problem = agree(p_out, out, p_tol) or next((p for p in (agree(g, r, p_tol) for g, r in zip(p_grads, grads))
+                                                    if p), None)
+        if problem:
+            rows.append(dict(row, status=f"differs: {problem}"))
+            continue
+        _, _, p_fwd, p_bwd = forward_backward(peer.run, peer_inputs, others, device, repeats)
+        rows.append(dict(row, fwd_s=p_fwd, bwd_s=p_bwd, status="equal" + (f" ({peer.note})" if peer.note else "")))
+    for r in rows:
+        r.update(op=case.op, shape=case.shape, what=case.what, fwd_bytes=case.fwd_bytes, bwd_bytes=case.bwd_bytes)
+    return rows
+
+
+def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[str, Optional[float]]:
+    """GB/s of a copy and of an 8-source sum (bytes: 2 x 8 rows and 9 rows) of rows of row_bytes."""
+    import torch
+
+    n = max(1, row_bytes // torch.tensor([], dtype=dtype).element_size())
+    src = torch.randn(8 * n, device=device).to(dtype)
+    dst = torch.empty_like(src)
+    out = torch.empty(n, device=device, dtype=dtype)
+    copy = timed(lambda: dst.copy_(src), device, repeats)
+    add = timed(lambda: torch.sum(src.view(8, n), dim=0, out=out), device, repeats)
+    return {"copy_GBps": None if copy is None else 2 * 8 * row_bytes / copy / 1e9,
+            "sum8_GBps": None if add is None else 9 * row_bytes / add / 1e9}
+
+
+def with_rates(rows: List[dict], copy_gbps: Optional[float]) -> List[dict]:
+    for r in rows:
+        for phase in ("fwd", "bwd"):
+            t = r[f"{phase}_s"]
+            gbps = None if t is None else r[f"{phase}_bytes"] / t / 1e9
+            r[f"{phase}_GBps"] = gbps
+            r[f"{phase}_pct_copy"] = None if gbps is None or not copy_gbps else 100 * gbps / copy_gbps
+    return rows
+
+
+def markdown(rows: List[dict]) -> str:
+    lines = ["| op | shape | implementation | fwd ms | fwd GB/s (% copy) | bwd ms | bwd GB/s (% copy) | status |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+
+    def cell(r, phase):
+        if r[f"{phase}_s"] is None:
+            return "", ""
+        return f"{r[f'{phase}_s'] * 1e3:.3f}", f"{r[f'{phase}_GBps']:.0f} ({r[f'{phase}_pct_copy']:.0f} %)"
+    for r in rows:
+        fm, fg = cell(r, "fwd")
+        bm, bg = cell(r, "bwd")
+        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {fm} | {fg} | {bm} | {bg} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--shapes", default="1b,7b", help="config sizes whose step sizes to run")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"ops, comma-separated ({', '.join(OPS)})")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per implementation and phase")
+    parser.add_argument("--toy", action="store_true", help="toy sizes in fp32 on the CPU: run and check, no timing")
+    parser.add_argument("--no-compile-floor", action="store_true", help="skip torch.compile of the eager math")
+    parser.add_argument("--out", default=None, help="write the rows as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the table")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.ops.split(",")) - set(OPS))
+    if unknown:
+        parser.error(f"unknown --ops {unknown}; choose from {', '.join(OPS)}")
+    import torch
+
+    from mega_depth.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from mega_depth.kernels import common
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
+    if device.type != "cuda" and not args.toy:
+        parser.error("no GPU: pass --toy (toy sizes on the CPU under TRITON_INTERPRET=1, checks only)")
+    if args.toy and not (common.interpreting() and common.FORCE_TRITON):
+        parser.error("--toy runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1 "
+                     "MEGA_DEPTH_KERNELS_FORCE_TRITON=1 (without them the CPU runs the torch twins)")
+    dtype = torch.float32 if args.toy else torch.bfloat16
+    tol = 1e-4 if args.toy else BF16_TOL
+    start, rows, refs = time.time(), [], {}
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (toy, untimed)"
+    for shape in (["toy"] if args.toy else args.shapes.split(",")):
+        chosen = [c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")]
+        found_sizes = sizes(shape, args.toy)
+        refs[shape] = bandwidth_references(device, dtype, found_sizes["tokens"] * found_sizes["d"] * dtype.itemsize,
+                                           args.repeats)
+        for case in chosen:
+            found = measure(case, device, args.repeats, tol, compile_floor=not args.no_compile_floor
+                            and not args.toy)
+            rows += with_rates(found, refs[shape]["copy_GBps"])
+            print(f"{shape} {case.op}: " + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
+            if args.out:  # after every case: a run cut short by its time box keeps what it finished
+                with open(args.out, "w") as f:
+                    json.dump({"device": device_name, "references": refs, "rows": rows,
+                               "seconds": time.time() - start}, f, indent=1)
+    if args.markdown:
+        print(markdown(rows))
+    print(f"{len(rows)} rows in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
