@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mega_depth.model.config import DecoderConfig, architecture_flags, ResidualConfig, option_flag
+from mega_depth.model.config import DecoderConfig, ResidualConfig, architecture_flags, option_flag
 from mega_depth.model.registry import MECHANISMS, mechanism_class
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
