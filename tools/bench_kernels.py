@@ -76,33 +76,35 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
     n, d, item = s["tokens"], s["d"], torch.tensor([], dtype=dtype).element_size()
     row = n * d * item
 
-    def rand(*shape_, scale=1.0, shift=0.0, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        return (torch.randn(*shape_, generator=g) * scale + shift).to(device=device, dtype=dtype)
+    def rand(*shape_, scale=1.0, shift=0.0, seed=0):  # drawn on the device: the 1B sizes are GBs
+        g = torch.Generator(device=device).manual_seed(seed)
+        return (torch.randn(*shape_, generator=g, device=device) * scale + shift).to(dtype)
 
-    k = s["full_sources"]
-    full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources", lambda: (
-        [rand(n, d, seed=i) for i in range(k)] + [rand(d, seed=100), rand(d, scale=0.1, shift=1.0, seed=101)], ()),
-        lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
-    b, q = s["blocks"], s["queries"]
-    phase1 = Case("phase1", shape, f"Block AttnRes phase 1 and its normalisation, {b} blocks x {q} queries", lambda: (
-        [rand(n, d, seed=i) for i in range(b)] + [rand(q, d, seed=100), rand(q, d, scale=0.1, shift=1.0, seed=101)],
-        ()), lambda *a: _normalised(attnres_phase2, attnres_phase1_sources(list(a[:-2]), a[-2], a[-1], EPS), a),
-        (b + q) * row, (2 * b + q) * row)
-    phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)", lambda: (
-        [rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float(), rand(n, d, seed=3), rand(n, d, seed=4),
-         rand(d, seed=5), rand(d, scale=0.1, shift=1.0, seed=6)], ()),
-        lambda m, z, o, x, qv, gv: attnres_phase2(m, z, o, x, qv, gv, EPS), 3 * row, 5 * row)
-    gk = s["grn_sources"]
-    grn = Case("grn", shape, f"DCA's GRN v3, {gk} sources x 3 instances", lambda: (
-        [rand(n, d, seed=i) for i in range(gk)] + [rand(3, d, gk, scale=0.1, seed=100),
-                                                   rand(3, d, scale=0.1, seed=101)], ()),
-        lambda *a: grn_apply_sources(list(a[:-2]), a[-2], a[-1], "v3"), (gk + 3) * row, (2 * gk + 3) * row)
-    ns = s["streams"]
-    streams = Case("streams_out", shape, f"HC streams out, {ns} streams", lambda: (
-        [rand(ns, n, d, seed=1), rand(n, d, seed=2), rand(ns, n, ns, scale=0.3, seed=3).float(),
-         rand(ns, n, scale=0.3, seed=4).float()], ()),
-        lambda st, y, mix, post: streams_out(st, y, mix, post), (2 * ns + 1) * row, (3 * ns + 2) * row)
+    def rows_of(count):  # `count` token rows [n, d]
+        return [rand(n, d, seed=i) for i in range(count)]
+
+    def query_and_gain(*lead):
+        return [rand(*lead, d, seed=100), rand(*lead, d, scale=0.1, shift=1.0, seed=101)]
+
+    k, b, q, gk, ns = s["full_sources"], s["blocks"], s["queries"], s["grn_sources"], s["streams"]
+    full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources",
+                lambda: (rows_of(k) + query_and_gain(), ()),
+                lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
+    phase1 = Case("phase1", shape, f"Block AttnRes phase 1 and its normalisation, {b} blocks x {q} queries",
+                  lambda: (rows_of(b) + query_and_gain(q), ()),
+                  lambda *a: _normalised(attnres_phase2, attnres_phase1_sources(list(a[:-2]), a[-2], a[-1], EPS), a),
+                  (b + q) * row, (2 * b + q) * row)
+    phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)",
+                  lambda: ([rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float()] + rows_of(2)
+                           + query_and_gain(), ()),
+                  lambda m, z, o, x, qv, gv: attnres_phase2(m, z, o, x, qv, gv, EPS), 3 * row, 5 * row)
+    grn = Case("grn", shape, f"DCA's GRN v3, {gk} sources x 3 instances",
+               lambda: (rows_of(gk) + [rand(3, d, gk, scale=0.1, seed=100), rand(3, d, scale=0.1, seed=101)], ()),
+               lambda *a: grn_apply_sources(list(a[:-2]), a[-2], a[-1], "v3"), (gk + 3) * row, (2 * gk + 3) * row)
+    streams = Case("streams_out", shape, f"HC streams out, {ns} streams",
+                   lambda: ([rand(ns, n, d, seed=1), rand(n, d, seed=2), rand(ns, n, ns, scale=0.3, seed=3).float(),
+                             rand(ns, n, scale=0.3, seed=4).float()], ()),
+                   streams_out, (2 * ns + 1) * row, (3 * ns + 2) * row)
     from kernel_peers import peers_for
 
     out = [full, phase1, phase2, grn, streams]
@@ -161,7 +163,8 @@ def forward_backward(run, inputs, others, device, repeats):
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fwd = timed(lambda: run(*leaves, *others), device, repeats)
     out = run(*leaves, *others)
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)  # the same for every impl
+    go = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device,
+                     dtype=out.dtype)  # the same for every implementation
     wanted = [t for t in leaves if t.requires_grad]
     bwd = timed(lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), device, repeats)
     grads = torch.autograd.grad(out, wanted, go, retain_graph=True)

@@ -82,7 +82,8 @@ def _phase1(eps):
         *blocks, q, g = inputs
         return [torch.stack(blocks).unsqueeze(1).detach(), q, g]
 
-    return {"flash-attn-res phase 1": Peer(normalised, prepare=stack, grads_back=lambda g: [*g[0][:, 0].unbind(0), *g[1:]],
+    return {"flash-attn-res phase 1": Peer(normalised, prepare=stack,
+                                            grads_back=lambda g: [*g[0][:, 0].unbind(0), *g[1:]],
                                             note="blocks stacked (untimed), gain folded into the queries, bf16 out",
                                             rounds_to_bf16=True)}
 
