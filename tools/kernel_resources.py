@@ -1,6 +1,7 @@
 """Resources of every Triton kernel the shipped configs launch, compiled ahead of time for real GPU targets.
 
     python tools/kernel_resources.py [--configs 125m,1b,7b] [--targets 80,90,100] [--dtypes bf16,fp32]
+        (a dtype may name its own targets: --dtypes bf16,fp32:90 compiles fp32 for sm_90 alone)
         [--out docs/kernel_resources.json] [--markdown]
 
 For each config launch/configs/<size>-<mechanism>.yaml the mechanism's mixing runs one training step on meta
@@ -45,7 +46,10 @@ def survey(sizes, targets, dtypes, log=print, workers=None):
     one job; the jobs run in `workers` processes (default: one per core), since compiling is CPU-bound."""
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(sizes, dtype, target) for dtype in dtypes for target in targets]
+    jobs = []
+    for spec in dtypes:  # "fp32" (every target) or "fp32:90+100" (those targets)
+        dtype, _, own = spec.partition(":")
+        jobs += [(sizes, dtype, target) for target in ([int(t) for t in own.split("+")] if own else targets)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
     if workers == 1:
         done = map(_survey_one, jobs)
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--configs", default="125m,1b,7b", help="config sizes (launch/configs/<size>-*.yaml)")
     parser.add_argument("--targets", default="80,90,100", help="compute capabilities")
-    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="dtypes, each for every target or for its own "
+                                                               "(fp32:90+100)")
     parser.add_argument("--out", default=None, help="write every row as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the markdown table")
     args = parser.parse_args(argv)
