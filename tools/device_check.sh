@@ -4,8 +4,8 @@
 #   1. environment;
 #   2. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
 #      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
-#   3. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes, torch.compile
-#      of the eager math and the published peers (tools/bench_kernels.py): the kernel table;
+#   3. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes,
+#      torch.compile of the eager math and the published peers (tools/bench_kernels.py): the kernel table;
 #   4. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
 #      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton (Block AttnRes, Depth-Attention and
 #      2-DCA first), same run, interleaved, one mechanism and the baseline resident at a time; MFU,
