@@ -37,7 +37,7 @@ OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out")
 
 @dataclass
 class Case:
-    """One op at one size: make(seed) -> (inputs that need gradients, other arguments); run(*inputs, *others) ->
+    """One op at one size: make() -> its inputs (tensors: every floating one gets a gradient); run(*inputs) ->
     output; bytes moved at the least, forward and backward."""
     op: str
     shape: str
@@ -88,22 +88,22 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
 
     k, b, q, gk, ns = s["full_sources"], s["blocks"], s["queries"], s["grn_sources"], s["streams"]
     full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources",
-                lambda: (rows_of(k) + query_and_gain(), ()),
+                lambda: rows_of(k) + query_and_gain(),
                 lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
     phase1 = Case("phase1", shape, f"Block AttnRes phase 1 and its normalisation, {b} blocks x {q} queries",
-                  lambda: (rows_of(b) + query_and_gain(q), ()),
+                  lambda: rows_of(b) + query_and_gain(q),
                   lambda *a: _normalised(attnres_phase2, attnres_phase1_sources(list(a[:-2]), a[-2], a[-1], EPS), a),
                   (b + q) * row, (2 * b + q) * row)
     phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)",
                   lambda: ([rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float()] + rows_of(2)
-                           + query_and_gain(), ()),
+                           + query_and_gain()),
                   lambda m, z, o, x, qv, gv: attnres_phase2(m, z, o, x, qv, gv, EPS), 3 * row, 5 * row)
     grn = Case("grn", shape, f"DCA's GRN v3, {gk} sources x 3 instances",
-               lambda: (rows_of(gk) + [rand(3, d, gk, scale=0.1, seed=100), rand(3, d, scale=0.1, seed=101)], ()),
+               lambda: rows_of(gk) + [rand(3, d, gk, scale=0.1, seed=100), rand(3, d, scale=0.1, seed=101)],
                lambda *a: grn_apply_sources(list(a[:-2]), a[-2], a[-1], "v3"), (gk + 3) * row, (2 * gk + 3) * row)
     streams = Case("streams_out", shape, f"HC streams out, {ns} streams",
                    lambda: ([rand(ns, n, d, seed=1), rand(n, d, seed=2), rand(ns, n, ns, scale=0.3, seed=3).float(),
-                             rand(ns, n, scale=0.3, seed=4).float()], ()),
+                             rand(ns, n, scale=0.3, seed=4).float()]),
                    streams_out, (2 * ns + 1) * row, (3 * ns + 2) * row)
     from kernel_peers import peers_for
 
@@ -156,13 +156,13 @@ def timed(fn, device, repeats: int) -> Optional[float]:
     return statistics.median(times)
 
 
-def forward_backward(run, inputs, others, device, repeats):
+def forward_backward(run, inputs, device, repeats):
     """(output, gradients, forward seconds, backward seconds) of run on leaves made from inputs."""
     import torch
 
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    fwd = timed(lambda: run(*leaves, *others), device, repeats)
-    out = run(*leaves, *others)
+    fwd = timed(lambda: run(*leaves), device, repeats)
+    out = run(*leaves)
     go = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device,
                      dtype=out.dtype)  # the same for every implementation
     wanted = [t for t in leaves if t.requires_grad]
@@ -182,23 +182,23 @@ def measure(case: Case, device, repeats: int, tol: float, compile_floor: bool) -
     """One row per implementation of the case: ours, torch.compile of the eager math, each peer."""
     import torch
 
-    inputs, others = case.make()
-    out, grads, fwd, bwd = forward_backward(case.run, inputs, others, device, repeats)
+    inputs = case.make()
+    out, grads, fwd, bwd = forward_backward(case.run, inputs, device, repeats)
     rows = [dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, status="ok")]
-    ref_out, ref_grads, _, _ = forward_backward(reference(case.op), inputs, others, device, 1)
+    ref_out, ref_grads, _, _ = forward_backward(reference(case.op), inputs, device, 1)
     problem = agree(out, ref_out, tol) or next((p for p in (agree(g, r, tol) for g, r in zip(grads, ref_grads))
                                                 if p), None)
     if problem:
         raise SystemExit(f"{case.op} {case.shape}: our kernels differ from the eager math ({problem})")
     if compile_floor:
         compiled = torch.compile(reference(case.op))
-        _, _, cf, cb = forward_backward(compiled, inputs, others, device, repeats)
+        _, _, cf, cb = forward_backward(compiled, inputs, device, repeats)
         rows.append(dict(impl="torch.compile(eager)", fwd_s=cf, bwd_s=cb, status="ok"))
     for name, peer in case.peers.items():
         row = dict(impl=name, fwd_s=None, bwd_s=None)
         peer_inputs = peer.prepare(inputs) if peer.prepare else inputs
         try:
-            p_out, p_grads, _, _ = forward_backward(peer.run, peer_inputs, others, device, 1)
+            p_out, p_grads, _, _ = forward_backward(peer.run, peer_inputs, device, 1)
             p_grads = peer.grads_back(p_grads) if peer.grads_back else p_grads
         except Exception as exc:  # a peer that cannot run here: said, not fatal
             rows.append(dict(row, status=f"skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"))
@@ -211,7 +211,7 @@ def measure(case: Case, device, repeats: int, tol: float, compile_floor: bool) -
         if problem:
             rows.append(dict(row, status=f"differs: {problem}"))
             continue
-        _, _, p_fwd, p_bwd = forward_backward(peer.run, peer_inputs, others, device, repeats)
+        _, _, p_fwd, p_bwd = forward_backward(peer.run, peer_inputs, device, repeats)
         rows.append(dict(row, fwd_s=p_fwd, bwd_s=p_bwd, status="equal" + (f" ({peer.note})" if peer.note else "")))
     for r in rows:
         r.update(op=case.op, shape=case.shape, what=case.what, fwd_bytes=case.fwd_bytes, bwd_bytes=case.bwd_bytes)
