@@ -19,11 +19,13 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block, check_heads,
-                                       depth_weight_is_sigmoid, folded_query, folded_query_torch, jit, launch, nothing,
-                                       pointer_at, pointer_table, pow2, programs, register_fake, rms_inverse,
-                                       rms_inverse_torch, rows, tl, token, uses_triton, warps)
-from mega_depth.kernels.eager import autograd, call
+                                       depth_weight_is_sigmoid, folded_query, folded_query_torch, gradient_at,
+                                       gradient_table, jit, launch, nothing, pointer_at, pointer_table, pow2, programs,
+                                       register_fake, rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton,
+                                       warps)
+from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -75,7 +77,7 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, dq_ptr, dg_ptr, df_ptr, K, 
                 BK: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, PER_TOKEN: tl.constexpr,
                 NORM: tl.constexpr, SIGMOID: tl.constexpr):
     """Two passes per token: (1) logits and go . v_k of every source (to normalise the softmax gradient),
-    (2) the source gradients. Static query: the fp32 sum over tokens of dL/d(folded query) goes to df_ptr [d].
+    (2) the source gradients, stored or added to what a buffer holds (gtable: common.gradient_table). Static query: the fp32 sum over tokens of dL/d(folded query) goes to df_ptr [d].
     Per-token query: dL/dq per token goes to dq_ptr [N, d] and the gain's sum to dg_ptr [d]."""
     ok = tl.arange(0, BK)
     oh, offs, cmask = channel_block(C, H, BH, BC)
@@ -124,7 +126,9 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, dq_ptr, dg_ptr, df_ptr, K, 
             else:
                 dv = a[:, None] * go + dsk[:, None] * f
             df += dsk[:, None] * v
-            tl.store(pointer_at(gtable, k, go_ptr) + row, dv.to(go_ptr.dtype.element_ty), mask=mask)
+            into, adding = gradient_at(gtable, k, go_ptr)
+            dv += tl.load(into + row, mask=mask & adding, other=0.).to(tl.float32)
+            tl.store(into + row, dv.to(go_ptr.dtype.element_ty), mask=mask)
         if PER_TOKEN:
             if NORM:
                 tl.store(dq_ptr + row, df * gain, mask=mask)
@@ -154,27 +158,27 @@ def _triton_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, 
 
 
 def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, sigmoid: bool,
-                heads: int):
-    """-> (source gradients, dq fp32 shaped like q, dg fp32 [d] or None)."""
+                heads: int, grads: List[Tensor], adding: List[bool]):
+    """Source gradients into `grads` (rows [N, d]; added to those with `adding` set) -> (dq fp32 shaped like q, dg
+    fp32 [d] or None)."""
     n, d = srcs[0].shape
-    grads = [torch.empty_like(s) for s in srcs]
     per_token = q.dim() == 2
     # a per-token query's gradient is stored row by row (every row once); a static one is summed into by atomics
     dq = (torch.empty if per_token else torch.zeros)(q.shape, dtype=F32, device=go.device)
     dg = torch.zeros(d, dtype=F32, device=go.device) if g is not None else None
     if n == 0:
-        return grads, dq, dg
+        return dq, dg
     df = dq if not per_token else None  # static query: the folded query's gradient, summed over tokens
     bh, bc = pow2(heads), pow2(d // heads)
     count, tok = programs(n, go.device, reduces=True)
-    launch(_bwd_kernel, (count,), (pointer_table(srcs), pointer_table(grads), q, q if g is None else g, go, dq,
+    launch(_bwd_kernel, (count,), (pointer_table(srcs), gradient_table(grads, adding), q, q if g is None else g, go, dq,
                                    dq if dg is None else dg, dq if df is None else df, len(srcs), n, d, d // heads,
                                    heads, eps, tok),
            warps(bh * bc, 4), BK=pow2(len(srcs)), BH=bh, BC=bc, PER_TOKEN=per_token, NORM=g is not None,
            SIGMOID=sigmoid)
     if not per_token and g is not None:  # folded = gain * query
         dq, dg = df * g.float(), df * q.float()
-    return grads, dq, dg
+    return dq, dg
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -215,7 +219,7 @@ def _torch_fwd(srcs, q, g, eps, sigmoid, heads):
     return acc.view(n, d).to(dt)
 
 
-def _torch_bwd(go, srcs, q, g, eps, sigmoid, heads):
+def _torch_bwd(go, srcs, q, g, eps, sigmoid, heads, grads, adding):
     (n, d), dt = srcs[0].shape, srcs[0].dtype
     ct, c = accumulation_dtype(dt), d // heads
     f = folded_query_torch(q, g, dt, ct).view(-1, heads, c)
@@ -238,7 +242,6 @@ def _torch_bwd(go, srcs, q, g, eps, sigmoid, heads):
         alpha = torch.softmax(logit, 0)
         ds = alpha * (gv - (alpha * gv).sum(0))
     df = torch.zeros(n, heads, c, dtype=ct, device=go.device)
-    grads = []
     for k, src in enumerate(srcs):  # pass 2: the source gradients
         v = src.to(ct).view(n, heads, c)
         dsk = ds[k]
@@ -250,14 +253,16 @@ def _torch_bwd(go, srcs, q, g, eps, sigmoid, heads):
             dv = dv - (dr * r.pow(3) / d).view(n, 1, 1) * v
         dv = dv + dsk.unsqueeze(-1) * f
         df += dsk.unsqueeze(-1) * v
-        grads.append(dv.view(n, d).to(dt))
+        if adding[k]:
+            dv = dv.view(n, d) + grads[k].to(ct)
+        grads[k].copy_(dv.view(n, d))
     df = df.view(n, d)
     if q.dim() == 1:
         df = df.sum(0)
     if g is None:
-        return grads, df, None
+        return df, None
     dg = df * q.to(ct)
-    return grads, df * g.to(ct), dg.sum(0) if q.dim() == 2 else dg
+    return df * g.to(ct), dg.sum(0) if q.dim() == 2 else dg
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -289,34 +294,59 @@ def _(sources, query, key_norm_weight, eps, sigmoid, heads):
 def attnres_mix_backward_op(grad: Tensor, sources: List[Tensor], query: Tensor, key_norm_weight: Optional[Tensor],
                             eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
     """-> [source gradients..., dq (fp32, query's shape), dg (fp32 [d], or empty without a key norm)]."""
+    grads = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources]
+    return grads + _backward_into(grad, sources, grads, [False] * len(sources), query, key_norm_weight, eps, sigmoid, heads)
+
+
+@register_fake(attnres_mix_backward_op)
+def _fake_backward(grad, sources, query, key_norm_weight, eps=0.0, sigmoid=False, heads=1):
+    d, ct = sources[0].shape[-1], accumulation_dtype(sources[0].dtype)
+    dg = grad.new_empty(d, dtype=ct) if key_norm_weight is not None else nothing(grad)
+    return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape, dtype=ct), dg]
+
+
+@torch.library.custom_op("mega_depth::attnres_mix_backward_into", mutates_args=("into",))
+def attnres_mix_backward_into_op(grad: Tensor, sources: List[Tensor], into: List[Tensor], adding: List[bool],
+                                 query: Tensor, key_norm_weight: Optional[Tensor], eps: float, sigmoid: bool,
+                                 heads: int) -> List[Tensor]:
+    """The source gradients stored into `into` (contiguous tensors shaped like the sources), or added to those with
+    `adding` set (kernels/grad_sink.py) -> [dq, dg] as attnres_mix_backward."""
+    return _backward_into(grad, sources, into, adding, query, key_norm_weight, eps, sigmoid, heads)
+
+
+@register_fake(attnres_mix_backward_into_op)
+def _(grad, sources, into, adding, query, key_norm_weight, eps, sigmoid, heads):
+    return _fake_backward(grad, sources, query, key_norm_weight)[len(sources):]
+
+
+def _backward_into(grad, sources, into, adding, query, key_norm_weight, eps, sigmoid, heads) -> List[Tensor]:
     d = sources[0].shape[-1]
     srcs = [rows(s, d) for s in sources]
     bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
     g = None if key_norm_weight is None else key_norm_weight.contiguous()
-    grads, dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, eps, sigmoid, heads)
-    return [gr.view(s.shape) for gr, s in zip(grads, sources)] + [dq.view(query.shape),
-                                                                  nothing(grad) if dg is None else dg]
-
-
-@register_fake(attnres_mix_backward_op)
-def _(grad, sources, query, key_norm_weight, eps, sigmoid, heads):
-    d, ct = sources[0].shape[-1], accumulation_dtype(sources[0].dtype)
-    dg = grad.new_empty(d, dtype=ct) if key_norm_weight is not None else nothing(grad)
-    return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape, dtype=ct), dg]
+    dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, eps, sigmoid, heads, [t.view(-1, d) for t in into],
+                 adding)
+    return [dq.view(query.shape), nothing(grad) if dg is None else dg]
 
 
 def _setup(ctx, inputs, output):
     sources, query, gain, eps, sigmoid, heads = inputs
     ctx.save_for_backward(query, gain, *sources)
     ctx.cfg = (eps, sigmoid, heads)
+    ctx.sinks = grad_sink.sinks_of(sources)
 
 
 def _backward(ctx, grad):
     query, gain, *sources = ctx.saved_tensors
-    out = call(attnres_mix_backward_op, grad, sources, query, gain, *ctx.cfg)
     need = ctx.needs_input_grad
-    return ([g if need[0] else None for g in out[:-2]], cast_grad(out[-2], query, need[1]),
-            cast_grad(out[-1], gain, need[2]), None, None, None)
+    if ctx.sinks is None:
+        out = call(attnres_mix_backward_op, grad, sources, query, gain, *ctx.cfg)
+        grads = [g if need[0] else None for g in out[:-2]]
+    else:  # the sinks' buffers take the sources' gradients in the kernel (kernels/grad_sink.py)
+        into, adding = grad_sink.buffers(ctx.sinks, sources)
+        out = call(attnres_mix_backward_into_op, grad, sources, into, adding, query, gain, *ctx.cfg)
+        grads = grad_sink.returned(ctx.sinks, into, need[0])
+    return grads, cast_grad(out[-2], query, need[1]), cast_grad(out[-1], gain, need[2]), None, None, None
 
 
 autograd(attnres_mix_op, _backward, _setup)
@@ -331,4 +361,7 @@ def attnres_mix_sources(sources: Sources, query: Tensor, key_norm_weight: Option
     heads = check_heads(shape[-1], heads)
     if query.dim() > 1 and query.shape != shape:
         query = query.expand(shape)  # a broadcast query: autograd sums its gradient back
+    args = (query, key_norm_weight)
+    if not traced(sources) and not traced(args):  # readers of one source add into one gradient buffer
+        sources = grad_sink.aliased(sources)
     return call(attnres_mix_op, sources, query, key_norm_weight, float(eps), depth_weight_is_sigmoid(weight), heads)

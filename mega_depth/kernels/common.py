@@ -198,7 +198,7 @@ def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]
     return cdiv(n, tok), tok
 
 
-def pointer_table(tensors: Sequence[Tensor]) -> Tensor:
+def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] = None) -> Tensor:
     """The data pointers of `tensors` as an int64 tensor on their device: how a kernel reads a set unstacked.
 
     Built on the host and copied from pinned memory with non_blocking=True, so the host does not wait for the GPU
@@ -210,8 +210,17 @@ def pointer_table(tensors: Sequence[Tensor]) -> Tensor:
     if misaligned:  # the kernels load rows through the table in 16-byte vectors (pointer_at's hint)
         raise ValueError(f"pointer_table: tensors {misaligned} do not start on a 16-byte boundary; pass "
                          "contiguous tensors of their own (.contiguous() or .clone())")
-    host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+    bits = [0] * len(tensors) if low_bits is None else [int(b) for b in low_bits]
+    host = torch.tensor([t.data_ptr() | b for t, b in zip(tensors, bits)], dtype=torch.int64,
+                        pin_memory=device.type == "cuda")
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def gradient_table(buffers: Sequence[Tensor], adding: Sequence[bool]) -> Tensor:
+    """pointer_table of gradient buffers, with each pointer's low bit set where the kernel adds to the buffer
+    instead of storing into it (kernels/grad_sink.py): a buffer already holding other readers' gradients. The
+    pointers are 16-byte aligned, so the bit is free; no zero fill and no second table."""
+    return pointer_table(buffers, adding)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -351,6 +360,15 @@ def pointer_at(table, k, like_ptr):
     """The k-th pointer of a pointer table, typed like like_ptr, and known 16-byte aligned (pointer_table checks it):
     without the hint Triton cannot prove the alignment of a loaded pointer and reads bf16 rows 2 bytes at a time."""
     return tl.multiple_of(tl.load(table + k).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
+
+
+@jit
+def gradient_at(table, k, like_ptr):
+    """(pointer, adding) of the k-th entry of a gradient table (gradient_table): where a source's gradient goes, and
+    whether the kernel adds to what is there (the pointer's low bit) or stores."""
+    raw = tl.load(table + k)
+    adding = (raw & 1) == 1
+    return tl.multiple_of((raw - (raw & 1)).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16), adding
 
 
 @jit

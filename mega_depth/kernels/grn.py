@@ -19,10 +19,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
-                                       jit, launch, nothing, pointer_at, pointer_table, pow2, programs, reduction_grid,
-                                       register_fake, rows, tl, token, uses_triton)
-from mega_depth.kernels.eager import autograd, call
+                                       gradient_at, gradient_table, jit, launch, nothing, pointer_at, pointer_table,
+                                       pow2, programs, reduction_grid, register_fake, rows, tl, token, uses_triton)
+from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -115,8 +116,8 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl.cons
 def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, BK: tl.constexpr,
                 BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
-    (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 writes each source's
-    gradient chunk by chunk. The parameter gradients are _params_kernel's."""
+    (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 stores each source's
+    gradient chunk by chunk, or adds it to what the buffer holds (gtable: common.gradient_table). The parameter gradients are _params_kernel's."""
     ok, og, gmask = _lanes(G, BK, BG)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
@@ -141,8 +142,9 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
                     dv = tl.sum(coef * go + _at(dgate, ok, k)[:, None] * proj, axis=0)
                 else:
                     dv = tl.sum(coef * go, axis=0)
-                tl.store(pointer_at(gtable, k, go_ptr) + n * D + od, dv.to(go_ptr.dtype.element_ty),
-                         mask=(od < D) & valid)
+                into, adding = gradient_at(gtable, k, go_ptr)
+                dv += tl.load(into + n * D + od, mask=(od < D) & valid & adding, other=0.).to(tl.float32)
+                tl.store(into + n * D + od, dv.to(go_ptr.dtype.element_ty), mask=(od < D) & valid)
 
 
 @jit
@@ -200,20 +202,20 @@ def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], versio
     return out
 
 
-def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int):
-    """-> (source gradients, dbias fp32, dproj fp32 or None)."""
+def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int,
+                grads: List[Tensor], adding: List[bool]):
+    """Source gradients into `grads` (rows; added to those with `adding` set) -> (dbias fp32, dproj fp32 or None)."""
     n, d = srcs[0].shape
     g = bias.shape[0]
-    grads = [torch.empty_like(s) for s in srcs]
     dbias = torch.zeros(bias.shape, dtype=F32, device=go.device)
     dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
     if n == 0:
-        return grads, dbias, dproj
+        return dbias, dproj
     bk, bg, bch = _blocks(srcs, bias)
     w = torch.empty((n, len(srcs), g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
     table = pointer_table(srcs)
     count, tok = programs(n, go.device, reduces=False)
-    launch(_bwd_kernel, (count,), (table, pointer_table(grads), _bias_rows(bias, version),
+    launch(_bwd_kernel, (count,), (table, gradient_table(grads, adding), _bias_rows(bias, version),
                                    bias if proj is None else proj, go, w, len(srcs), n, d, g, tok),
            4, BK=bk, BG=bg, BCH=bch, VERSION=version)
     chunks = cdiv(d, bch)
@@ -221,7 +223,7 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
     launch(_params_kernel, (chunks, splits), (table, srcs[0], go, w, dbias, dbias if dproj is None else dproj, len(srcs),
                                               n, d, g, tok),
            4, BG=bg, BCH=bch, VERSION=version)
-    return grads, dbias, dproj
+    return dbias, dproj
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -251,13 +253,12 @@ def _torch_fwd(srcs, bias, proj, version):
     return out.to(dt)
 
 
-def _torch_bwd(go, srcs, bias, proj, version):
+def _torch_bwd(go, srcs, bias, proj, version, grads, adding):
     dt = srcs[0].dtype
     ct = accumulation_dtype(dt)
     go = go.to(ct)
     dbias = torch.zeros(bias.shape, dtype=ct, device=go.device)
     dproj = torch.zeros(proj.shape, dtype=ct, device=go.device) if proj is not None else None
-    grads = []
     for k, src in enumerate(srcs):
         v = src.to(ct)
         coef, pre = _torch_coefficient(v, bias, proj, version, k, dt)
@@ -268,8 +269,8 @@ def _torch_bwd(go, srcs, bias, proj, version):
             dgate = torch.where(pre >= 0, gv.sum(-1), 0.)  # clamp(min=0): subgradient 1 at 0
             dv = dv + torch.einsum("gn,gd->nd", dgate, proj.to(dt).to(ct))
             dproj += torch.einsum("gn,nd->gd", dgate, v)
-        grads.append(dv.to(dt))
-    return grads, dbias, dproj
+        grads[k].copy_(dv + grads[k].to(ct) if adding[k] else dv)
+    return dbias, dproj
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -295,32 +296,57 @@ def _(sources, bias, proj, version):
 def grn_backward_op(grad: Tensor, sources: List[Tensor], bias: Tensor, proj: Optional[Tensor],
                     version: int) -> List[Tensor]:
     """-> [source gradients..., dbias, dproj (or empty)], the parameter gradients in fp32 (at least)."""
-    d = sources[0].shape[-1]
-    srcs = [rows(s, d) for s in sources]
-    bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
-    grads, dbias, dproj = bwd(grad.reshape(bias.shape[0], -1, d).contiguous(), srcs, bias.contiguous(),
-                              contiguous(proj), version)
-    return [gr.view(s.shape) for gr, s in zip(grads, sources)] + [dbias, nothing(grad) if dproj is None else dproj]
+    grads = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources]
+    return grads + _backward_into(grad, sources, grads, [False] * len(sources), bias, proj, version)
 
 
 @register_fake(grn_backward_op)
-def _(grad, sources, bias, proj, version):
+def _fake_backward(grad, sources, bias, proj, version):
     ct = accumulation_dtype(sources[0].dtype)
     dproj = proj.new_empty(proj.shape, dtype=ct) if proj is not None else nothing(grad)
     return [s.new_empty(s.shape) for s in sources] + [bias.new_empty(bias.shape, dtype=ct), dproj]
+
+
+@torch.library.custom_op("mega_depth::dca_grn_backward_into", mutates_args=("into",))
+def grn_backward_into_op(grad: Tensor, sources: List[Tensor], into: List[Tensor], adding: List[bool], bias: Tensor,
+                         proj: Optional[Tensor], version: int) -> List[Tensor]:
+    """The source gradients stored into `into` (contiguous tensors shaped like the sources), or added to those with
+    `adding` set (kernels/grad_sink.py) -> [dbias, dproj] as dca_grn_backward."""
+    return _backward_into(grad, sources, into, adding, bias, proj, version)
+
+
+@register_fake(grn_backward_into_op)
+def _(grad, sources, into, adding, bias, proj, version):
+    return _fake_backward(grad, sources, bias, proj, version)[len(sources):]
+
+
+def _backward_into(grad, sources, into, adding, bias, proj, version) -> List[Tensor]:
+    d = sources[0].shape[-1]
+    srcs = [rows(s, d) for s in sources]
+    bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
+    dbias, dproj = bwd(grad.reshape(bias.shape[0], -1, d).contiguous(), srcs, bias.contiguous(), contiguous(proj),
+                       version, [t.view(-1, d) for t in into], adding)
+    return [dbias, nothing(grad) if dproj is None else dproj]
 
 
 def _setup(ctx, inputs, output):
     sources, bias, proj, version = inputs
     ctx.save_for_backward(bias, proj, *sources)
     ctx.version = version
+    ctx.sinks = grad_sink.sinks_of(sources)
 
 
 def _backward(ctx, grad):
     bias, proj, *sources = ctx.saved_tensors
-    out = call(grn_backward_op, grad, sources, bias, proj, ctx.version)
     need = ctx.needs_input_grad
-    return list(out[:-2]), cast_grad(out[-2], bias, need[1]), cast_grad(out[-1], proj, need[2]), None
+    if ctx.sinks is None:
+        out = call(grn_backward_op, grad, sources, bias, proj, ctx.version)
+        grads = list(out[:-2])
+    else:  # the sinks' buffers take the sources' gradients in the kernel (kernels/grad_sink.py)
+        into, adding = grad_sink.buffers(ctx.sinks, sources)
+        out = call(grn_backward_into_op, grad, sources, into, adding, bias, proj, ctx.version)
+        grads = grad_sink.returned(ctx.sinks, into, need[0])
+    return grads, cast_grad(out[-2], bias, need[1]), cast_grad(out[-1], proj, need[2]), None
 
 
 autograd(grn_op, _backward, _setup)
@@ -336,4 +362,7 @@ def grn_apply_sources(sources: Sources, bias: Tensor, proj: Optional[Tensor], ve
         raise ValueError(f"GRN bias for {bias.shape[-1]} sources got {len(sources)}")
     if version == "v3" and proj is None:
         raise ValueError("GRN v3 needs proj")
-    return call(grn_op, sources, bias, proj if version == "v3" else None, int(version[1]))
+    proj = proj if version == "v3" else None
+    if not traced(sources) and not traced((bias, proj)):  # readers of one source add into one gradient buffer
+        sources = grad_sink.aliased(sources)
+    return call(grn_op, sources, bias, proj, int(version[1]))

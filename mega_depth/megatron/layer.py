@@ -20,6 +20,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from mega_depth.kernels import grad_sink
 from mega_depth.megatron.qkv_projection import RecomputedQKVProjection, project_separate
 from mega_depth.model.base import normed
 from mega_depth.model.mixing import expand_heads
@@ -130,6 +131,7 @@ class MegatronHost:
         if torch.compiler.is_compiling():  # in a compiled layer: the same recomputation, as Dynamo traces it
             return self._attention_recomputed_compiled(make_inputs, sources)
         lin = layer.self_attention.linear_qkv
+        sources = grad_sink.aliased(sources)  # the regions of all layers add into one gradient buffer per source
         q_in, *qkv = RecomputedQKVProjection.apply(layer.self_attention, layer.input_layernorm, make_inputs,
                                                    lin.weight, getattr(lin, "bias", None), *sources)
         return self._attention(q_in, AttentionHooks(qkv=tuple(qkv))), q_in

@@ -26,6 +26,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch import Tensor
 
+from mega_depth.kernels import grad_sink
+
 
 def _rows(r: int) -> Tuple[slice, slice, slice]:
     """The query, key and value rows within one query group of the fused weight."""
@@ -129,7 +131,8 @@ class RecomputedQKVProjection(torch.autograd.Function):
     def backward(ctx, d_q_in, d_query, d_key, d_value):
         weight, bias, *sources = ctx.saved_tensors
         attention = ctx.attention
-        leaves = [s.detach().requires_grad_(s.requires_grad) for s in sources]
+        # the copies keep their sources' gradient sinks: the mixing's readers add into the buffers of the outer pass
+        leaves = [grad_sink.share(s.detach().requires_grad_(s.requires_grad), s) for s in sources]
         with torch.enable_grad():
             q_in, k_in, v_in = ctx.make_inputs(*leaves)
             normed = _normalised(ctx.norm, q_in, k_in, v_in)
@@ -140,5 +143,6 @@ class RecomputedQKVProjection(torch.autograd.Function):
         if d_q_in is not None:
             outputs.append(q_in)
             grads.append(d_q_in)
-        torch.autograd.backward(outputs, grads)
+        with grad_sink.for_the_caller():
+            torch.autograd.backward(outputs, grads)
         return (None, None, None, d_weight, d_bias) + tuple(leaf.grad for leaf in leaves)

@@ -17,6 +17,7 @@ os.environ.setdefault("MEGA_DEPTH_KERNELS_FORCE_TRITON", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 GPU = torch.cuda.is_available()
 if GPU:  # the tests' tensors on the GPU: the ops run their compiled Triton kernels
@@ -123,9 +124,13 @@ def gradcheck(fn, inputs, label):
     assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-4), label
 
 
-def opcheck(op, args):
-    """torch.library.opcheck: schema, fake implementation, autograd registration and AOT dispatch all pass."""
-    results = torch.library.opcheck(op, args)
+def opcheck(op, args, eager_only=False):
+    """torch.library.opcheck: schema, fake implementation, autograd registration and AOT dispatch all pass. An
+    eager-only op (one that adds into a list of buffers, kernels/grad_sink.py: never traced, and functionalization
+    does not take a mutated tensor list) is checked without AOT dispatch."""
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor") if eager_only else \
+        torch.library._OPCHECK_DEFAULT_UTILS
+    results = torch.library.opcheck(op, args, test_utils=tests)
     assert all(v == "SUCCESS" for v in results.values()), results
 
 
@@ -176,3 +181,17 @@ def bf16_matches_fp32(fast, reference, *tensors):
     for a, b in zip(gl, gh):
         assert a.dtype == b16
         close(a.float(), b, "bf16 grad", rtol=3e-2)
+
+
+class SourceGradAdds(TorchDispatchMode):
+    """Counts the aten adds of whole tensors of one shape: autograd's sum of a source's gradients from its readers,
+    which kernels/grad_sink.py moves into the backward kernels."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = torch.Size(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor) and args[0].shape == self.shape:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

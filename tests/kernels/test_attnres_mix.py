@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from kernel_checks import (EPS, SCALES, bf16_matches_fp32, check, close, detached, gradcheck, leaf, opcheck,
-                           saved_storages, sources_of)
+from kernel_checks import (EPS, SCALES, SourceGradAdds, bf16_matches_fp32, check, close, detached, gradcheck, leaf,
+                           opcheck, saved_storages, sources_of)
 
-from mega_depth.kernels.attnres_mix import attnres_mix_backward_op, attnres_mix_op, attnres_mix_sources
+from mega_depth.kernels.attnres_mix import (attnres_mix_backward_into_op, attnres_mix_backward_op, attnres_mix_op,
+                                            attnres_mix_sources)
 from mega_depth.model import mixing
 
 
@@ -56,6 +57,10 @@ def test_opcheck(twin):
         grad = torch.randn(2, 3, 8)
         opcheck(attnres_mix_backward_op, (grad, detached(sources), query.detach(), None if gain is None else
                                           gain.detach(), EPS, True, 1))
+        for adding in ([False] * 3, [True, False, True]):
+            opcheck(attnres_mix_backward_into_op, (grad, detached(sources), [torch.randn(2, 3, 8) for _ in sources],
+                                                   adding, query.detach(), None if gain is None else gain.detach(),
+                                                   EPS, False, 2), eager_only=True)
 
 
 def test_saves_no_stacked_copy(path):
@@ -79,3 +84,54 @@ def test_bf16(path):
     bf16_matches_fp32(lambda q, g, *s: attnres_mix_sources(s, q, g, EPS, heads=2),
                       lambda q, g, *s: mixing.attnres_mix(torch.stack(s), q, g, EPS, heads=2),
                       torch.randn(24), torch.rand(24) + 0.5, *src)
+
+
+def _readers(mix):
+    """Full AttnRes in small: sublayer l mixes sources 0..l (each a new mix of the ones before), the final mix reads
+    them all; source 1 is also used outside the mixing (its gradient from there is added to the sink's)."""
+    def run(q0, q1, q2, g, *s):
+        h1 = mix(list(s[:2]), q0, g)
+        h2 = mix(list(s[:3]), q1, g)
+        out = mix(list(s) + [h1 * h2], q2, g)
+        return out, h1, s[1] * 3.0
+    return run
+
+
+def test_readers_of_one_source_add_into_one_buffer(path):
+    """Sources read by several mixes: the gradients equal autograd's sum, and autograd adds none of them: the
+    backward kernels add into one buffer per source (kernels/grad_sink.py)."""
+    lead, d = (2, 3), 12
+    sources = sources_of(4, *lead, d)
+    queries, gain = [leaf(d) for _ in range(3)], leaf(d, scale=0.3, shift=1.0)
+    check(_readers(lambda s, q, g: attnres_mix_sources(s, q, g, EPS, heads=2)),
+          _readers(lambda s, q, g: mixing.attnres_mix(torch.stack(s), q, g, EPS, heads=2)),
+          [*queries, gain, *sources], "readers of shared sources")
+    out = _readers(lambda s, q, g: attnres_mix_sources(s, q, g, EPS, heads=2))(*queries, gain, *sources)[0]
+    loss = (out * torch.randn_like(out)).sum()
+    with SourceGradAdds(sources[0].shape) as adds:
+        torch.autograd.grad(loss, sources)
+    # the Triton kernels add in place; the torch twin (the CPU kernel) adds with aten inside the op
+    assert adds.count == 0 or path == "torch", f"{adds.count} adds of a source's gradient"
+    with SourceGradAdds(sources[0].shape) as adds:  # the eager reference: one add per extra reader
+        ref = _readers(lambda s, q, g: mixing.attnres_mix(torch.stack(s), q, g, EPS, heads=2))
+        torch.autograd.grad(ref(*queries, gain, *sources)[0].sum(), sources)
+    assert adds.count > 0  # the counter sees autograd's adds
+
+
+def test_a_second_backward_and_a_partial_one_give_the_same_gradients(path):
+    """A buffer left by a backward pass that did not reach the source (autograd.grad of a query alone) is never
+    added to by the next pass; retain_graph's second pass equals the first."""
+    lead, d = (5,), 12
+    sources = sources_of(3, *lead, d)
+    queries, gain = [leaf(d) for _ in range(3)], leaf(d, scale=0.3, shift=1.0)
+    out, h1, extra = _readers(lambda s, q, g: attnres_mix_sources(s, q, g, EPS))(*queries, gain, *sources)
+    loss = out.square().sum() + extra.sum()
+    torch.autograd.grad(loss, [queries[2]], retain_graph=True)  # the final mix's backward alone
+    first = torch.autograd.grad(loss, sources, retain_graph=True)
+    second = torch.autograd.grad(loss, sources)
+    ref_out, _, ref_extra = _readers(lambda s, q, g: mixing.attnres_mix(torch.stack(s), q, g, EPS))(
+        *queries, gain, *sources)
+    expected = torch.autograd.grad(ref_out.square().sum() + ref_extra.sum(), sources)
+    for a, b, e in zip(first, second, expected):
+        close(a, e, "first pass")
+        assert torch.equal(a, b), "second pass"

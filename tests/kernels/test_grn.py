@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from kernel_checks import (SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, saves_only_inputs,
-                           sources_of)
+from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
+                           saves_only_inputs, sources_of)
 
-from mega_depth.kernels.grn import grn_apply_sources, grn_backward_op, grn_op
+from mega_depth.kernels.grn import grn_apply_sources, grn_backward_into_op, grn_backward_op, grn_op
 from mega_depth.model import mixing
 
 
@@ -55,6 +55,10 @@ def test_opcheck(twin):
         opcheck(grn_op, (sources, bias, proj, version))
         opcheck(grn_backward_op, (torch.randn(3, 2, 3, 8), detached(sources), bias.detach(),
                                   None if proj is None else proj.detach(), version))
+        for adding in ([False] * 3, [True, False, True]):
+            opcheck(grn_backward_into_op, (torch.randn(3, 2, 3, 8), detached(sources),
+                                           [torch.randn(2, 3, 8) for _ in sources], adding, bias.detach(),
+                                           None if proj is None else proj.detach(), version), eager_only=True)
 
 
 def test_saves_only_its_inputs(path):
@@ -67,3 +71,32 @@ def test_bf16(path):
     bf16_matches_fp32(lambda b, p, *s: grn_apply_sources(s, b, p, "v3"),
                       lambda b, p, *s: mixing.grn_apply(torch.stack(s), b, p, "v3"), torch.randn(3, 24, 3),
                       torch.randn(3, 24), *src)
+
+
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_readers_of_one_source_add_into_one_buffer(path, version):
+    """DCA's stack: each layer's GRNs read the entries before them, so an entry has one reader per later layer. The
+    gradients equal autograd's sum and autograd adds none of them (kernels/grad_sink.py). The readers' slices make
+    backward meet held and new buffers in one call (the last reader runs first and holds sources 1 and 2)."""
+    lead, d = (5,), 12
+    sources = sources_of(4, *lead, d)
+    slices = ((0, 4), (0, 2), (1, 3))
+    params = []
+    for lo, hi in slices:  # 3 instances each
+        k = hi - lo
+        params += [leaf(3, k) if version == "v1" else leaf(3, d, k), leaf(3, d) if version == "v3" else None]
+
+    def layers(grn):
+        def run(*args):
+            p, s = args[:6], args[6:]
+            return tuple(grn(list(s[lo:hi]), p[2 * i], p[2 * i + 1]).sum(0) for i, (lo, hi) in enumerate(slices))
+        return run
+
+    fast = layers(lambda s, b, p: grn_apply_sources(s, b, p, version))
+    check(fast, layers(lambda s, b, p: mixing.grn_apply(torch.stack(s), b, p, version)), [*params, *sources],
+          f"grn readers {version}")
+    outs = fast(*params, *sources)
+    with SourceGradAdds(sources[0].shape) as adds:
+        torch.autograd.grad(sum((o * torch.randn_like(o)).sum() for o in outs), sources)
+    # the Triton kernels add in place; the torch twin (the CPU kernel) adds with aten inside the op
+    assert adds.count == 0 or path == "torch", f"{adds.count} adds of a source's gradient"

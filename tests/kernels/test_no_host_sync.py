@@ -42,9 +42,11 @@ def test_pointer_tables_reach_a_device_without_a_sync():
     assert not found, "\n".join(map(str, found))
 
 
-def old_table(tensors):
+def old_table(tensors, low_bits=None):
     """The pointer table as it was built before: one blocking copy per mixing call on a GPU."""
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+    bits = low_bits or [False] * len(tensors)
+    return torch.tensor([t.data_ptr() | b for t, b in zip(tensors, bits)], dtype=torch.int64,
+                        device=tensors[0].device)
 
 
 def test_the_detector_catches_a_blocking_table_and_host_reads(monkeypatch):
