@@ -13,6 +13,7 @@ implementation and autograd included) and its public function, which has its ref
     attnres_mix.py      AttnRes's mix over K sources                 (mixing.attnres_mix)
     attnres_block.py    Block AttnRes's phase 1 and phase 2          (mixing.attnres_block_phase1 / _phase2)
     grn.py              DCA's GRNs over the stack                    (mixing.grn_apply)
+                        and DenseFormer's DWA, a GRN v1 of one instance (mixing.dwa)
     depth_attention.py  Depth-Attention's value mix                  (mixing.depth_attention_mix)
     streams.py          HC / mHC's stream read and write             (mixing.streams_in / streams_out)
     sinkhorn.py         mHC's Sinkhorn-Knopp                         (mixing.sinkhorn)
@@ -30,7 +31,7 @@ from mega_depth.model import mixing
 
 # The functions a mechanism may ask for by name (Mechanism.kernel(name, reference)).
 FAST_FUNCTIONS = ("attnres_mix_sources", "attnres_phase1_sources", "attnres_phase2", "grn_apply_sources",
-                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn")
+                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn", "dwa_mix")
 # the reference each name stands for, in mixing.py
 REFERENCES = {"attnres_phase2": "attnres_block_phase2"}
 
@@ -60,7 +61,7 @@ def fast_functions() -> SimpleNamespace:
                            attnres_phase1_sources=attnres_block.attnres_phase1_sources,
                            attnres_phase2=attnres_block.attnres_phase2, grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
-                           streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn)
+                           streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix)
 
 
 def default_impl() -> str:

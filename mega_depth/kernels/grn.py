@@ -366,3 +366,13 @@ def grn_apply_sources(sources: Sources, bias: Tensor, proj: Optional[Tensor], ve
     if not traced(sources) and not traced((bias, proj)):  # readers of one source add into one gradient buffer
         sources = grad_sink.aliased(sources)
     return call(grn_op, sources, bias, proj, int(version[1]))
+
+
+def dwa_mix(outputs: Sources, alpha: Tensor) -> Tensor:
+    """== mixing.dwa(torch.stack(outputs), alpha): DenseFormer's depth-weighted average is a GRN v1 with one
+    instance (a plain scalar per source; the scalar rounded to the outputs' dtype, fp32 sums, as the einsum of the
+    reference). The outputs are read in place, not stacked (an einsum over the stack ran as a batched GEMM), and a
+    stored output's gradients from every later DWA are summed in the kernel. -> [*, d]."""
+    outputs = as_list(outputs)
+    # squeeze, not [0]: the backward of an index zero-fills a whole [1, N, d] gradient to write its one slice
+    return grn_apply_sources(outputs, alpha.view(1, len(outputs)), None, "v1").squeeze(0)

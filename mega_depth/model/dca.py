@@ -135,7 +135,8 @@ class DCA(Mechanism):
         return state
 
     def final_hidden(self, state, decoder):
-        return self._grn(decoder.final_grn, state.entries(), 1e9, "final")[0]
+        # squeeze, a view: the backward of [0] would zero-fill a whole [1, N, d] gradient
+        return self._grn(decoder.final_grn, state.entries(), 1e9, "final").squeeze(0)
 
     def io_units(self, fused=True):
         L, k, total = self.shape.num_layers, self.last_k, 0.0

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import Entry, Mechanism, Option
-from .mixing import dwa, dwa_needed_after, dwa_sources, dwa_units
+from .mixing import dwa_mix, dwa_needed_after, dwa_sources, dwa_units
 
 
 class DWA(nn.Module):
@@ -102,7 +102,7 @@ class DenseFormer(Mechanism):
             if self.recorder is not None:
                 self.recorder.add("dwa", unit, f"{'sublayer' if self.per_sublayer else 'block'} {unit}",
                                   mixer.alpha.detach().float())
-            state.y = dwa(torch.stack([state.outputs[j] for j in sources]), mixer.alpha)
+            state.y = self.kernel("dwa_mix", dwa_mix)([state.outputs[j] for j in sources], mixer.alpha)
         else:
             state.y = x
         state.next_unit += 1

@@ -397,3 +397,8 @@ def dwa(outputs: Tensor, alpha: Tensor) -> Tensor:
     """Y = sum_j alpha_j X_j over outputs [K, *, d] with plain scalars alpha [K] (no softmax): at the identity
     init (0, ..., 0, 1) the result is X_i bit for bit."""
     return torch.einsum("k,k...d->...d", alpha.to(outputs.dtype), outputs)
+
+
+def dwa_mix(outputs: Sequence[Tensor], alpha: Tensor) -> Tensor:
+    """dwa over separate output tensors (the form fast paths take)."""
+    return dwa(torch.stack(list(outputs)), alpha)

@@ -5,7 +5,7 @@ import torch
 from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
                            saves_only_inputs, sources_of)
 
-from mega_depth.kernels.grn import grn_apply_sources, grn_backward_into_op, grn_backward_op, grn_op
+from mega_depth.kernels.grn import dwa_mix, grn_apply_sources, grn_backward_into_op, grn_backward_op, grn_op
 from mega_depth.model import mixing
 
 
@@ -100,3 +100,16 @@ def test_readers_of_one_source_add_into_one_buffer(path, version):
         torch.autograd.grad(sum((o * torch.randn_like(o)).sum() for o in outs), sources)
     # the Triton kernels add in place; the torch twin (the CPU kernel) adds with aten inside the op
     assert adds.count == 0 or path == "torch", f"{adds.count} adds of a source's gradient"
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_dwa_is_a_grn_v1_of_one_instance(path, k):
+    """DenseFormer's depth-weighted average through the GRN kernels equals mixing.dwa, values and gradients (alpha
+    included); at the identity init it returns the newest output bit for bit, in bf16 too."""
+    sources, alpha = sources_of(k, 2, 3, 12), leaf(k)
+    check(lambda a, *s: dwa_mix(list(s), a), lambda a, *s: mixing.dwa(torch.stack(s), a), [alpha, *sources],
+          f"dwa k={k}")
+    identity = torch.zeros(k)
+    identity[-1] = 1.0
+    low = [s.detach().to(torch.bfloat16) for s in sources]
+    assert torch.equal(dwa_mix(low, identity), low[-1])
