@@ -25,13 +25,17 @@ Eager only: under torch.compile the op stays one node and autograd adds as befor
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence, Tuple
+import weakref
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-_ALIAS = "_mega_depth_grad_alias"  # attribute of a source: its alias
-_SINK = "_mega_depth_grad_sink"  # attribute of an alias: its sink
+_SINK = "_mega_depth_grad_sink"  # attribute of an alias (and of a recomputed region's copy): its sink
+# id(source) -> the alias, weakly: an attribute on the source would hold the alias, which holds the source as its
+# view base in C++, a cycle the garbage collector cannot see (every step's activations would stay alive). The
+# readers' saved tensors keep the alias alive while a later reader may still look it up.
+_ALIASES: Dict[int, weakref.ref] = {}
 
 
 _CALLERS: List[int] = []  # graph tasks whose nested backward passes run now (for_the_caller)
@@ -110,14 +114,20 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
         if not s.requires_grad or hasattr(s, _SINK):
             out.append(s)
             continue
-        alias = getattr(s, _ALIAS, None)
-        if alias is None:
-            sink = Sink()
-            alias = _Sink.apply(s, sink)
-            setattr(alias, _SINK, sink)
-            setattr(s, _ALIAS, alias)
-        out.append(alias)
+        out.append(_alias_of(s))
     return out
+
+
+def _alias_of(source: Tensor) -> Tensor:
+    key = id(source)
+    ref = _ALIASES.get(key)
+    alias = ref() if ref is not None else None
+    if alias is None or alias._base is not source:  # none yet, or an id reused by a new tensor
+        sink = Sink()
+        alias = _Sink.apply(source, sink)
+        setattr(alias, _SINK, sink)
+        _ALIASES[key] = weakref.ref(alias, lambda r, key=key: _ALIASES.get(key) is r and _ALIASES.pop(key))
+    return alias
 
 
 def sinks_of(sources: Sequence[Tensor]) -> Optional[List[Optional[Sink]]]:

@@ -135,3 +135,17 @@ def test_a_second_backward_and_a_partial_one_give_the_same_gradients(path):
     for a, b, e in zip(first, second, expected):
         close(a, e, "first pass")
         assert torch.equal(a, b), "second pass"
+
+
+def test_an_aliased_source_is_freed_with_its_graph(path):
+    """The alias that sums a source's gradients holds the source (its view base); the source must not hold the
+    alias back (an attribute would: a cycle through C++ that no garbage collection frees, every step's activations
+    kept). After backward and the last reference, each source's storage has no other owner."""
+    x = leaf(6, 12)
+    sources = [x * (i + 1) for i in range(3)]
+    storages = [s.untyped_storage() for s in sources]
+    query = leaf(12)
+    out = attnres_mix_sources(sources, query, None, EPS) + attnres_mix_sources(sources[:2], query, None, EPS)
+    out.sum().backward()
+    del out, sources
+    assert [torch._C._storage_Use_Count(s._cdata) for s in storages] == [1, 1, 1]
