@@ -21,6 +21,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from mega_depth.megatron import context_parallel
+from mega_depth.model.mixing import expand_heads
 
 
 class SDPAttention(DotProductAttention):
@@ -48,6 +49,8 @@ class SDPAttention(DotProductAttention):
         if cp and attention_mask is not None:
             raise NotImplementedError("context parallelism here takes the causal mask; an explicit attention mask "
                                       "needs --transformer-impl transformer_engine")
+        if key.shape[-2] != value.shape[-2]:  # Depth-Attention's per-query-head values: each key serves its group
+            key = expand_heads(key, value.shape[-2])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         # GQA natively: each key/value group serves consecutive query heads (Megatron's order, SDPA's too), with
         # no repeated copy of K and V

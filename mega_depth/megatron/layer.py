@@ -21,6 +21,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mega_depth.kernels import grad_sink
+from mega_depth.megatron.attention import SDPAttention
 from mega_depth.megatron.qkv_projection import RecomputedQKVProjection, project_separate
 from mega_depth.model.base import normed
 from mega_depth.model.mixing import expand_heads
@@ -78,7 +79,9 @@ class DepthMixingSelfAttention(SelfAttention):
             query_norm = self.q_layernorm if self.q_layernorm is not None else IdentityOp()
             key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
             value = hooks.value_mixer(raw_query, raw_key, value, query_norm, key_norm)
-            if value.shape[-2] != key.shape[-2]:  # per-query-head values: the keys follow
+            if value.shape[-2] != key.shape[-2] and not isinstance(self.core_attention, SDPAttention):
+                # per-query-head values: the keys follow (SDPA repeats them itself, after RoPE: half the rotary
+                # traffic of repeating them here)
                 key = expand_heads(key, value.shape[-2])
         return query, key, value
 

@@ -110,10 +110,11 @@ class DepthAttention(Mechanism):
                 query, key = query_norm(raw_query), key_norm(raw_key)
                 if n == 0:
                     return mix(query, key, value, None, None, self.gqa)
-                keys, values = key_norm(torch.stack(candidates[:n])), torch.stack(candidates[n:])
+                # lists, not stacks: the op reads each candidate in place (a stack and its backward copy them all)
+                keys, values = [key_norm(k) for k in candidates[:n]], list(candidates[n:])
                 if self.recorder is not None:
                     self.recorder.add("depth-attention", index, f"layer {index}",
-                                      depth_attention_weights(query, torch.cat([keys, key.unsqueeze(0)]), self.gqa))
+                                      depth_attention_weights(query, torch.stack(keys + [key]), self.gqa))
                 return mix(query, key, value, keys, values, self.gqa)
 
             # On the fast path, what this mix makes (the normalised query and keys of this layer and of its

@@ -222,18 +222,20 @@ def depth_attention_weights(query: Tensor, keys: Tensor, gqa_mode: str) -> Tenso
     return torch.softmax(scores, dim=0)
 
 
-def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Optional[Tensor],
-                        cand_values: Optional[Tensor], gqa_mode: str = "query") -> Tensor:
+def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Optional[Sequence[Tensor]],
+                        cand_values: Optional[Sequence[Tensor]], gqa_mode: str = "query") -> Tensor:
     """Depth-mixed value of one layer (docs/mechanisms.md §6).
 
     query [*, hq, hn] after q-norm (RoPE cancels at equal positions, so none is applied); key [*, hkv, hn] this
     layer's normalised key; value [*, hkv, hn]; cand_keys [C, *, hkv, hn] earlier layers' keys normalised with
-    THIS layer's key norm; cand_values [C, *, hv, hn] their stored (mixed) values. Returns v~ with hq heads
-    ("query": the authors' per-query-head form) or hkv heads ("group": keeps the GQA cache size).
+    THIS layer's key norm; cand_values [C, *, hv, hn] their stored (mixed) values (or sequences of C tensors).
+    Returns v~ with hq heads ("query": the authors' per-query-head form) or hkv heads ("group": keeps the GQA cache
+    size).
     """
     heads = query.shape[-2] if gqa_mode == "query" else key.shape[-2]
-    if cand_keys is None or cand_keys.shape[0] == 0:
+    if cand_keys is None or len(cand_keys) == 0:
         return expand_heads(value, heads)
+    cand_keys, cand_values = (c if isinstance(c, Tensor) else torch.stack(list(c)) for c in (cand_keys, cand_values))
     alpha = depth_attention_weights(query, torch.cat([cand_keys, key.unsqueeze(0)]), gqa_mode)  # [C+1, *, heads]
     values = torch.cat([expand_heads(cand_values, heads), expand_heads(value, heads).unsqueeze(0)])
     return (alpha.to(value.dtype).unsqueeze(-1) * values).sum(0)
