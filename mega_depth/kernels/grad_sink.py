@@ -32,10 +32,11 @@ import torch
 from torch import Tensor
 
 _SINK = "_mega_depth_grad_sink"  # attribute of an alias (and of a recomputed region's copy): its sink
-# id(source) -> the alias, weakly: an attribute on the source would hold the alias, which holds the source as its
-# view base in C++, a cycle the garbage collector cannot see (every step's activations would stay alive). The
-# readers' saved tensors keep the alias alive while a later reader may still look it up.
-_ALIASES: Dict[int, weakref.ref] = {}
+# id(source) -> (the source, its alias), both weakly: an attribute on the source would hold the alias, which holds
+# the source as its view base in C++, a cycle the garbage collector cannot see (every step's activations would stay
+# alive). The readers' saved tensors keep the alias alive while a later reader may still look it up; the source's
+# own reference tells a reused id from the same tensor (a view's `_base` is the root of its chain, not the source).
+_ALIASES: Dict[int, Tuple[weakref.ref, weakref.ref]] = {}
 
 
 _CALLERS: List[int] = []  # graph tasks whose nested backward passes run now (for_the_caller)
@@ -120,14 +121,21 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
 
 def _alias_of(source: Tensor) -> Tensor:
     key = id(source)
-    ref = _ALIASES.get(key)
-    alias = ref() if ref is not None else None
-    if alias is None or alias._base is not source:  # none yet, or an id reused by a new tensor
+    refs = _ALIASES.get(key)
+    alias = refs[1]() if refs is not None and refs[0]() is source else None
+    if alias is None:  # none yet, or an id reused by a new tensor
         sink = Sink()
         alias = _Sink.apply(source, sink)
         setattr(alias, _SINK, sink)
-        _ALIASES[key] = weakref.ref(alias, lambda r, key=key: _ALIASES.get(key) is r and _ALIASES.pop(key))
+        _ALIASES[key] = (weakref.ref(source), weakref.ref(alias, lambda ref, key=key: _forget(key, ref)))
     return alias
+
+
+def _forget(key: int, alias_ref: weakref.ref) -> None:
+    """The alias died (its readers' graphs are gone): drop its entry, unless a newer alias took the id."""
+    entry = _ALIASES.get(key)
+    if entry is not None and entry[1] is alias_ref:
+        del _ALIASES[key]
 
 
 def sinks_of(sources: Sequence[Tensor]) -> Optional[List[Optional[Sink]]]:

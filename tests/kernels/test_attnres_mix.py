@@ -97,11 +97,15 @@ def _readers(mix):
     return run
 
 
-def test_readers_of_one_source_add_into_one_buffer(path):
+@pytest.mark.parametrize("views", [False, True])
+def test_readers_of_one_source_add_into_one_buffer(path, views):
     """Sources read by several mixes: the gradients equal autograd's sum, and autograd adds none of them: the
-    backward kernels add into one buffer per source (kernels/grad_sink.py)."""
+    backward kernels add into one buffer per source (kernels/grad_sink.py). Sources that are views (a model's
+    usually are: their `_base` is another tensor) share their alias too."""
     lead, d = (2, 3), 12
     sources = sources_of(4, *lead, d)
+    if views:
+        sources = [s.view(s.shape) for s in sources]
     queries, gain = [leaf(d) for _ in range(3)], leaf(d, scale=0.3, shift=1.0)
     check(_readers(lambda s, q, g: attnres_mix_sources(s, q, g, EPS, heads=2)),
           _readers(lambda s, q, g: mixing.attnres_mix(torch.stack(s), q, g, EPS, heads=2)),
