@@ -32,7 +32,8 @@ sys.path.insert(0, ROOT)
 
 EPS = 1e-6
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
-OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out")
+SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
+OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out", "depth_attention", "sinkhorn")
 
 
 @dataclass
@@ -53,7 +54,7 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
     """tokens, width, and the sources a middle layer mixes, from the shipped configs (toy: tiny)."""
     if toy:
         return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "queries": 3, "grn_sources": 3,
-                "streams": 4}
+                "streams": 4, "heads": 4, "groups": 2, "candidates": 2}
     from mega_depth.config import parse_args
 
     cfg = parse_args(["--config", os.path.join(ROOT, "launch", "configs", f"{shape}-attnres.yaml"), "--mock-data"])
@@ -61,7 +62,10 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
     sublayers_per_block = 2 * layers // (cfg.residual.attnres_num_blocks or 8)
     return {"tokens": cfg.training.micro_batch_size * cfg.model.seq_length, "d": cfg.model.hidden_size,
             "full_sources": layers + 1, "blocks": (cfg.residual.attnres_num_blocks or 8) // 2,
-            "queries": sublayers_per_block, "grn_sources": 4, "streams": 4}
+            "queries": sublayers_per_block, "grn_sources": 4, "streams": 4,
+            "heads": cfg.model.num_attention_heads,
+            "groups": cfg.model.num_query_groups or cfg.model.num_attention_heads,
+            "candidates": 2}  # the deepest layers' Depth-Attention candidates (layers 0 and L/2)
 
 
 def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
@@ -69,7 +73,9 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
 
     from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2
     from mega_depth.kernels.attnres_mix import attnres_mix_sources
+    from mega_depth.kernels.depth_attention import depth_attention_mix
     from mega_depth.kernels.grn import grn_apply_sources
+    from mega_depth.kernels.sinkhorn import sinkhorn
     from mega_depth.kernels.streams import streams_out
 
     s = sizes(shape, toy)
@@ -105,9 +111,23 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
                    lambda: ([rand(ns, n, d, seed=1), rand(n, d, seed=2), rand(ns, n, ns, scale=0.3, seed=3).float(),
                              rand(ns, n, scale=0.3, seed=4).float()]),
                    streams_out, (2 * ns + 1) * row, (3 * ns + 2) * row)
+    hq, hkv, c, iters = s["heads"], s["groups"], s["candidates"], SINKHORN_ITERS
+    hn = d // hq
+    q_row, kv_row = n * hq * hn * item, n * hkv * hn * item  # a query (and a per-query-head value), a key
+    depth = Case("depth_attention", shape, f"Depth-Attention value mix, {c} candidates, per-query-head values",
+                 lambda: ([rand(n, hq, hn, seed=1), rand(n, hkv, hn, seed=2), rand(n, hkv, hn, seed=3)]
+                          + [rand(n, hkv, hn, seed=10 + j) for j in range(c)]
+                          + [rand(n, hq, hn, seed=20 + j) for j in range(c)]),
+                 lambda qv, kv, vv, *cand: depth_attention_mix(qv, kv, vv, list(cand[:c]), list(cand[c:])),
+                 2 * q_row + (2 + c) * kv_row + c * q_row,
+                 2 * (2 * q_row + (2 + c) * kv_row + c * q_row))
+    cells = n * ns * ns * 4  # fp32 logits, ns x ns per token
+    sink = Case("sinkhorn", shape, f"mHC's Sinkhorn-Knopp, {ns} x {ns} per token, {iters} iterations",
+                lambda: [rand(n, ns, ns, seed=5).float()],
+                lambda logits: sinkhorn(logits, iters), 2 * cells, 3 * cells)
     from kernel_peers import peers_for
 
-    out = [full, phase1, phase2, grn, streams]
+    out = [full, phase1, phase2, grn, streams, depth, sink]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
@@ -133,6 +153,9 @@ def reference(op: str):
         "phase2": lambda m, z, o, x, q, g: mixing.attnres_block_phase2(m, z, o, x, q, g, EPS),
         "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
+        "depth_attention": lambda qv, kv, vv, *cand: mixing.depth_attention_mix(
+            qv, kv, vv, torch.stack(cand[:len(cand) // 2]), torch.stack(cand[len(cand) // 2:])),
+        "sinkhorn": lambda logits: mixing.sinkhorn(logits, SINKHORN_ITERS),
     }[op]
 
 
