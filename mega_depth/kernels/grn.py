@@ -179,8 +179,10 @@ def _params_kernel(table, like_ptr, go_ptr, w_ptr, dbias_ptr, dproj_ptr, K, N, D
 
 def _bias_rows(bias: Tensor, version: int) -> Tensor:
     """The bias as the kernels read it: v2/v3's [G, d, K] as [G, K, d] (a copy of G x d x K values), so that a
-    chunk of one source's channels loads in 16-byte vectors instead of one strided value at a time."""
-    return bias if version == 1 else bias.transpose(1, 2).contiguous()
+    chunk of one source's channels loads in 16-byte vectors instead of one strided value at a time; v1's scalars
+    [G, K] in fp32 (exact; the kernel rounds them to the sources' dtype), since a lone bf16 scalar compiles to a
+    2-byte load, which the resource check refuses."""
+    return bias.float() if version == 1 else bias.transpose(1, 2).contiguous()
 
 
 def _blocks(srcs: List[Tensor], bias: Tensor):
