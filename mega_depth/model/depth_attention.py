@@ -118,7 +118,7 @@ class DepthAttention(Mechanism):
                 return mix(query, key, value, keys, values, self.gqa)
 
             # On the fast path, what this mix makes (the normalised query and keys of this layer and of its
-            # candidates, the stacks) is recomputed in backward instead of kept: only the raw projections, which the
+            # candidates) is recomputed in backward instead of kept: only the raw projections, which the
             # q/k norms keep anyway, this layer's value and the stored candidates stay.
             tensors = (raw_query, raw_key, value) + (() if n == 0 else (*cand_raw, *cand_values))
             mixed = recompute(normalise_and_mix, *tensors) if self.recomputes else normalise_and_mix(*tensors)
