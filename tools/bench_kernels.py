@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 EPS = 1e-6
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out", "depth_attention", "sinkhorn")
+OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out", "depth_attention", "sinkhorn", "mhc_projection")
 
 
 @dataclass
@@ -75,6 +75,7 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
     from mega_depth.kernels.attnres_mix import attnres_mix_sources
     from mega_depth.kernels.depth_attention import depth_attention_mix
     from mega_depth.kernels.grn import grn_apply_sources
+    from mega_depth.kernels.mhc_projection import mhc_projection
     from mega_depth.kernels.sinkhorn import sinkhorn
     from mega_depth.kernels.streams import streams_out
 
@@ -125,12 +126,25 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
     sink = Case("sinkhorn", shape, f"mHC's Sinkhorn-Knopp, {ns} x {ns} per token, {iters} iterations",
                 lambda: [rand(n, ns, ns, seed=5).float()],
                 lambda logits: sinkhorn(logits, iters), 2 * cells, 3 * cells)
+    m = ns * ns + 2 * ns
+    project = Case("mhc_projection", shape, f"mHC's coefficient projection and RMS, {ns} streams -> {m}",
+                   lambda: [rand(ns, n, d, seed=1), rand(m, ns * d, scale=0.02, seed=2)],
+                   lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 3 * ns * row)
     from kernel_peers import peers_for
 
-    out = [full, phase1, phase2, grn, streams, depth, sink]
+    out = [full, phase1, phase2, grn, streams, depth, sink, project]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
+
+
+def _rms_applied(projection):
+    """(x~ phi) rsqrt(mean(x~^2) + eps) [N, m] from (x~ phi, mean(x~^2)): the function Liger's mhc_mm_norm computes
+    (DeepSeek's eps style)."""
+    import torch
+
+    proj, mean_square = projection
+    return proj * torch.rsqrt(mean_square + EPS)
 
 
 def _normalised(phase2, phase1_out, args):
@@ -156,6 +170,7 @@ def reference(op: str):
         "depth_attention": lambda qv, kv, vv, *cand: mixing.depth_attention_mix(
             qv, kv, vv, torch.stack(cand[:len(cand) // 2]), torch.stack(cand[len(cand) // 2:])),
         "sinkhorn": lambda logits: mixing.sinkhorn(logits, SINKHORN_ITERS),
+        "mhc_projection": lambda st, phi: _rms_applied(mixing.mhc_projection(st, phi)),
     }[op]
 
 

@@ -7,7 +7,9 @@ peer computes a narrower function (all three compute the softmax, one-head, stat
   key-norm gain as its `rms_weight`); CUDA tensors only.
 - Liger-Kernel `liger_attn_res`: the Full AttnRes mix, sources stacked ([K, N, d]: the stack is its input, not
   timed), the gain in fp32 (in bf16 it rounds the normalised keys); `liger_mhc_post_res`: HC's stream update, on
-  streams laid out [*, n, d] (ours are [n, *, d]: transposed before the call, not timed).
+  streams laid out [*, n, d] (ours are [n, *, d]: transposed before the call, not timed); `mhc_mm_norm_fwd` / `_bwd`:
+  mHC's coefficient projection with its RMS applied, (x~ phi) rsqrt(mean(x~^2) + eps) (the case's function), on
+  tokens laid out [N, n*d] and phi [n*d, m] (both transposed before the call, not timed).
 - flash-attn-res: Block AttnRes's phase 1 (blocks stacked [K, 1, N, d]; no key-norm gain: ours is folded into its
   queries, as our kernels fold it; it returns the normalised output o / z and the LSE, in bf16) and phase 2 (it
   takes phase 1's normalised output and LSE: converted from our (m, z, o) inside the timed call).
@@ -28,7 +30,8 @@ class Peer:
 
 
 def peers_for(op: str, eps: float) -> Dict[str, Peer]:
-    return {"attnres_mix": _attnres_mix, "phase1": _phase1, "phase2": _phase2, "streams_out": _streams_out}.get(
+    return {"attnres_mix": _attnres_mix, "phase1": _phase1, "phase2": _phase2, "streams_out": _streams_out,
+            "mhc_projection": _mhc_projection}.get(
         op, lambda eps: {})(eps)
 
 
@@ -112,3 +115,39 @@ def _streams_out(eps):
 
     return {"liger mhc_post_res": Peer(post_res, prepare=layout, grads_back=lambda g: [g[0].movedim(-2, 0), *g[1:]],
                                        note="streams laid out [*, n, d] (untimed)")}
+
+
+def _mhc_projection(eps):
+    import torch
+
+    class Liger(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, phi):
+            from liger_kernel.ops.mhc import mhc_mm_norm_fwd
+
+            mix, invr = mhc_mm_norm_fwd(x, phi, eps)
+            ctx.save_for_backward(x, phi, mix, invr)
+            return mix
+
+        @staticmethod
+        def backward(ctx, grad):
+            from liger_kernel.ops.mhc import mhc_mm_norm_bwd
+
+            x, phi, mix, invr = ctx.saved_tensors
+            grad_x, grad_phi = mhc_mm_norm_bwd(x, phi, mix, invr, grad.contiguous())
+            return grad_x, grad_phi.to(phi.dtype)
+
+    streams_shape = []  # [n, N, d] of the case's streams, for the gradient's way back
+
+    def layout(inputs):
+        streams, phi = inputs
+        streams_shape[:] = streams.shape
+        return [streams.movedim(0, -2).flatten(-2).contiguous().detach(), phi.t().contiguous().detach()]
+
+    def back(grads):
+        grad_x, grad_phi = grads
+        n, _, d = streams_shape
+        return [grad_x.unflatten(-1, (n, d)).movedim(-2, 0), grad_phi.t()]
+
+    return {"liger mhc_mm_norm": Peer(lambda x, phi: Liger.apply(x, phi), prepare=layout, grads_back=back,
+                                      note="tokens [N, n*d], phi [n*d, m] (untimed)")}

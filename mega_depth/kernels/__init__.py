@@ -17,6 +17,7 @@ implementation and autograd included) and its public function, which has its ref
     depth_attention.py  Depth-Attention's value mix                  (mixing.depth_attention_mix)
     streams.py          HC / mHC's stream read and write             (mixing.streams_in / streams_out)
     sinkhorn.py         mHC's Sinkhorn-Knopp                         (mixing.sinkhorn)
+    mhc_projection.py   mHC's coefficient projection and RMS         (mixing.mhc_projection)
     common.py           dispatch, launch heuristics, pointer tables, shared jit helpers
     aot.py              ahead-of-time compilation for GPU targets: the resource check of every launch
     saved_bytes.py      activation memory as autograd sees it
@@ -31,7 +32,7 @@ from mega_depth.model import mixing
 
 # The functions a mechanism may ask for by name (Mechanism.kernel(name, reference)).
 FAST_FUNCTIONS = ("attnres_mix_sources", "attnres_phase1_sources", "attnres_phase2", "grn_apply_sources",
-                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn", "dwa_mix")
+                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn", "dwa_mix", "mhc_projection")
 # the reference each name stands for, in mixing.py
 REFERENCES = {"attnres_phase2": "attnres_block_phase2"}
 
@@ -55,13 +56,15 @@ def select(impl: str) -> Optional[SimpleNamespace]:
 
 def fast_functions() -> SimpleNamespace:
     """The fused ops under the names mechanisms ask for (FAST_FUNCTIONS)."""
-    from mega_depth.kernels import attnres_block, attnres_mix, depth_attention, grn, sinkhorn, streams
+    from mega_depth.kernels import (attnres_block, attnres_mix, depth_attention, grad_sink, grn, mhc_projection,
+                                    sinkhorn, streams)
 
     return SimpleNamespace(attnres_mix_sources=attnres_mix.attnres_mix_sources,
                            attnres_phase1_sources=attnres_block.attnres_phase1_sources,
                            attnres_phase2=attnres_block.attnres_phase2, grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
-                           streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix)
+                           streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,
+                           mhc_projection=mhc_projection.mhc_projection, recompute=grad_sink.recompute)
 
 
 def default_impl() -> str:

@@ -372,6 +372,15 @@ def gradient_at(table, k, like_ptr):
 
 
 @jit
+def store_or_add(ptr, value, mask, ADD: tl.constexpr):
+    """Store a gradient (an fp32 value) at ptr in ptr's dtype, or add it to what is there (ADD: a gradient sink's
+    buffer that already holds other readers' gradients, kernels/grad_sink.py)."""
+    if ADD:
+        value += tl.load(ptr, mask=mask, other=0.).to(tl.float32)
+    tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@jit
 def pointers_at(table, ok, kmask, like_ptr):
     """The pointers [BK] of a table's first K entries (ok = arange(BK), kmask = ok < K; masked ones are null and
     never read), typed like like_ptr and 16-byte aligned: a [BK, chunk] tile of rows loads in 16-byte vectors."""

@@ -163,3 +163,52 @@ def buffers(sinks: Sequence[Optional[Sink]], sources: Sequence[Tensor]) -> Tuple
 def returned(sinks: Sequence[Optional[Sink]], into: Sequence[Tensor], needed: bool) -> List[Optional[Tensor]]:
     """The source gradients that go to autograd: None for a source with a sink (its node hands the buffer on)."""
     return [None if sink is not None or not needed else g for sink, g in zip(sinks, into)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation checkpointing that keeps the sinks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def recompute(fn, *tensors: Optional[Tensor]):
+    """model/base.recompute (reentrant activation checkpointing: keep `tensors`, run fn again in backward) with the
+    sinks kept: the inputs are read through their aliases, the re-run reads copies that share those sinks, and its
+    nested backward adds into the buffers of the pass that runs it. A source that recomputed regions and other
+    readers both read (HC / mHC's streams: the coefficients and the sublayer input are recomputed, the stream write
+    is not) then gets one buffer, not one gradient per region for autograd to add. The base form where nothing
+    needs a gradient, or where the call is traced (a compiled layer)."""
+    from mega_depth.kernels.eager import traced
+    from mega_depth.model.base import recompute as base_recompute
+
+    present = [t for t in tensors if t is not None]
+    if (not torch.is_grad_enabled() or torch.compiler.is_compiling() or traced(present)
+            or not any(t.requires_grad for t in present)):
+        return base_recompute(fn, *tensors)
+    aliases = iter(aliased(present))
+    return _Recompute.apply(fn, *(None if t is None else next(aliases) for t in tensors))
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        ctx.autocast = [(device, torch.get_autocast_dtype(device)) for device in ("cuda", "cpu")
+                        if torch.is_autocast_enabled(device)]
+        ctx.set_materialize_grads(False)  # an output that does not reach the loss: no zero gradient to run back
+        ctx.save_for_backward(*tensors)
+        return fn(*tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        copies = [None if t is None else share(t.detach().requires_grad_(t.requires_grad), t)
+                  for t in ctx.saved_tensors]
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
+            for device, dtype in ctx.autocast:  # the forward's autocast, as torch.utils.checkpoint restores it
+                stack.enter_context(torch.autocast(device, dtype))
+            outputs = ctx.fn(*copies)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            with for_the_caller():
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *(None if c is None else c.grad for c in copies))

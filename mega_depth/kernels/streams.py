@@ -17,9 +17,10 @@ from typing import List
 import torch
 from torch import Tensor
 
+from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
-                                       rows, tl, token, uses_triton, warps)
-from mega_depth.kernels.eager import autograd, call
+                                       rows, store_or_add, tl, token, uses_triton, warps)
+from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -59,7 +60,9 @@ def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, B
 
 
 @jit
-def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
+def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr,
+                   ADD: tl.constexpr):
+    """ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py)."""
     _, od, _, dmask = _lanes(1, D, 1, BD)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
@@ -68,7 +71,7 @@ def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: 
         for i in tl.static_range(NS):
             w, x = _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, go_ptr)
             r = n * 0 + i
-            tl.store(ds_ptr + (r * N + n) * D + od, (w * go).to(go_ptr.dtype.element_ty), mask=dmask & valid)
+            store_or_add(ds_ptr + (r * N + n) * D + od, w * go, dmask & valid, ADD)
             tl.store(dw_ptr + r * N + n, tl.sum(x * go, axis=0), mask=valid)
 
 
@@ -95,8 +98,9 @@ def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK,
 
 @jit
 def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, TOK,
-                    NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """One pass: the n output gradients of a token stay in registers while each input stream is read once."""
+                    NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr):
+    """One pass: the n output gradients of a token stay in registers while each input stream is read once. ADD: as
+    _in_bwd_kernel."""
     dt = go_ptr.dtype.element_ty
     oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
     for t in range(TOK):
@@ -113,7 +117,7 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
             r = n * 0 + i
             x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
             mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
-            tl.store(ds_ptr + (r * N + n) * D + od, tl.sum(mix[:, None] * go, axis=0).to(dt), mask=dmask & valid)
+            store_or_add(ds_ptr + (r * N + n) * D + od, tl.sum(mix[:, None] * go, axis=0), dmask & valid, ADD)
             tl.store(dmix_ptr + (r * N + n) * NS + oj, tl.sum(go * x[None, :], axis=1), mask=jmask & valid)
 
 
@@ -132,15 +136,14 @@ def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
     return out
 
 
-def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor):
-    """-> (stream gradients [n, N, d], weight gradients fp32 [n, N])."""
+def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool) -> Tensor:
+    """Stream gradients into ds [n, N, d] (stored, or added to it: `adding`) -> weight gradients fp32 [n, N]."""
     ns, n, d = s.shape
-    ds = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
     dw = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, NS=ns,
-                BD=pow2(d))
-    return ds, dw
+                BD=pow2(d), ADD=adding)
+    return dw
 
 
 def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
@@ -152,18 +155,17 @@ def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
     return out
 
 
-def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor):
-    """-> (stream gradients [n, N, d], output gradient [N, d], mix gradient fp32 [n, N, n], post gradient fp32
-    [n, N])."""
+def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor, ds: Tensor, adding: bool):
+    """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> (output gradient [N, d], mix gradient fp32
+    [n, N, n], post gradient fp32 [n, N])."""
     ns, n, d = s.shape
-    ds = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
     dy = torch.empty((n, d), dtype=s.dtype, device=s.device)
     dmix = torch.empty((ns, n, ns), dtype=F32, device=s.device)
     dpost = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
-                                               s.stride(1)), 2, NS=ns, BN=pow2(ns), BD=pow2(d))
-    return ds, dy, dmix, dpost
+                                               s.stride(1)), 2, NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding)
+    return dy, dmix, dpost
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -183,12 +185,16 @@ def _torch_in_fwd(s, w):
     return out.to(dt)
 
 
-def _torch_in_bwd(go, s, w):
+def _into(ds: Tensor, grad: Tensor, adding: bool) -> None:
+    """The twins' stream gradient stored into ds, or added to what it holds."""
+    ds.add_(grad) if adding else ds.copy_(grad)
+
+
+def _torch_in_bwd(go, s, w, ds, adding):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
     go = go.to(ct)
-    ds = (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt)
-    dw = torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
-    return ds, dw
+    _into(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
+    return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
 
 
 def _torch_out_fwd(s, y, mix, post):
@@ -199,7 +205,7 @@ def _torch_out_fwd(s, y, mix, post):
     return out.to(dt)
 
 
-def _torch_out_bwd(go, s, y, mix, post):
+def _torch_out_bwd(go, s, y, mix, post, ds_into, adding):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
     go = go.to(ct)
     dy = (_coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
@@ -209,7 +215,8 @@ def _torch_out_bwd(go, s, y, mix, post):
         x = s[i].to(ct)
         ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
         dmix.append((go * x).sum(-1).t())  # [N, n (to)]
-    return torch.stack(ds), dy, torch.stack(dmix), dpost
+    _into(ds_into, torch.stack(ds), adding)
+    return dy, torch.stack(dmix), dpost
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -245,25 +252,59 @@ def _(streams, weights):
 @torch.library.custom_op("mega_depth::hc_streams_in_backward", mutates_args=())
 def streams_in_backward_op(grad: Tensor, streams: Tensor, weights: Tensor) -> List[Tensor]:
     """-> [stream gradients [n, *, d], weight gradients [n, *] (fp32 at least)]."""
-    s = stream_rows(streams)
-    ds, dw = (_triton_in_bwd if uses_triton(s) else _torch_in_bwd)(rows(grad, s.shape[-1]), s,
-                                                                   _coef_rows(weights, s.shape[0]))
-    return [ds.view(streams.shape), dw.view(weights.shape)]
+    into = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    return [into, _in_backward_into(grad, streams, weights, into, False)]
 
 
 @register_fake(streams_in_backward_op)
-def _(grad, streams, weights):
+def _fake_in_backward(grad, streams, weights):
     return [streams.new_empty(streams.shape),
             weights.new_empty(weights.shape, dtype=accumulation_dtype(streams.dtype))]
 
 
+@torch.library.custom_op("mega_depth::hc_streams_in_backward_into", mutates_args=("into",))
+def streams_in_backward_into_op(grad: Tensor, streams: Tensor, weights: Tensor, into: Tensor,
+                                adding: bool) -> Tensor:
+    """The stream gradients stored into `into` (contiguous, shaped like the streams), or added to it with `adding`
+    set (kernels/grad_sink.py) -> the weight gradients, as hc_streams_in_backward."""
+    return _in_backward_into(grad, streams, weights, into, adding)
+
+
+@register_fake(streams_in_backward_into_op)
+def _(grad, streams, weights, into, adding):
+    return _fake_in_backward(grad, streams, weights)[1]
+
+
+def _in_backward_into(grad, streams, weights, into, adding) -> Tensor:
+    s = stream_rows(streams)
+    bwd = _triton_in_bwd if uses_triton(s) else _torch_in_bwd
+    dw = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]), into.view(s.shape), adding)
+    return dw.view(weights.shape)
+
+
 def _save_inputs(ctx, inputs, output):
+    """The inputs by reference, and the streams' gradient sink (kernels/grad_sink.py) if they have one."""
     ctx.save_for_backward(*inputs)
+    ctx.sinks = grad_sink.sinks_of(inputs[:1])
+
+
+def stream_gradient(ctx, streams, backward, backward_into, *args):
+    """Run an op's backward: `backward(*args)` -> [the streams' gradient, rest...], or, where the streams have a
+    sink, `backward_into(*args, into, adding)` -> [rest...] into its buffer. -> (the streams' gradient for autograd,
+    None where the sink took it; rest)."""
+    if ctx.sinks is None:
+        ds, *rest = call(backward, *args)
+        return ds, rest
+    (into,), (adding,) = grad_sink.buffers(ctx.sinks, [streams])
+    rest = call(backward_into, *args, into, adding)
+    rest = [rest] if isinstance(rest, Tensor) else rest
+    return grad_sink.returned(ctx.sinks, [into], ctx.needs_input_grad[0])[0], rest
 
 
 def _in_backward(ctx, grad):
     streams, weights = ctx.saved_tensors
-    ds, dw = call(streams_in_backward_op, grad, streams, weights)
+    ds, (dw,) = stream_gradient(ctx, streams, streams_in_backward_op, streams_in_backward_into_op, grad, streams,
+                                 weights)
     need = ctx.needs_input_grad
     return ds if need[0] else None, cast_grad(dw, weights, need[1])
 
@@ -290,24 +331,42 @@ def _(streams, output, mix, post):
 def streams_out_backward_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor,
                             post: Tensor) -> List[Tensor]:
     """-> [stream gradients, output gradient, mix gradient, post gradient] (coefficients in fp32 at least)."""
-    s = stream_rows(streams)
-    n, d = s.shape[0], s.shape[-1]
-    go = grad.reshape(n, -1, d).contiguous()
-    ds, dy, dmix, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
-        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n))
-    return [ds.view(streams.shape), dy.view(output.shape), dmix.view(mix.shape), dpost.view(post.shape)]
+    into = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    return [into] + _out_backward_into(grad, streams, output, mix, post, into, False)
 
 
 @register_fake(streams_out_backward_op)
-def _(grad, streams, output, mix, post):
+def _fake_out_backward(grad, streams, output, mix, post):
     ct = accumulation_dtype(streams.dtype)
     return [streams.new_empty(streams.shape), output.new_empty(output.shape), mix.new_empty(mix.shape, dtype=ct),
             post.new_empty(post.shape, dtype=ct)]
 
 
+@torch.library.custom_op("mega_depth::hc_streams_out_backward_into", mutates_args=("into",))
+def streams_out_backward_into_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor, post: Tensor,
+                                 into: Tensor, adding: bool) -> List[Tensor]:
+    """The stream gradients into `into` (stored, or added with `adding`) -> [output, mix, post gradients]."""
+    return _out_backward_into(grad, streams, output, mix, post, into, adding)
+
+
+@register_fake(streams_out_backward_into_op)
+def _(grad, streams, output, mix, post, into, adding):
+    return _fake_out_backward(grad, streams, output, mix, post)[1:]
+
+
+def _out_backward_into(grad, streams, output, mix, post, into, adding) -> List[Tensor]:
+    s = stream_rows(streams)
+    n, d = s.shape[0], s.shape[-1]
+    go = grad.reshape(n, -1, d).contiguous()
+    dy, dmix, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
+        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), into.view(s.shape), adding)
+    return [dy.view(output.shape), dmix.view(mix.shape), dpost.view(post.shape)]
+
+
 def _out_backward(ctx, grad):
     streams, output, mix, post = ctx.saved_tensors
-    ds, dy, dmix, dpost = call(streams_out_backward_op, grad, streams, output, mix, post)
+    ds, (dy, dmix, dpost) = stream_gradient(ctx, streams, streams_out_backward_op, streams_out_backward_into_op,
+                                             grad, streams, output, mix, post)
     need = ctx.needs_input_grad
     return (ds if need[0] else None, dy if need[1] else None, cast_grad(dmix, mix, need[2]),
             cast_grad(dpost, post, need[3]))
@@ -316,14 +375,22 @@ def _out_backward(ctx, grad):
 autograd(streams_out_op, _out_backward, _save_inputs)
 
 
+def sunk(streams: Tensor) -> Tensor:
+    """The streams through their gradient sink's alias (kernels/grad_sink.py): a sublayer's three readers (the
+    coefficients, the read, the write) add their gradients into one buffer instead of autograd adding three."""
+    return streams if traced([streams]) else grad_sink.aliased([streams])[0]
+
+
 def streams_in(streams: Tensor, weights: Tensor) -> Tensor:
     """== mixing.streams_in(...): streams [n, *, d], weights [n, *] (or broadcastable, [n, 1...]) -> [*, d]."""
+    streams = sunk(streams)
     return call(streams_in_op, streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
 
 
 def streams_out(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> Tensor:
     """== mixing.streams_out(...): streams [n, *, d], output [*, d], mix [n, *, n] (from i to j), post [n, *]
     (both may broadcast over the tokens) -> [n, *, d]."""
+    streams = sunk(streams)
     n, lead = streams.shape[0], streams.shape[1:-1]
     if output.shape != streams.shape[1:]:
         output = output.expand(streams.shape[1:])

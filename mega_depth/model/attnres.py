@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option, Recomputed, sublayer_label
+from .base import Entry, Mechanism, Option, sublayer_label
 from .mixing import (attnres_block_phase2, attnres_logits, attnres_mix_sources, attnres_phase1_sources,
                      depth_weights, rms_inverse, scalar_mix)
 
@@ -270,7 +270,7 @@ class AttnRes(Mechanism):
         def merge(m, z, o, partial):
             return phase2(m, z, o, partial, query, gain, self.eps, self.weight, self.heads)
 
-        return Recomputed(merge, (*state.phase1[sublayer], state.partial))
+        return self.recomputed(merge, *state.phase1[sublayer], state.partial)
 
     def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
         """The depth weights alpha [K, *] of one mix (heatmaps)."""

@@ -166,12 +166,13 @@ class Recomputed:
 
     make: Callable[..., Tensor]
     sources: Tuple[Optional[Tensor], ...]
+    recompute: Callable[..., Any] = recompute  # the checkpoint (Mechanism.recompute: the fast path's keeps sinks)
 
 
 def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
     """A host's pre-norm of a sublayer input: a tensor, or a `Recomputed` one (recomputed in backward)."""
     if isinstance(x, Recomputed):
-        return recompute(lambda *sources: norm(x.make(*sources)), *x.sources)
+        return x.recompute(lambda *sources: norm(x.make(*sources)), *x.sources)
     return norm(x)
 
 
@@ -336,6 +337,15 @@ class Mechanism:
     def kernel(self, name: str, reference):
         """The fast twin of a mixing function on the fast path; the eager reference otherwise."""
         return getattr(self.kernels, name, reference) if self.fast_path else reference
+
+    def recompute(self, fn: Callable, *tensors: Optional[Tensor]):
+        """recompute(fn, *tensors) through the fast path's checkpoint where it has one (the fused kernels': the
+        readers of one source, in recomputed regions or not, add their gradients into one buffer)."""
+        return self.kernel("recompute", recompute)(fn, *tensors)
+
+    def recomputed(self, make: Callable[..., Tensor], *sources: Optional[Tensor]) -> Recomputed:
+        """A sublayer input make(*sources), recomputed in backward through this mechanism's checkpoint."""
+        return Recomputed(make, sources, self.kernel("recompute", recompute))
 
 
 def option_fields(mechanisms: Sequence[type]) -> List[Tuple[str, Any, dataclasses.Field]]:

@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from .base import Entry, Mechanism, Option, recompute
+from .base import Entry, Mechanism, Option
 from .mixing import (DEPTH_ATTN_GQA_MODES, depth_attention_candidates, depth_attention_mix,
                      depth_attention_needed_after, depth_attention_weights)
 
@@ -121,7 +121,7 @@ class DepthAttention(Mechanism):
             # candidates) is recomputed in backward instead of kept: only the raw projections, which the
             # q/k norms keep anyway, this layer's value and the stored candidates stay.
             tensors = (raw_query, raw_key, value) + (() if n == 0 else (*cand_raw, *cand_values))
-            mixed = recompute(normalise_and_mix, *tensors) if self.recomputes else normalise_and_mix(*tensors)
+            mixed = self.recompute(normalise_and_mix, *tensors) if self.recomputes else normalise_and_mix(*tensors)
             state.store(index, raw_key, mixed, self.shape.num_layers, self.stride, self.window)
             return mixed
 

@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option, Recomputed, recompute, sublayer_label
-from .mixing import hc_coefficients, mhc_head_weights, streams_in, streams_out
+from .base import Entry, Mechanism, Option, sublayer_label
+from .mixing import hc_coefficients, mhc_head_weights, mhc_projection, streams_in, streams_out
 
 COLLAPSES = ("sum", "mean", "learned")
 
@@ -66,7 +66,7 @@ class StreamMechanism(Mechanism):
 
     @property
     def eps_style(self) -> str:
-        """Where the learned collapse head's RMS takes its eps (mixing.mhc_flat_rms); mHC follows --mhc-eps-style."""
+        """Where the learned collapse head's RMS takes its eps (mixing.mhc_rms); mHC follows --mhc-eps-style."""
         return "clamp"
 
     def final_modules(self, dtype=None):
@@ -85,7 +85,9 @@ class StreamMechanism(Mechanism):
         if kind == "mean":
             return x.mean(0)
         head = getattr(decoder, self.final_name)
-        return streams_in(x, mhc_head_weights(x, head.phi, head.bias, head.alpha, self.eps_style))
+        weights = mhc_head_weights(x, head.phi, head.bias, head.alpha, self.eps_style,
+                                   project=self.kernel("mhc_projection", mhc_projection))
+        return self.kernel("streams_in", streams_in)(x, weights)
 
     def layer_forward(self, layer, state):
         for kind, run in (("attn", layer.attention_sublayer), ("mlp", layer.mlp_sublayer)):
@@ -101,13 +103,13 @@ class StreamMechanism(Mechanism):
         """compute(streams) -> a sublayer's coefficients. On the fast path they are recomputed in backward from the
         streams (which the stream update keeps anyway) instead of keeping the coefficient math's intermediates
         (the normalised [n*d] token, Sinkhorn's iterations)."""
-        return recompute(compute, streams) if self.recomputes else compute(streams)
+        return self.recompute(compute, streams) if self.recomputes else compute(streams)
 
     def update(self, streams: Tensor, run, weights_in: Tensor, mix: Tensor, weights_out: Tensor) -> Tensor:
         """The sublayer on the streams' weighted sum, its output written into the mixed streams. On the fast path
         the sublayer's input is `Recomputed`: its pre-norm keeps the streams, not the sum."""
         read, write = self.kernel("streams_in", streams_in), self.kernel("streams_out", streams_out)
-        x = Recomputed(read, (streams, weights_in)) if self.recomputes else read(streams, weights_in)
+        x = self.recomputed(read, streams, weights_in) if self.recomputes else read(streams, weights_in)
         return write(streams, run(x), mix, weights_out)
 
     def io_units(self, fused=True):

@@ -18,7 +18,7 @@ from torch import nn
 
 from .base import Option, sublayer_label
 from .hc import COLLAPSES, StreamMechanism
-from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_maps, sinkhorn
+from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_maps, mhc_projection, sinkhorn
 
 INITS = ("default", "megatron", "lumia")
 
@@ -90,12 +90,14 @@ class MHC(StreamMechanism):
 
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual
-        project = self.kernel("sinkhorn", sinkhorn)  # the fast path: one kernel for all iterations
+        stochastic = self.kernel("sinkhorn", sinkhorn)  # the fast path: one kernel for all iterations
+        projection = self.kernel("mhc_projection", mhc_projection)  # the fast path: x~ phi and its RMS in one pass
 
         def compute(s):  # == mhc_coefficients(s, ...)
             pre, post, res_logits = mhc_maps(s, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre,
-                                             mixer.alpha_post, mixer.alpha_res, r.mhc_eps_style)
-            return pre, post, project(res_logits, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style)
+                                             mixer.alpha_post, mixer.alpha_res, r.mhc_eps_style,
+                                             project=projection)
+            return pre, post, stochastic(res_logits, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style)
 
         pre, post, res = self.coefficients(compute, streams)
         if self.recorder is not None:  # token means; H_res[i, j]: stream j -> i, one n x n grid per sublayer

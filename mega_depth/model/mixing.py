@@ -344,11 +344,12 @@ def mhc_coefficients(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tens
 
 
 def mhc_maps(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tensor, alpha_post: Tensor, alpha_res: Tensor,
-             eps_style: str = "clamp", eps: float = 1e-6):
-    """mhc_coefficients before Sinkhorn: H_pre [n, *], H_post [n, *] and H_res's logits [*, n, n], fp32."""
+             eps_style: str = "clamp", eps: float = 1e-6, project=None):
+    """mhc_coefficients before Sinkhorn: H_pre [n, *], H_post [n, *] and H_res's logits [*, n, n], fp32. `project`
+    computes mhc_projection (its fast twin on the fast path)."""
     n = streams.shape[0]
-    flat, r = mhc_flat_rms(streams, eps_style, eps)
-    proj = flat @ fp32(phi).T  # [*, n^2 + 2n]
+    proj, mean_square = (project or mhc_projection)(streams, phi)  # [*, n^2 + 2n], [*, 1]
+    r = mhc_rms(mean_square, eps_style, eps)
     scale = torch.cat([fp32(alpha_pre).expand(n), fp32(alpha_post).expand(n), fp32(alpha_res).expand(n * n)])
     coeff = proj * scale / r + fp32(bias)
     pre = torch.sigmoid(coeff[..., :n]) + (eps if eps_style == "deepseek" else 0.0)
@@ -356,21 +357,26 @@ def mhc_maps(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tensor, alph
     return pre.movedim(-1, 0), post.movedim(-1, 0), coeff[..., 2 * n:].unflatten(-1, (n, n))
 
 
-def mhc_flat_rms(streams: Tensor, eps_style: str = "clamp", eps: float = 1e-6):
-    """(x~, r): the streams of each token concatenated [*, n*d] (fp32) and their gain-less RMS [*, 1], with eps
-    added to r (clamp) or inside the root (deepseek, as DeepSeek-V4's code)."""
+def mhc_projection(streams: Tensor, phi: Tensor):
+    """(x~ phi^T [*, m], the mean square of x~ [*, 1]), fp32: x~ the n streams [n, *, d] of each token concatenated
+    [*, n*d], phi [m, n*d]. The fast twin reads the streams once for both, with no fp32 copy of them."""
     flat = fp32(streams).movedim(0, -2).flatten(-2)
-    mean_square = flat.pow(2).mean(-1, keepdim=True)
-    r = torch.sqrt(mean_square + eps) if eps_style == "deepseek" else torch.sqrt(mean_square) + eps
-    return flat, r
+    return flat @ fp32(phi).T, flat.pow(2).mean(-1, keepdim=True)
+
+
+def mhc_rms(mean_square: Tensor, eps_style: str = "clamp", eps: float = 1e-6) -> Tensor:
+    """The gain-less RMS r [*, 1] of x~ from its mean square, with eps added to r (clamp) or inside the root
+    (deepseek, as DeepSeek-V4's code)."""
+    return torch.sqrt(mean_square + eps) if eps_style == "deepseek" else torch.sqrt(mean_square) + eps
 
 
 def mhc_head_weights(streams: Tensor, phi: Tensor, bias: Tensor, alpha: Tensor, eps_style: str = "clamp",
-                     eps: float = 1e-6) -> Tensor:
+                     eps: float = 1e-6, project=None) -> Tensor:
     """The learned collapse (DeepSeek-V4's hc_head): w_i = sigmoid(alpha (x~ phi)_i / r + b_i) + eps -> [n, *], with
     r as mhc_maps computes it for the same eps style."""
-    flat, r = mhc_flat_rms(streams, eps_style, eps)
-    return (torch.sigmoid(fp32(alpha) * (flat @ fp32(phi).T) / r + fp32(bias)) + eps).movedim(-1, 0)
+    proj, mean_square = (project or mhc_projection)(streams, phi)
+    r = mhc_rms(mean_square, eps_style, eps)
+    return (torch.sigmoid(fp32(alpha) * proj / r + fp32(bias)) + eps).movedim(-1, 0)
 
 
 # --------------------------------------------------------------------------------------------------------------

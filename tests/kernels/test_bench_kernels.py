@@ -22,7 +22,8 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path):
     assert all(s == "ok" for (op, impl), s in status.items() if impl == "mega_depth")
     # the peers that run under the interpreter compute our function; fla's kernels need CUDA tensors
     for peer in (("attnres_mix", "liger attn_res"), ("phase1", "flash-attn-res phase 1"),
-                 ("phase2", "flash-attn-res phase 2"), ("streams_out", "liger mhc_post_res")):
+                 ("phase2", "flash-attn-res phase 2"), ("streams_out", "liger mhc_post_res"),
+                 ("mhc_projection", "liger mhc_mm_norm")):
         assert status[peer].startswith("equal"), (peer, status[peer])
     assert status[("attnres_mix", "fla fused_attnres")].startswith("skipped") and "CUDA" in \
         status[("attnres_mix", "fla fused_attnres")]

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from kernel_checks import SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, saves_only_inputs
+from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, close, detached, gradcheck, leaf, opcheck,
+                           saves_only_inputs)
 
 from mega_depth.kernels.streams import (stream_rows, streams_in, streams_in_backward_op, streams_in_op, streams_out,
                                         streams_out_backward_op, streams_out_op)
@@ -75,3 +76,79 @@ def test_bf16(path):
     bf16_matches_fp32(streams_in, mixing.streams_in, torch.randn(4, 6, 24), torch.rand(4, 6))
     bf16_matches_fp32(streams_out, mixing.streams_out, torch.randn(4, 6, 24), torch.randn(6, 24), torch.rand(4, 6, 4),
                       torch.rand(4, 6) * 2)
+
+
+def _two_sublayers(read, write, project, checkpoint):
+    """Two mHC-like sublayers on n streams that start as an expanded embedding: each reads its streams three times,
+    its coefficients and its input in recomputed regions (`checkpoint`), and writes them once."""
+    def run(embedding, phi, scale):
+        n = phi.shape[1] // embedding.shape[-1]
+        streams = embedding.unsqueeze(0).expand(n, *embedding.shape)
+
+        def coefficients(s, phi):  # phi passed in: a closed-over tensor gets its gradient in .grad only
+            proj, mean_square = project(s, phi)
+            proj = proj / mean_square.sqrt()
+            pre, post = torch.sigmoid(proj[..., :n]), 2 * torch.sigmoid(proj[..., n:2 * n])
+            mix = torch.softmax(proj[..., 2 * n:].unflatten(-1, (n, n)), -1)  # [*, n (in), n (out)]
+            return pre.movedim(-1, 0), mix.movedim(-2, 0), post.movedim(-1, 0)
+
+        for _ in range(2):
+            pre, mix, post = checkpoint(coefficients, streams, phi)
+            x = checkpoint(read, streams, pre)
+            streams = write(streams, torch.tanh(x) * scale, mix, post)
+        return streams
+    return run
+
+
+def test_a_sublayers_readers_add_into_one_buffer_across_recomputed_regions(path):
+    """HC / mHC's fast path: the coefficients and the sublayer input are recomputed in backward (the sink-keeping
+    checkpoint, grad_sink.recompute), the stream write is not; all three readers' backward kernels add into the
+    streams' one buffer, the nested passes' included, and autograd adds none of them. Gradients equal the
+    reference's (no checkpoint, autograd's sums), through an expanded embedding."""
+    from mega_depth.kernels import grad_sink
+    from mega_depth.kernels.mhc_projection import mhc_projection
+
+    n, lead, d = 3, (4, 2), 8
+    embedding, phi, scale = leaf(*lead, d), leaf(n * n + 2 * n, n * d, scale=0.3), leaf(d)
+    fast = _two_sublayers(streams_in, streams_out, mhc_projection, grad_sink.recompute)
+    reference = _two_sublayers(mixing.streams_in, mixing.streams_out, mixing.mhc_projection, lambda f, *t: f(*t))
+    check(fast, reference, [embedding, phi, scale], "two sublayers")
+    out = fast(embedding, phi, scale)
+    with SourceGradAdds((n, *lead, d)) as adds:
+        torch.autograd.grad((out * torch.randn_like(out)).sum(), [embedding, phi, scale])
+    assert adds.count == 0 or path == "torch", f"{adds.count} adds of the streams' gradient"
+    with SourceGradAdds((n, *lead, d)) as adds:  # the reference: autograd adds the readers' gradients
+        out = reference(embedding, phi, scale)
+        torch.autograd.grad(out.sum(), [embedding, phi, scale])
+    assert adds.count > 0
+
+
+def test_the_sink_keeping_checkpoint_is_a_checkpoint(path):
+    """grad_sink.recompute: the values and gradients of fn, None inputs passed through, an output that does not
+    reach the loss skipped, parameters that fn closes over get their gradients, and nothing of fn's inside is kept
+    for backward beyond the inputs."""
+    from mega_depth.kernels import grad_sink
+    from kernel_checks import saved_storages
+
+    weight = leaf(6)
+
+    def fn(a, none, b):
+        assert none is None
+        h = torch.tanh(a * weight) * b
+        return h.sum(-1), h.exp()
+
+    a, b = leaf(5, 6), leaf(5, 6)
+    got = grad_sink.recompute(fn, a, None, b)
+    want = fn(a, None, b)
+    for x, y in zip(got, want):
+        close(x, y, "values")
+    grads = []
+    for out in (got, want):  # .backward(): as under any reentrant checkpoint, weight's gradient lands in .grad
+        for t in (a, b, weight):
+            t.grad = None
+        out[0].sum().backward()  # the second output does not reach the loss
+        grads.append([a.grad, b.grad, weight.grad])
+    for x, y in zip(*grads):
+        close(x, y, "gradients")
+    saved, _ = saved_storages(lambda: grad_sink.recompute(fn, a, None, b))
+    assert set(saved) <= {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}

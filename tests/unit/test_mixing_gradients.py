@@ -164,7 +164,8 @@ def test_mhc(s, eps_style):
     params = (x(n * n + 2 * n, n * d, scale=0.3), x(n * n + 2 * n), x(1), x(1), x(1))
     check(lambda st, *p: mixing.mhc_maps(st, *p, eps_style), streams, *params)
     check(lambda st, *p: mixing.mhc_coefficients(st, *p, iters=8, eps_style=eps_style), streams, *params)
-    check(lambda st: mixing.mhc_flat_rms(st, eps_style), streams)
+    check(lambda st, phi: mixing.mhc_projection(st, phi), streams, params[0])
+    check(lambda ms: mixing.mhc_rms(ms, eps_style), x(3, 1, scale=s).abs())
     check(lambda st, phi, b, a: mixing.mhc_head_weights(st, phi, b, a, eps_style), streams, x(n, n * d, scale=0.3),
           x(n), x(1))
 
@@ -172,8 +173,8 @@ def test_mhc(s, eps_style):
 def test_mhc_head_takes_its_eps_where_the_style_puts_it():
     streams = torch.zeros(2, 1, 3, dtype=F64)  # RMS 0: r is the eps term alone
     phi, bias, alpha = torch.ones(2, 6, dtype=F64), torch.zeros(2, dtype=F64), torch.ones(1, dtype=F64)
-    _, r_clamp = mixing.mhc_flat_rms(streams, "clamp", 1e-6)
-    _, r_deepseek = mixing.mhc_flat_rms(streams, "deepseek", 1e-6)
+    _, mean_square = mixing.mhc_projection(streams, phi)
+    r_clamp, r_deepseek = mixing.mhc_rms(mean_square, "clamp", 1e-6), mixing.mhc_rms(mean_square, "deepseek", 1e-6)
     assert r_clamp.item() == pytest.approx(1e-6) and r_deepseek.item() == pytest.approx(1e-3)
     assert mixing.mhc_head_weights(streams, phi, bias, alpha, "deepseek").shape == (2, 1)
 

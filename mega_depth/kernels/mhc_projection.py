@@ -1,0 +1,272 @@
+"""mHC's coefficient projection, fused: `mhc_projection` (reference: mixing.mhc_projection).
+
+    proj = x~ phi^T [*, m]      mean_square = mean(x~^2) [*, 1]      x~ = the n streams of a token concatenated [n*d]
+
+The reference takes an fp32 copy of the streams, flattens it (a clone), squares and averages it and runs an fp32 GEMM
+[N, n*d] @ [n*d, m]: about 7 passes of the n streams a sublayer, plus as many again in backward (about 330 GB a 1B
+mHC step). Here one pass reads the streams once for both outputs, as the published fused mHC kernels do: the
+products on the tensor cores from the streams' own dtype (exact, fp32 sums) and the sum of squares in fp32.
+
+Backward, two kernels: the stream gradient (g_proj phi + 2 g_ms x~ / (n*d), one read of the streams and one write)
+and phi's gradient (g_proj^T x~, one program per (channel chunk, token split), fp32 partials summed by split: no
+atomics, deterministic). The products with the fp32 gradients run as three TF32 products (fp32 accuracy).
+
+Streams come as [n, *, d] with free stream and token strides (an expanded embedding or a pipeline tensor's view is
+read in place). The op is `mega_depth::mhc_projection`.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import Tensor
+
+from mega_depth.kernels import grad_sink
+from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim, dot_t,
+                                       interpreting, jit, launch, reduction_grid, register_fake, store_or_add, tl,
+                                       uses_triton)
+from mega_depth.kernels.eager import autograd, call
+from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
+
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
+# Streams [NS, N, D] (stream stride SN, token stride ST, unit channel stride); phi [M, NS * D] contiguous; proj
+# [N, M] and mean_square [N] in fp32; the stream gradient [NS, N, D] contiguous.
+
+
+@jit
+def _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST):
+    """Stream i's rows ot [BT] at channels oc [BC], as stored: [BT, BC] (ot is int64, so are the offsets)."""
+    r = ot[:, None] * 0 + i
+    return tl.load(s_ptr + r * SN + ot[:, None] * ST + oc[None, :], mask=tmask[:, None] & cmask[None, :], other=0.)
+
+
+@jit
+def _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D):
+    """phi's columns of stream i at channels oc, for every output om: [BM, BC]."""
+    return tl.load(phi_ptr + om[:, None] * (NS * D) + i * D + oc[None, :], mask=mmask[:, None] & cmask[None, :],
+                   other=0.)
+
+
+@jit
+def _fwd_kernel(s_ptr, phi_ptr, proj_ptr, ms_ptr, N, D, M, SN, ST, NS: tl.constexpr, BT: tl.constexpr,
+                BM: tl.constexpr, BC: tl.constexpr, HALF: tl.constexpr):
+    """BT tokens a program: acc [BT, BM] += x [BT, BC] @ phi^T over every stream's chunks; the squares alongside."""
+    ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    tmask = ot < N
+    om = tl.arange(0, BM)
+    mmask = om < M
+    acc = tl.zeros([BT, BM], dtype=tl.float32)
+    squares = tl.zeros([BT], dtype=tl.float32)
+    for i in tl.static_range(NS):
+        for c0 in range(0, D, BC):
+            oc = c0 + tl.arange(0, BC)
+            cmask = oc < D
+            x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
+            w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
+            if HALF:  # bf16 (fp16) both: exact products on the tensor cores, fp32 sums
+                acc = dot_t(x, w, acc)
+            else:  # fp32, or phi kept in another dtype than the streams: fp32 operands, three TF32 products
+                acc += dot32(x, tl.trans(w))
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+    tl.store(proj_ptr + ot[:, None] * M + om[None, :], acc, mask=tmask[:, None] & mmask[None, :])
+    tl.store(ms_ptr + ot, squares / (NS * D), mask=tmask)
+
+
+@jit
+def _bwd_streams_kernel(s_ptr, phi_ptr, gp_ptr, gms_ptr, ds_ptr, N, D, M, SN, ST, NS: tl.constexpr,
+                        BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ADD: tl.constexpr):
+    """ds [BT, BC] = g_proj [BT, BM] @ phi [BM, BC] + (2 g_ms / (n d)) x, chunk by chunk of every stream; stored, or
+    added to what ds holds (ADD: a gradient sink's buffer, kernels/grad_sink.py)."""
+    ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    tmask = ot < N
+    om = tl.arange(0, BM)
+    mmask = om < M
+    g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
+    gms = tl.load(gms_ptr + ot, mask=tmask, other=0.) * (2.0 / (NS * D))
+    for i in tl.static_range(NS):
+        for c0 in range(0, D, BC):
+            oc = c0 + tl.arange(0, BC)
+            cmask = oc < D
+            x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST).to(tl.float32)
+            w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
+            ds = dot32(g, w) + gms[:, None] * x
+            r = ot[:, None] * 0 + i
+            store_or_add(ds_ptr + (r * N + ot[:, None]) * D + oc[None, :], ds, tmask[:, None] & cmask[None, :], ADD)
+
+
+@jit
+def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, NS: tl.constexpr, BT: tl.constexpr,
+                    BM: tl.constexpr, BC: tl.constexpr):
+    """Program (chunk, split): phi's gradient at one channel chunk of one stream, summed over the split's tokens:
+    part[split, :, i * D + chunk] = g_proj[tokens]^T @ x_i[tokens, chunk]."""
+    chunks = tl.cdiv(D, BC)
+    pid, split = tl.program_id(0), tl.program_id(1)
+    i = pid // chunks
+    oc = (pid % chunks) * BC + tl.arange(0, BC)
+    cmask = oc < D
+    om = tl.arange(0, BM)
+    mmask = om < M
+    acc = tl.zeros([BM, BC], dtype=tl.float32)
+    first = split.to(tl.int64) * TOK
+    for t0 in range(0, TOK, BT):
+        ot = first + t0 + tl.arange(0, BT)
+        tmask = (ot < N) & (t0 + tl.arange(0, BT) < TOK)
+        g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
+        x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
+        acc += dot32(tl.trans(g), x)
+    dst = part_ptr + split.to(tl.int64) * M * NS * D + om[:, None] * (NS * D) + i * D + oc[None, :]
+    tl.store(dst, acc, mask=mmask[:, None] & cmask[None, :])
+
+
+def _blocks(d: int, m: int, element_size: int):
+    """(tokens a program, outputs padded, channels a step): [BT, BC] tiles of the streams, dot-sized when compiled,
+    rows of 128 bytes (fp32 tiles of 64 channels spill in the fp32 dot); a few tokens and channels under the
+    interpreter, so that the tests walk several of each and masked tails."""
+    if interpreting():
+        return 4, dot_dim(m), chunk(d)
+    return 32, dot_dim(m), min(128 // element_size, max(16, chunk(d)))
+
+
+def _triton_fwd(s: Tensor, phi: Tensor):
+    ns, n, d = s.shape
+    m = phi.shape[0]
+    proj = torch.empty((n, m), dtype=F32, device=s.device)
+    ms = torch.empty((n,), dtype=F32, device=s.device)
+    if n:
+        bt, bm, bc = _blocks(d, m, s.element_size())
+        launch(_fwd_kernel, (cdiv(n, bt),), (s, phi, proj, ms, n, d, m, s.stride(0), s.stride(1)), 4, NS=ns, BT=bt,
+               BM=bm, BC=bc, HALF=phi.dtype == s.dtype and s.element_size() == 2)
+    return proj, ms
+
+
+def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:
+    """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> phi's gradient fp32 [m, n*d]."""
+    ns, n, d = s.shape
+    m = phi.shape[0]
+    if not n:
+        return torch.zeros((m, ns * d), dtype=F32, device=s.device)
+    bt, bm, bc = _blocks(d, m, s.element_size())
+    launch(_bwd_streams_kernel, (cdiv(n, bt),), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 4,
+           NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
+    chunks = ns * cdiv(d, bc)
+    splits, tok = reduction_grid(n, chunks, s.device)
+    parts = torch.empty((splits, m, ns * d), dtype=F32, device=s.device)
+    launch(_bwd_phi_kernel, (chunks, splits), (s, g_proj, parts, n, d, m, s.stride(0), s.stride(1), tok), 4, NS=ns,
+           BT=bt, BM=bm, BC=bc)
+    return parts.sum(0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The torch twins: one stream in flight at a time (no copy of all n)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _torch_fwd(s: Tensor, phi: Tensor):
+    ns, n, d = s.shape
+    ct = accumulation_dtype(s.dtype)
+    proj = torch.zeros((n, phi.shape[0]), dtype=ct, device=s.device)
+    squares = torch.zeros((n,), dtype=ct, device=s.device)
+    for i in range(ns):
+        x = s[i].to(ct)
+        proj += x @ phi[:, i * d:(i + 1) * d].to(ct).T
+        squares += x.pow(2).sum(-1)
+    return proj, squares / (ns * d)
+
+
+def _torch_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:
+    ns, n, d = s.shape
+    ct = accumulation_dtype(s.dtype)
+    g_proj, scale = g_proj.to(ct), (g_ms.to(ct) * (2.0 / (ns * d))).unsqueeze(-1)
+    dphi = torch.empty(phi.shape, dtype=ct, device=s.device)
+    for i in range(ns):
+        x, cols = s[i].to(ct), slice(i * d, (i + 1) * d)
+        grad = (g_proj @ phi[:, cols].to(ct) + scale * x).to(s.dtype)
+        ds[i].add_(grad) if adding else ds[i].copy_(grad)
+        dphi[:, cols] = g_proj.T @ x
+    return dphi
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The ops
+# --------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mega_depth::mhc_projection", mutates_args=())
+def projection_op(streams: Tensor, phi: Tensor) -> List[Tensor]:
+    """streams [n, *, d], phi [m, n*d] -> [x~ phi^T [*, m], mean(x~^2) [*, 1]] (fp32 at least)."""
+    s = stream_rows(streams)
+    proj, ms = (_triton_fwd if uses_triton(s) else _torch_fwd)(s, phi.contiguous())
+    lead = streams.shape[1:-1]
+    return [proj.view(*lead, phi.shape[0]), ms.view(*lead, 1)]
+
+
+@register_fake(projection_op)
+def _(streams, phi):
+    lead, ct = streams.shape[1:-1], accumulation_dtype(streams.dtype)
+    return [streams.new_empty((*lead, phi.shape[0]), dtype=ct), streams.new_empty((*lead, 1), dtype=ct)]
+
+
+@torch.library.custom_op("mega_depth::mhc_projection_backward", mutates_args=())
+def projection_backward_op(grad_proj: Tensor, grad_mean_square: Tensor, streams: Tensor,
+                           phi: Tensor) -> List[Tensor]:
+    """-> [stream gradients [n, *, d], phi's gradient [m, n*d] (fp32 at least)]."""
+    into = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    return [into, _backward_into(grad_proj, grad_mean_square, streams, phi, into, False)]
+
+
+@register_fake(projection_backward_op)
+def _fake_backward(grad_proj, grad_mean_square, streams, phi):
+    return [streams.new_empty(streams.shape), phi.new_empty(phi.shape, dtype=accumulation_dtype(streams.dtype))]
+
+
+@torch.library.custom_op("mega_depth::mhc_projection_backward_into", mutates_args=("into",))
+def projection_backward_into_op(grad_proj: Tensor, grad_mean_square: Tensor, streams: Tensor, phi: Tensor,
+                                into: Tensor, adding: bool) -> Tensor:
+    """The stream gradients stored into `into` (contiguous, shaped like the streams), or added to it with `adding`
+    set (kernels/grad_sink.py) -> phi's gradient, as mhc_projection_backward."""
+    return _backward_into(grad_proj, grad_mean_square, streams, phi, into, adding)
+
+
+@register_fake(projection_backward_into_op)
+def _(grad_proj, grad_mean_square, streams, phi, into, adding):
+    return _fake_backward(grad_proj, grad_mean_square, streams, phi)[1]
+
+
+def _backward_into(grad_proj, grad_mean_square, streams, phi, into, adding) -> Tensor:
+    s = stream_rows(streams)
+    m, ct = phi.shape[0], accumulation_dtype(streams.dtype)
+    g_proj = grad_proj.reshape(-1, m).to(ct).contiguous()
+    g_ms = grad_mean_square.reshape(-1).to(ct).contiguous()
+    bwd = _triton_bwd if uses_triton(s) else _torch_bwd
+    return bwd(g_proj, g_ms, s, phi.contiguous(), into.view(s.shape), adding)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.sinks = grad_sink.sinks_of(inputs[:1])
+
+
+def _backward(ctx, grads):
+    streams, phi = ctx.saved_tensors
+    g_proj, g_ms = grads
+    if g_proj is None or g_ms is None:  # one output unused: its gradient is zero
+        lead, ct = streams.shape[1:-1], accumulation_dtype(streams.dtype)
+        g_proj = g_proj if g_proj is not None else streams.new_zeros((*lead, phi.shape[0]), dtype=ct)
+        g_ms = g_ms if g_ms is not None else streams.new_zeros((*lead, 1), dtype=ct)
+    ds, (dphi,) = stream_gradient(ctx, streams, projection_backward_op, projection_backward_into_op, g_proj, g_ms,
+                                  streams, phi)
+    return ds if ctx.needs_input_grad[0] else None, cast_grad(dphi, phi, ctx.needs_input_grad[1])
+
+
+autograd(projection_op, _backward, _setup)
+
+
+def mhc_projection(streams: Tensor, phi: Tensor):
+    """== mixing.mhc_projection(streams, phi): streams [n, *, d], phi [m, n*d] -> (proj [*, m], mean square [*, 1]),
+    fp32."""
+    proj, mean_square = call(projection_op, sunk(streams), phi)
+    return proj, mean_square
