@@ -16,9 +16,11 @@ Per mechanism it reports:
       forward = 2 * (L * (d*hq*hn + 2*d*hkv*hn + hq*hn*d + 3*d*ffn) + d*V) + 4 * L * s * hq*hn
 - an analytic bound: the step-time ratio the mixing's extra memory traffic alone would cost if nothing hid it, at
   the chip's HBM bandwidth against the baseline at --bound-mfu of its peak (--bound-device's numbers on a CPU):
-      ratio >= 1 + 3 * extra_units * d * bytes_per_element / bandwidth / (FLOPs per token / (mfu * peak))
-  extra_units: the forward I/O per token (units of d) the mixing adds over the plain residual's 3 per sublayer
-  (each mechanism's io_units, from the per-sublayer I/O of each mechanism; training is ~3x the forward).
+      ratio >= 1 + extra_units * d * bytes_per_element / bandwidth / (FLOPs per token / (mfu * peak))
+  extra_units: the training step's I/O per token (units of d) that the mixing adds over the plain residual's 6 per
+  sublayer: each mechanism's own model (Mechanism.training_io_units: its kernels' forward, recomputation and
+  backward launch by launch, their source-gradient sums included, which the step trace's recorded launches
+  check to 10 %; unfused, 3x the forward's io_units).
 One process (the one GPU, or the CPU); run it under torchrun with parallel flags for a multi-process layout,
 e.g. `torchrun --nproc-per-node 2 tools/bench_throughput.py --context-parallel-size 2` (rank 0's saved bytes: a
 CP2 rank keeps about half of a CP1 rank's).
@@ -40,13 +42,13 @@ from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms, re
 from mega_depth.training.flops import DEVICES, device_key, flops_per_token  # noqa: E402
 
 def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
-    """Forward memory traffic of the depth mixing per token, in units of d: the mechanism's own model
-    (Mechanism.io_units in its file), so a new mechanism brings its own."""
+    """Training memory traffic of the depth mixing per token, in units of d: the mechanism's own model
+    (Mechanism.training_io_units in its file), so a new mechanism brings its own."""
     from mega_depth.model.base import NORM_EPSILON, ModelShape
     from mega_depth.model.config import residual_config
     from mega_depth.model.registry import build
 
-    return build(residual_config(settings), ModelShape(L, d, heads, groups, NORM_EPSILON)).io_units(fused)
+    return build(residual_config(settings), ModelShape(L, d, heads, groups, NORM_EPSILON)).training_io_units(fused)
 
 
 def mixing_impl(flags) -> str:
@@ -148,14 +150,14 @@ def main(argv=None) -> int:
                         str(heads), "--num-query-groups", str(groups), "--seq-length", str(args.seq_length),
                         "--vocab-size", "32000"] + layout).decoder_config()  # MoE flags: the active MLP widths
     fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length, shape.active_ffn_widths())
-    base_io = io_units({"mechanism": "standard"}, L, d, heads, groups)
     fused = mixing_impl(layout) == "triton"
+    base_io = io_units({"mechanism": "standard"}, L, d, heads, groups, fused)
     bytes_el = 2  # the bound models bf16 training on the GPU (the targets' setting), on any machine
 
     def result(name, run, base):
         t, tb = statistics.median(run["times"]), statistics.median(base["times"])
         extra = io_units(residual_settings(name, L), L, d, heads, groups, fused) - base_io
-        bound = 1 + 3 * extra * d * bytes_el / bound_bw / (fpt / (args.bound_mfu * bound_peak))
+        bound = 1 + extra * d * bytes_el / bound_bw / (fpt / (args.bound_mfu * bound_peak))
         tps_base = base["tokens"] / tb
         return {
             "mechanism": name, "step_time_s": t, "tokens_per_s": run["tokens"] / t,

@@ -35,7 +35,9 @@ def trace_settings(mechanisms, shape, extra=()):
                          + mechanism_flags(name, layers)).validate(1)
         start_megatron(cfg)
         trace = trace_step(cfg)
-        out[name] = (trace, summary(trace))
+        unit = cfg.model.seq_length * cfg.training.micro_batch_size * cfg.model.hidden_size * 2  # [T, d] in bf16
+        model_gb = cfg.decoder_config().mechanism().kernel_io_units(recompute=cfg.model.mixing_recompute) * unit / 1e9
+        out[name] = (trace, dict(summary(trace), kernel_model_gb=model_gb))
     return out
 
 
@@ -59,11 +61,12 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shape": shape or ONE_B, "settings": table}, f, indent=1)
-    print("| setting | aten calls | memory-bound aten GB | over the baseline | GEMMs (batched) | GEMM TFLOPs | "
-          "attention | Triton launches | custom ops | backward passes |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| setting | aten calls | memory-bound aten GB | over the baseline | mixing kernels GB (model) | "
+          "GEMMs (batched) | GEMM TFLOPs | attention | Triton launches | custom ops | backward passes |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, s in table.items():
         print(f"| {name} | {s['aten_calls']:,} | {s['memory_bound_gb']:.0f} | {s['over_baseline_gb']:+.0f} | "
+              f"{s['mixing_kernel_gb']:.0f} ({s['kernel_model_gb']:.0f}) | "
               f"{s['gemm_calls']} ({s['bmm_calls']}) | {s['gemm_tflops']:.2f} | {s['attention_calls']} | "
               f"{s['triton_launches']} | {s['custom_op_calls']} | {s['backward_passes']} |")
     return 0

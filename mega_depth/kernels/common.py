@@ -69,6 +69,7 @@ class Launch:
     args: Tuple[Any, ...]
     constexprs: Dict[str, Any]
     num_warps: int
+    adds_into: Tuple[Any, ...] = ()  # tensor arguments the kernel adds to (read and written): launch_bytes
 
 
 @dataclass
@@ -95,11 +96,48 @@ def is_recording() -> bool:
     return _RECORDER is not None
 
 
-def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, **constexprs) -> None:
+def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, adds_into: Sequence[Any] = (),
+           **constexprs) -> None:
+    """kernel[grid](*args, **constexprs) with num_warps, or recorded. adds_into: the tensor arguments that the
+    kernel adds to rather than overwrites (for the recorded launch's bytes)."""
     if _RECORDER is not None:
-        _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps))
+        _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps,
+                                         tuple(adds_into)))
         return
     kernel[tuple(grid)](*args, **constexprs, **options(num_warps))
+
+
+def launch_bytes(launch: Launch) -> int:
+    """The least DRAM traffic of a recorded launch: every distinct tensor it is given touched once (read or
+    written), the rows behind its pointer tables included, and a gradient buffer that the kernel adds to (a
+    gradient table's low bit, or one of the launch's `adds_into`) read as well. What the kernel re-reads from cache within
+    the launch is not traffic; a second launch over the same rows is (the I/O models count launches alike)."""
+    seen: Dict[int, int] = {}
+
+    def touch(t: Tensor, times: int = 1) -> None:
+        key = id(t)
+        seen[key] = max(seen.get(key, 0), times * _tensor_bytes(t))
+
+    added = {id(t) for t in launch.adds_into}
+    for arg in launch.args:
+        if not isinstance(arg, Tensor):
+            continue
+        rows = getattr(arg, "_mega_depth_rows", None)
+        if rows is None:
+            touch(arg, 2 if id(arg) in added else 1)
+            continue
+        for t, bit in zip(*rows):
+            touch(t, 2 if bit else 1)
+    return sum(seen.values())
+
+
+def _tensor_bytes(t: Tensor) -> int:
+    """A tensor's elements (a broadcast, stride-0, dimension once) times its element size."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
 
 
 def options(num_warps: int) -> Dict[str, int]:
@@ -213,7 +251,10 @@ def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] 
     bits = [0] * len(tensors) if low_bits is None else [int(b) for b in low_bits]
     host = torch.tensor([t.data_ptr() | b for t, b in zip(tensors, bits)], dtype=torch.int64,
                         pin_memory=device.type == "cuda")
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+    table = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    if _RECORDER is not None:  # a recorded launch's bytes include the rows behind its tables (launch_bytes)
+        table._mega_depth_rows = (list(tensors), bits)
+    return table
 
 
 def gradient_table(buffers: Sequence[Tensor], adding: Sequence[bool]) -> Tensor:

@@ -6,7 +6,8 @@ Contract: query, key and value are read in place (a key and value split off a fu
 views); the C candidate keys and values are a list, never stacked. Forward saves references to its inputs;
 backward recomputes the scores and the depth softmax (two passes over the candidates). GQA: "query" mode mixes per
 query head (R = hq / hkv heads per key-value group), "group" mode once per group with the group's mean query.
-C = 0 returns the value expanded, without an op. The op is `mega_depth::depth_attention_mix`.
+C = 0 returns the value expanded, without an op. A candidate read by several layers' mixes gets its gradients summed
+in the backward kernel (kernels/grad_sink.py). The op is `mega_depth::depth_attention_mix`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import (Sources, accumulation_dtype, aligned, jit, launch, pointer_at, pointer_table,
-                                       pow2, programs, register_fake, tl, token, uses_triton, warps)
-from mega_depth.kernels.eager import autograd, call
+from mega_depth.kernels import grad_sink
+from mega_depth.kernels.common import (Sources, accumulation_dtype, aligned, gradient_at, gradient_table, jit, launch,
+                                       pointer_at, pointer_table, pow2, programs, register_fake, tl, token,
+                                       uses_triton, warps)
+from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
 # --------------------------------------------------------------------------------------------------------------
@@ -162,16 +165,20 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
             dkey = tl.sum(dsj[:, :, None] * q, axis=1)  # [BKV, BN]
             dval = a[:, :, None] * go
             key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
-            if j < C:
-                tl.store(pointer_at(dktab, j, k_ptr) + n * HKV * HN + okv[:, None] * HN + on[None, :], dkey.to(kdt),
-                         mask=kvmask & valid)
-                dvp = pointer_at(dvtab, j, v_ptr)
+            if j < C:  # a candidate's gradients: stored, or added where its buffer holds other readers' (sinks)
+                kv_row = n * HKV * HN + okv[:, None] * HN + on[None, :]
+                dkp, kadd = gradient_at(dktab, j, k_ptr)
+                dkey += tl.load(dkp + kv_row, mask=kvmask & valid & kadd, other=0.).to(tl.float32)
+                tl.store(dkp + kv_row, dkey.to(kdt), mask=kvmask & valid)
+                dvp, vadd = gradient_at(dvtab, j, v_ptr)
                 if CV_PER_HEAD:
-                    tl.store(dvp + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], dval.to(vdt),
-                             mask=m3 & valid)
+                    head_row = n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :]
+                    dval += tl.load(dvp + head_row, mask=m3 & valid & vadd, other=0.).to(tl.float32)
+                    tl.store(dvp + head_row, dval.to(vdt), mask=m3 & valid)
                 else:
-                    tl.store(dvp + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
-                             mask=kvmask & valid)
+                    dsum = tl.sum(dval, axis=1) + tl.load(dvp + kv_row, mask=kvmask & valid & vadd,
+                                                          other=0.).to(tl.float32)
+                    tl.store(dvp + kv_row, dsum.to(vdt), mask=kvmask & valid)
             else:
                 tl.store(dk_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], dkey.to(kdt), mask=kvmask & valid)
                 tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
@@ -213,22 +220,24 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tens
     return out
 
 
-def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool):
-    """-> (dq, dk, dv, candidate key gradients, candidate value gradients), each in its input's dtype."""
+def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool,
+                dck: List[Tensor], dcv: List[Tensor], adding: List[bool]):
+    """Candidate gradients into dck / dcv (rows like ck / cv; added to those with `adding` set, keys then values)
+    -> (dq, dk, dv), each in its input's dtype."""
     n = q.shape[0]
     hkv, r, rq, hn, consts, strides = _launch_args(q, k, v, cv, group)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dck = [torch.empty_like(x) for x in ck]
-    dcv = [torch.empty_like(x) for x in cv]
     if n == 0:
-        return dq, dk, dv, dck, dcv
+        return dq, dk, dv
+    c = len(ck)
     count, tok = programs(n, go.device, reduces=False)
-    launch(_bwd_kernel, (count,), (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv, pointer_table(dck),
-                                   pointer_table(dcv), n, len(ck), hkv, r, rq, hn, hn ** -0.5, tok, *strides),
-           warps(consts["BKV"] * consts["BR"] * consts["BN"], 4), BJ=pow2(len(ck) + 1), **consts)
-    return dq, dk, dv, dck, dcv
+    launch(_bwd_kernel, (count,), (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv,
+                                   gradient_table(dck, adding[:c]), gradient_table(dcv, adding[c:]), n, c, hkv, r, rq,
+                                   hn, hn ** -0.5, tok, *strides),
+           warps(consts["BKV"] * consts["BR"] * consts["BN"], 4), BJ=pow2(c + 1), **consts)
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -265,7 +274,7 @@ def _torch_fwd(q, k, v, ck, cv, group):
     return (acc / z.unsqueeze(-1)).view(n, hkv * r, hn).to(v.dtype)
 
 
-def _torch_bwd(go, q, k, v, ck, cv, group):
+def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding):
     n, hkv, hn = k.shape
     q4 = _query_layout(q, k, group)
     ct, r = q4.dtype, q4.shape[2]
@@ -290,7 +299,9 @@ def _torch_bwd(go, q, k, v, ck, cv, group):
     if group:
         rq = q.shape[1] // hkv
         dq = (dq / rq).expand(n, hkv, rq, hn)
-    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1], dkeys[:-1], dvals[:-1]
+    for into, grad, add in zip(dck + dcv, dkeys[:-1] + dvals[:-1], adding):
+        into.add_(grad) if add else into.copy_(grad)
+    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -331,29 +342,58 @@ def _(query, key, value, cand_keys, cand_values, group):
 def depth_attention_backward_op(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cand_keys: List[Tensor],
                                 cand_values: List[Tensor], group: bool) -> List[Tensor]:
     """-> [dq, dk, dv, candidate key gradients..., candidate value gradients...]."""
-    q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
-    go = grad.reshape(-1, *grad.shape[-2:]).contiguous()
-    dq, dk, dv, dck, dcv = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group)
-    return [dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)] + \
-        [g.view(c.shape) for g, c in zip(dck + dcv, list(cand_keys) + list(cand_values))]
+    into = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in list(cand_keys) + list(cand_values)]
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, [False] * len(into), group) + into
 
 
 @register_fake(depth_attention_backward_op)
-def _(grad, query, key, value, cand_keys, cand_values, group):
+def _fake_backward(grad, query, key, value, cand_keys, cand_values, group):
     return [t.new_empty(t.shape) for t in (query, key, value, *cand_keys, *cand_values)]
+
+
+@torch.library.custom_op("mega_depth::depth_attention_mix_backward_into", mutates_args=("into",))
+def depth_attention_backward_into_op(grad: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                                     cand_keys: List[Tensor], cand_values: List[Tensor], into: List[Tensor],
+                                     adding: List[bool], group: bool) -> List[Tensor]:
+    """The candidates' gradients stored into `into` (contiguous tensors shaped like the candidate keys, then values),
+    or added to those with `adding` set (kernels/grad_sink.py) -> [dq, dk, dv]."""
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, group)
+
+
+@register_fake(depth_attention_backward_into_op)
+def _(grad, query, key, value, cand_keys, cand_values, into, adding, group):
+    return [t.new_empty(t.shape) for t in (query, key, value)]
+
+
+def _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, group) -> List[Tensor]:
+    q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
+    go = grad.reshape(-1, *grad.shape[-2:]).contiguous()
+    rows = [t.view(-1, *t.shape[-2:]) for t in into]
+    c = len(ck)
+    dq, dk, dv = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group, rows[:c], rows[c:],
+                                                                 adding)
+    return [dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)]
 
 
 def _setup(ctx, inputs, output):
     query, key, value, cand_keys, cand_values, group = inputs
     ctx.save_for_backward(query, key, value, *cand_keys, *cand_values)
     ctx.cfg = (group, len(cand_keys))
+    ctx.sinks = grad_sink.sinks_of(list(cand_keys) + list(cand_values))
 
 
 def _backward(ctx, grad):
     query, key, value, *cands = ctx.saved_tensors
     group, c = ctx.cfg
-    dq, dk, dv, *dc = call(depth_attention_backward_op, grad, query, key, value, cands[:c], cands[c:], group)
     need = ctx.needs_input_grad
+    if ctx.sinks is None:
+        dq, dk, dv, *dc = call(depth_attention_backward_op, grad, query, key, value, cands[:c], cands[c:], group)
+    else:  # the candidates' sinks take their gradients in the kernel (kernels/grad_sink.py)
+        into, adding = grad_sink.buffers(ctx.sinks, cands)
+        dq, dk, dv = call(depth_attention_backward_into_op, grad, query, key, value, cands[:c], cands[c:], into,
+                          adding, group)
+        dc = (grad_sink.returned(ctx.sinks[:c], into[:c], need[3])
+              + grad_sink.returned(ctx.sinks[c:], into[c:], need[4]))
     return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:], None)
 
 
@@ -387,4 +427,7 @@ def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Op
     for c in cv:
         if c.dtype != value.dtype or c.shape != cv[0].shape or c.shape[:-2] != value.shape[:-2]:
             raise ValueError("candidate values must match the value's leading shape and dtype")
+    if not traced([query, key, value]) and not traced(ck + cv):  # readers of a candidate add into one buffer
+        shared = grad_sink.aliased(ck + cv)
+        ck, cv = shared[:len(ck)], shared[len(ck):]
     return call(depth_attention_op, query, key, value, ck, cv, gqa_mode == "group")

@@ -151,7 +151,7 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
         return torch.zeros((m, ns * d), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
     launch(_bwd_streams_kernel, (cdiv(n, bt),), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 4,
-           NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
+           adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
     parts = torch.empty((splits, m, ns * d), dtype=F32, device=s.device)

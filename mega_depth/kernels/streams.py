@@ -121,11 +121,11 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
             tl.store(dmix_ptr + (r * N + n) * NS + oj, tl.sum(go * x[None, :], axis=1), mask=jmask & valid)
 
 
-def _launch(kernel, n: int, device, args, live: int, **constexprs) -> None:
+def _launch(kernel, n: int, device, args, live: int, adds_into=(), **constexprs) -> None:
     """One program per token (no parameter gradient is reduced over tokens here)."""
     count, tok = programs(n, device, reduces=False)
     elements = constexprs.get("BN", 1) * constexprs["BD"]
-    launch(kernel, (count,), (*args, tok), warps(elements, live), **constexprs)
+    launch(kernel, (count,), (*args, tok), warps(elements, live), adds_into, **constexprs)
 
 
 def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
@@ -142,7 +142,7 @@ def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool) -
     dw = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, NS=ns,
-                BD=pow2(d), ADD=adding)
+                BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
     return dw
 
 
@@ -164,7 +164,8 @@ def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor,
     dpost = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
-                                               s.stride(1)), 2, NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding)
+                                               s.stride(1)), 2, NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding,
+                adds_into=(ds,) if adding else ())
     return dy, dmix, dpost
 
 

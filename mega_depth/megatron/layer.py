@@ -30,7 +30,8 @@ from mega_depth.model.mixing import expand_heads
 @dataclass
 class AttentionHooks:
     qkv: Optional[tuple] = None  # projected (query [s, b, np, hn], raw key [s, b, ng, hn], value [s, b, ng, hn])
-    value_mixer: Optional[Callable] = None  # (raw_query, raw_key, value, query_norm, key_norm) -> value
+    # (raw_query, raw_key, value, query_norm, key_norm) -> (query, key, value): normalised, values mixed
+    value_mixer: Optional[Callable] = None
 
 
 class DepthMixingSelfAttention(SelfAttention):
@@ -71,18 +72,16 @@ class DepthMixingSelfAttention(SelfAttention):
         else:
             mixed, _ = self.linear_qkv(hidden_states)
             query, raw_key, value = self._split_heads(mixed)
-        raw_query = query
-        if self.q_layernorm is not None:
-            query = self.q_layernorm(query)
-        key = self.k_layernorm(raw_key) if self.k_layernorm is not None else raw_key
-        if hooks.value_mixer is not None:
-            query_norm = self.q_layernorm if self.q_layernorm is not None else IdentityOp()
-            key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
-            value = hooks.value_mixer(raw_query, raw_key, value, query_norm, key_norm)
-            if value.shape[-2] != key.shape[-2] and not isinstance(self.core_attention, SDPAttention):
-                # per-query-head values: the keys follow (SDPA repeats them itself, after RoPE: half the rotary
-                # traffic of repeating them here)
-                key = expand_heads(key, value.shape[-2])
+        query_norm = self.q_layernorm if self.q_layernorm is not None else IdentityOp()
+        key_norm = self.k_layernorm if self.k_layernorm is not None else IdentityOp()
+        if hooks.value_mixer is None:
+            return query_norm(query), key_norm(raw_key), value
+        # the mixer normalises the query and key (once: it needs them too) and mixes the values
+        query, key, value = hooks.value_mixer(query, raw_key, value, query_norm, key_norm)
+        if value.shape[-2] != key.shape[-2] and not isinstance(self.core_attention, SDPAttention):
+            # per-query-head values: the keys follow (SDPA repeats them itself, after RoPE: half the rotary
+            # traffic of repeating them here)
+            key = expand_heads(key, value.shape[-2])
         return query, key, value
 
 

@@ -10,6 +10,11 @@ norm runs as Liger-Kernel's fused RMSNorm instead (its "llama" casting: the same
 write a row forward, the weight's gradient from per-SM fp32 partials), where Liger-Kernel is installed (`pip
 install "mega_depth[gpu]"`) and the layer is not being compiled (inductor fuses the eager form itself). The eager
 form stays the reference and the CPU path; tests/kernels/test_liger.py ties the two under Triton's interpreter.
+
+Liger's kernels take a row stride, but its autograd Function copies a strided input first (ensure_contiguous: a key
+split off the fused QKV projection, rows (r + 2) * hn apart, is copied for every q/k norm) and, unless it may
+overwrite the output gradient, zero-fills the input gradient before its kernel writes every row of it. `_FusedNorm`
+calls the same kernels on the rows as they lie and writes the input gradient into an empty tensor.
 """
 
 import torch
@@ -19,11 +24,65 @@ from mega_depth.kernels import common
 
 
 def _liger_rms_norm():
+    """Liger-Kernel's RMSNorm module (its kernels and launchers), or None where it is not installed."""
     try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops import rms_norm
     except ImportError:
         return None
-    return LigerRMSNormFunction
+    return rms_norm
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [*, d] as rows [N, d] with unit channel stride, a view where the leading dims merge into one row stride
+    (a head split off a fused projection does), else a copy."""
+    if x.stride(-1) == 1:
+        try:
+            return x.view(-1, x.shape[-1])
+        except RuntimeError:
+            pass
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+class _FusedNorm(torch.autograd.Function):
+    """weight * normalise(x) by Liger's kernels ("llama" casting), on x's rows in place (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        liger = _liger_rms_norm()
+        y, rows, rstd, block, num_warps, casting = liger.rms_norm_forward(_rows(x), weight, eps, 0.0, "llama", None)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.launch = (block, num_warps, casting)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = _norm_backward(dy.reshape(rows.shape), rows, weight, rstd, *ctx.launch,
+                                needs_dw=ctx.needs_input_grad[1])
+        return dx.view(dy.shape), dw, None
+
+
+def _norm_backward(dy, rows, weight, rstd, block, num_warps, casting, needs_dw):
+    """liger rms_norm_backward (not in place), with the input gradient allocated empty: both of its kernels write
+    every row of it. -> (dx [N, d], dw or None)."""
+    liger = _liger_rms_norm()
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    n_rows, n_cols = dy.shape
+    sm_count = torch.cuda.get_device_properties(rows.device).multi_processor_count if rows.is_cuda else 1
+    partial_dw = torch.empty((sm_count, n_cols), dtype=torch.float32, device=rows.device) if needs_dw else None
+    dx = torch.empty_like(dy)
+    args = (dy, dy.stride(0), dx, dx.stride(0), rows, rows.stride(0), liger.torch_to_triton_dtype[rows.dtype], weight,
+            weight.stride(0), rstd, rstd.stride(0), partial_dw, partial_dw.stride(0) if needs_dw else 0, n_rows,
+            n_cols, 0.0)
+    if block > 256 or n_rows < 4096 * 8:  # Liger's own choice of kernel
+        liger._rms_norm_backward_kernel[(sm_count,)](
+            *args, -(-n_rows // sm_count), casting, elementwise_affine=True, BLOCK_SIZE=block, COMPUTE_DW=needs_dw,
+            num_warps=num_warps)
+    else:
+        liger._block_rms_norm_backward_kernel[(sm_count,)](
+            *args, casting, elementwise_affine=True, BLOCK_SIZE=block, BLOCK_ROW=16, COMPUTE_DW=needs_dw,
+            num_warps=num_warps)
+    return dx, (partial_dw.sum(0).to(weight.dtype) if needs_dw else None)
 
 
 def fused_applies(x: torch.Tensor) -> bool:
@@ -35,8 +94,7 @@ def fused_applies(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x normalised in fp32, cast to x's dtype): fused where `fused_applies`, else eager."""
     if fused_applies(x):
-        # in_place=False: the gradient of the norm's output may be read by another node of the graph
-        return _liger_rms_norm().apply(x, weight, eps, 0.0, "llama", False)
+        return _FusedNorm.apply(x, weight, eps)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 

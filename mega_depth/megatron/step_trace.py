@@ -7,7 +7,9 @@ skipped), one micro-batch goes forward and backward, and
   broadcast input counts its distinct elements once);
 - GEMMs (mm, addmm, bmm, baddbmm) are listed with their shapes and FLOPs, and attention (SDPA) apart;
 - every Triton launch of the mixing kernels is recorded instead of run (kernels/common.recording, as the
-  ahead-of-time compile check does), with the grid a GPU with `sm_count` SMs would get; other libraries' Triton
+  ahead-of-time compile check does), with the grid a GPU with `sm_count` SMs would get, and its bytes
+  (kernels/common.launch_bytes, the rows behind pointer tables included: what Mechanism.kernel_io_units models);
+  other libraries' Triton
   kernels (Liger-Kernel's fused norm) are recorded at Triton's launcher with the bytes of their tensor arguments;
 - the host-side counts: aten ops, Triton launches, custom-op calls and nested backward passes (recomputation).
 
@@ -272,7 +274,10 @@ def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
 
 
 def summary(trace: StepTrace) -> Dict[str, float]:
+    from mega_depth.kernels.common import launch_bytes
+
     return {"aten_calls": trace.aten_calls, "memory_bound_gb": trace.memory_bound_bytes / 1e9,
+            "mixing_kernel_gb": sum(launch_bytes(launch) for launch in trace.triton_launches) / 1e9,
             "gemm_calls": len(trace.gemms), "bmm_calls": sum(g.op in ("bmm", "baddbmm") for g in trace.gemms),
             "gemm_tflops": trace.gemm_flops / 1e12, "attention_calls": trace.attention_calls,
             "triton_launches": len(trace.triton_launches) + len(trace.library_launches),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option, sublayer_label
+from .base import Entry, Mechanism, Option, Recomputed, sublayer_label, sunk_gradients
 from .mixing import (attnres_block_phase2, attnres_logits, attnres_mix_sources, attnres_phase1_sources,
                      depth_weights, rms_inverse, scalar_mix)
 
@@ -270,7 +270,7 @@ class AttnRes(Mechanism):
         def merge(m, z, o, partial):
             return phase2(m, z, o, partial, query, gain, self.eps, self.weight, self.heads)
 
-        return self.recomputed(merge, *state.phase1[sublayer], state.partial)
+        return Recomputed(merge, (*state.phase1[sublayer], state.partial))  # no reader of these sums gradients
 
     def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
         """The depth weights alpha [K, *] of one mix (heatmaps)."""
@@ -328,6 +328,39 @@ class AttnRes(Mechanism):
             members = lay.block_end(b) - lay.block_start(b) + 1
             total += members * (b / members + 5)
         return total + (lay.num_blocks + 2)  # the output aggregation
+
+    def kernel_io_units(self, recompute=True):
+        """Sublayer by sublayer (Full AttnRes, the input-dependent query): each mix reads its K sources and writes
+        its input; backward reads them again with the output gradient, and the sources' gradients are summed in
+        the kernels; a per-token query is read, and its gradient written in fp32. Two-phase (Block AttnRes): per
+        block, phase 1 reads the n completed blocks and writes one output per member sublayer, its backward reads
+        them again with those outputs' gradients and writes a gradient per block, its query-gradient kernel reads
+        the blocks once more; per sublayer, phase 2 reads phase 1's output (and the partial sum) and writes the
+        input, once more in the recomputation, and its backward reads those and the input's gradient and writes
+        theirs; the final aggregation is a mix over the blocks. Scalar mixing runs no kernel."""
+        S, lay = self.shape.num_sublayers, self.attnres_layout
+        if self.mixing == "scalar":
+            return 0.0
+        per_token_query = self.query_kind == "input"
+        mixes, total = [], 0.0
+        if self.two_phase:
+            for b in range(1, lay.num_blocks + 1):
+                n, members = b, lay.block_end(b) - lay.block_start(b) + 1  # blocks b_0 .. b_{b-1}
+                total += (n + members) + (2 * n + members) + n
+                for sub in range(lay.block_start(b), lay.block_end(b) + 1):
+                    p = int(lay.has_partial_before(sub))
+                    total += (2 if recompute else 1) * (2 + p) + (3 + 2 * p)
+            mixes.append([f"b{j}" for j in range(lay.num_blocks + 1)])
+        else:
+            for sub in range(1, S + 2):
+                blocks = [f"b{j}" for j in range(lay.completed_blocks_before(sub) + 1)]
+                mixes.append(blocks + ([f"partial{sub}"] if lay.has_partial_before(sub) else []))
+        readers: Dict[str, int] = {}
+        for sources in mixes:
+            total += 2 * (len(sources) + 1) + (4 if per_token_query else 0)  # forward, backward (+ q, dq in fp32)
+            for s in sources:
+                readers[s] = readers.get(s, 0) + 1
+        return total + sunk_gradients(readers)
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -14,8 +14,9 @@ Hosts (the `Host` protocol below). The Megatron-core layer (megatron/layer.py), 
     attention_sublayer(x, k_in=None, v_in=None, value_mixer=None) -> [*, d]
         pre-norm (applied to each input) + attention (+ hidden dropout); x may be a `Recomputed` input (the norm
         then keeps only its sources for backward, see `normed`); DCA passes separate key/value inputs;
-        value_mixer(raw_query, raw_key, value, query_norm, key_norm) -> value mixes the values (Depth-Attention;
-        raw = the projections before the q/k norms, which the mixer applies itself)
+        value_mixer(raw_query, raw_key, value, query_norm, key_norm) -> (query, key, value): Depth-Attention's
+        mixer takes the projections before the q/k norms and returns the normalised query and key with the mixed
+        values; the host's attention uses them as they are (each norm runs once, in the mixer)
     attention_sublayer_recomputed(make_inputs, sources) -> (out [*, d], q_in)
         the same on (q_in, k_in, v_in) = make_inputs(*sources), where the Megatron host keeps neither those inputs
         nor their normalised forms for backward but recomputes them from `sources` (DCA's fast path)
@@ -176,6 +177,13 @@ def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
     return norm(x)
 
 
+def sunk_gradients(readers: Dict[Any, int], width: Callable[[Any], float] = lambda source: 1.0) -> float:
+    """The traffic of the source gradients that backward kernels sum in one buffer per source (kernels/grad_sink.py):
+    the first reader stores its gradient, each other reads the buffer and writes it back. readers: source -> how many
+    kernels read it; width(source): its size in [tokens, d] units."""
+    return sum(width(source) * (2 * count - 1) for source, count in readers.items() if count)
+
+
 def sublayer_label(sublayer: int, num_sublayers: int) -> Tuple[float, str]:
     """Heatmap row of sublayer 1..L, and of L+1: the output aggregation (the final norm's input)."""
     if sublayer > num_sublayers:
@@ -195,6 +203,9 @@ class Mechanism:
     module_names: ClassVar[Tuple[str, ...]] = ()
     # Whether it uses the generic depth-mixing layer at all (standard: Megatron's own layer, unmodified).
     mixes_depth: ClassVar[bool] = True
+    # Whether the sublayers' outputs still join the stream by plain eager adds (the standard residual's x + f(x);
+    # DCA's a + q_in and a + m), which its kernels do not replace (training_io_units).
+    plain_residual_adds: ClassVar[bool] = False
     # False where attention gets separate query/key/value inputs (DCA): Transformer Engine's fused norm+QKV
     # projection cannot take them, so such a mechanism runs on the local spec.
     runs_on_fused_norm_qkv: ClassVar[bool] = True
@@ -321,6 +332,29 @@ class Mechanism:
         (--mixing-impl triton) where it differs from the eager reference's. tools/bench_throughput.py turns the
         excess over the standard residual into the step-time bound of memory traffic alone."""
         raise NotImplementedError(f"{self.name} has no I/O model: give it io_units() (mega_depth/model/base.py)")
+
+    def kernel_io_units(self, recompute: bool = True) -> float:
+        """What the fused mixing kernels (--mixing-impl triton) move in one training step, forward, the backward's
+        recomputation (`recompute`: --mixing-recompute) and backward, in units of one [tokens, d] activation at the
+        activation dtype; an fp32 tensor counts twice its bf16 size. Counted per kernel launch as the kernels do
+        their work: every tensor a launch touches once (what a launch re-reads from cache is not traffic, a second
+        launch over the same rows is), a source's gradient stored by its first reader and read and written by each
+        other (sunk_gradients), a gradient that autograd adds instead not at all (its add is eager traffic, which
+        the step trace counts apart). Tensors a few values per token wide are left out. The step trace's recorded
+        launches must agree within 10 % at the 1B shape (tests/integration/test_step_trace.py)."""
+        raise NotImplementedError(f"{self.name} has no kernel I/O model: give it kernel_io_units() "
+                                  "(mega_depth/model/base.py)")
+
+    def training_io_units(self, fused: bool = True) -> float:
+        """The depth mixing's memory traffic in one training step, per token in units of d, as the analytic bound
+        takes it (tools/bench_throughput.py): fused, the kernels' (kernel_io_units) plus 6 per sublayer where the
+        sublayers' outputs still join by plain adds (forward: read 2, write 1; backward: the same for the
+        gradient); unfused, three times the forward's (io_units), a rough estimate. Eager ops outside the kernels
+        (HC's coefficient math) are not counted: the step trace measures those."""
+        if not fused:
+            return 3 * self.io_units(False)
+        adds = 6.0 * self.shape.num_sublayers if self.plain_residual_adds else 0.0
+        return self.kernel_io_units() + adds
 
     # --- fast paths ---------------------------------------------------------------------------------------------
     @property

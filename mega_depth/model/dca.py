@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option
+from .base import Entry, Mechanism, Option, sunk_gradients
 from .mixing import GRN_VERSIONS, dca_num_sources, grn_apply_sources, grn_mean_weights
 
 
@@ -68,6 +68,7 @@ class DCAState:
 
 class DCA(Mechanism):
     name = "dca"
+    plain_residual_adds = True
     options = (
         Option("dca_last_k", int, None, "k-DCA: keep the last k block outputs plus the sum of the older ones "
                "(omit for all)"),
@@ -145,6 +146,25 @@ class DCA(Mechanism):
             if t <= L:
                 total += 6 + (3 if k is not None and t > k + 1 else 0)  # a + q_in, f = a + m; k-DCA's running sum
         return total
+
+    def kernel_io_units(self, recompute=True):
+        """Per block, the GRN over its K stack entries for q/k/v (3 outputs; run again in the recomputation) and the
+        final GRN (1 output): forward reads K and writes the outputs; backward reads K and the outputs' gradients,
+        the parameter kernel reads them once more; each entry's gradients are summed in the kernels over every
+        block that reads it (k-DCA's running sum is a new tensor each time it grows)."""
+        L, k = self.shape.num_layers, self.last_k
+        recent, summed, readers, total = [], None, {}, 0.0
+        for t in range(1, L + 2):
+            entries = ["x"] + ([summed] if summed is not None else []) + recent
+            outputs = 3 if t <= L else 1
+            total += (2 if recompute and t <= L else 1) * (len(entries) + outputs) + 2 * (len(entries) + outputs)
+            for e in entries:
+                readers[e] = readers.get(e, 0) + 1
+            recent.append(f"f{t}")
+            if k is not None and len(recent) > k:
+                oldest = recent.pop(0)
+                summed = oldest if summed is None else f"sum{t}"
+        return total + sunk_gradients(readers)
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

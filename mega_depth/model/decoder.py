@@ -86,9 +86,10 @@ class Attention(nn.Module):
         raw_k = self.k_proj(x_k).view(b, s, -1, hn)
         v = self.v_proj(x_v).view(b, s, -1, hn)
         q_norm, k_norm = (self.q_norm, self.k_norm) if cfg.qk_layernorm else (nn.Identity(), nn.Identity())
-        q, k = q_norm(raw_q), k_norm(raw_k)
-        if value_mixer is not None:  # Depth-Attention: this token's values mixed over earlier layers
-            v = value_mixer(raw_q, raw_k, v, q_norm, k_norm)
+        if value_mixer is None:
+            q, k = q_norm(raw_q), k_norm(raw_k)
+        else:  # Depth-Attention: this token's values mixed over earlier layers (the mixer applies the q/k norms)
+            q, k, v = value_mixer(raw_q, raw_k, v, q_norm, k_norm)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, h, s, hn]

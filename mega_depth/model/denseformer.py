@@ -16,7 +16,7 @@ from typing import Dict
 import torch
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option
+from .base import Entry, Mechanism, Option, sunk_gradients
 from .mixing import dwa_mix, dwa_needed_after, dwa_sources, dwa_units
 
 
@@ -39,6 +39,7 @@ class DenseFormerState:
 
 class DenseFormer(Mechanism):
     name = "denseformer"
+    plain_residual_adds = True
     options = (
         Option("denseformer_dilation", int, 1, "DenseFormer k: a DWA after unit i averages X_j with j = i (mod k)"),
         Option("denseformer_period", int, 1, "DenseFormer p: a DWA after every p-th unit (1 x 1: the full model)"),
@@ -127,6 +128,18 @@ class DenseFormer(Mechanism):
         (docs/mechanisms.md §9)."""
         return 3.0 * self.shape.num_sublayers + sum(len(dwa_sources(i, self.k)) + 2
                                                     for i in dwa_units(self.num_units, self.p))
+
+    def kernel_io_units(self, recompute=True):
+        """Per DWA over K stored outputs (a GRN v1 of one instance): forward reads K and writes the average;
+        backward reads K and the average's gradient, the parameter kernel reads them once more; each stored
+        output's gradients are summed in the kernels over the DWAs that read it."""
+        readers, total = {}, 0.0
+        for unit in dwa_units(self.num_units, self.p):
+            sources = dwa_sources(unit, self.k)
+            total += 3 * (len(sources) + 1)
+            for j in sources:
+                readers[j] = readers.get(j, 0) + 1
+        return total + sunk_gradients(readers)
 
     # --- pipeline payload -------------------------------------------------------------------------------------
     def _unit_at(self, boundary: int) -> int:

@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from .base import Entry, Mechanism, Option
+from .base import Entry, Mechanism, Option, sunk_gradients
 from .mixing import (DEPTH_ATTN_GQA_MODES, depth_attention_candidates, depth_attention_mix,
                      depth_attention_needed_after, depth_attention_weights)
 
@@ -49,6 +49,7 @@ class DepthAttentionState:
 
 class DepthAttention(Mechanism):
     name = "depth-attention"
+    plain_residual_adds = True
     options = (
         Option("depth_attn_stride", int, None, "candidate layers j with j % stride == 0 (omit: num_layers // 2, "
                "the released 3B model's 48 / 24; 0: none, only the window)"),
@@ -107,23 +108,26 @@ class DepthAttention(Mechanism):
             n = 0 if cand_raw is None else len(cand_raw)
 
             def normalise_and_mix(raw_query, raw_key, value, *candidates):
+                """-> (query, key, mixed values): the attention reads the normalised query and key from here, so
+                each norm runs once."""
                 query, key = query_norm(raw_query), key_norm(raw_key)
                 if n == 0:
-                    return mix(query, key, value, None, None, self.gqa)
+                    return query, key, mix(query, key, value, None, None, self.gqa)
                 # lists, not stacks: the op reads each candidate in place (a stack and its backward copy them all)
                 keys, values = [key_norm(k) for k in candidates[:n]], list(candidates[n:])
                 if self.recorder is not None:
                     self.recorder.add("depth-attention", index, f"layer {index}",
                                       depth_attention_weights(query, torch.stack(keys + [key]), self.gqa))
-                return mix(query, key, value, keys, values, self.gqa)
+                return query, key, mix(query, key, value, keys, values, self.gqa)
 
             # On the fast path, what this mix makes (the normalised query and keys of this layer and of its
-            # candidates) is recomputed in backward instead of kept: only the raw projections, which the
-            # q/k norms keep anyway, this layer's value and the stored candidates stay.
+            # candidates) is recomputed in backward instead of kept: only the raw projections, this layer's value
+            # and the stored candidates stay (the attention keeps its rotated query and key, not these).
             tensors = (raw_query, raw_key, value) + (() if n == 0 else (*cand_raw, *cand_values))
-            mixed = self.recompute(normalise_and_mix, *tensors) if self.recomputes else normalise_and_mix(*tensors)
+            query, key, mixed = (self.recompute(normalise_and_mix, *tensors) if self.recomputes
+                                 else normalise_and_mix(*tensors))
             state.store(index, raw_key, mixed, self.shape.num_layers, self.stride, self.window)
-            return mixed
+            return query, key, mixed
 
         x = state.hidden
         x = x + layer.attention_sublayer(x, value_mixer=value_mixer)
@@ -141,6 +145,28 @@ class DepthAttention(Mechanism):
         v = (s.num_attention_heads if self.gqa == "query" else s.num_query_groups) / s.num_attention_heads
         cands = sum(len(depth_attention_candidates(l, self.stride, self.window)) for l in range(s.num_layers))
         return 3.0 * s.num_sublayers + cands * (kv + v) + s.num_layers * (v - kv)
+
+    def kernel_io_units(self, recompute=True):
+        """Per layer with C candidates, the value mix (run again in the recomputation) reads the query, key and
+        value, the candidates' keys (normalised by this layer) and stored values, and writes the mixed values;
+        backward reads those and the mixed values' gradient and writes the query's, key's, value's and candidate
+        keys' gradients; a stored value's gradients are summed in the kernels over the layers that read it. Widths
+        in units of d: the query 1, a key or value hkv/hq, a mixed value hq/hq per query head (1) or per group."""
+        s = self.shape
+        kw = s.num_query_groups / s.num_attention_heads
+        vw = (s.num_attention_heads if self.gqa == "query" else s.num_query_groups) / s.num_attention_heads
+        readers, total = {}, 0.0
+        for layer in range(s.num_layers):
+            cands = depth_attention_candidates(layer, self.stride, self.window)
+            c = len(cands)
+            if not c:
+                continue  # the value alone: no kernel
+            forward = 1 + 2 * kw + c * (kw + vw) + vw
+            backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw + c * kw)
+            total += (2 if recompute else 1) * forward + backward
+            for j in cands:
+                readers[j] = readers.get(j, 0) + 1
+        return total + sunk_gradients(readers, lambda j: vw)
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -120,6 +120,27 @@ class StreamMechanism(Mechanism):
         n = self.n
         return self.shape.num_sublayers * (4 * n + 2 if fused else 8 * n + 2) + (n + 1)
 
+    def kernel_io_units(self, recompute=True):
+        """Per sublayer, on n streams (the first sublayer's are the embedding expanded: read as one): the read
+        (run again in the recomputation) reads the streams and writes the input, its backward reads them and the
+        input's gradient; the write reads the streams and the output and writes n streams, its backward reads them,
+        the output and the n streams' gradients and writes the output's; the streams' gradient is stored by the
+        write's backward and added to by the read's and the coefficients' (coefficient_io_units). Plus the learned
+        collapse head's read and projection, once."""
+        n, total = self.n, 0.0
+        for sub in range(1, self.shape.num_sublayers + 1):
+            read = 1 if sub == 1 else n
+            total += (2 if recompute else 1) * (read + 1) + (read + 1 + 2 * n)  # the read; its backward adds
+            total += (read + 1 + n) + (read + 1 + n + n + 1)  # the write; its backward stores
+            total += self.coefficient_io_units(read, recompute)
+        if self.collapse() == "learned":  # the read (its backward stores) and the projection (its backward adds)
+            total += (n + 1) + (n + 1 + n) + n + (n + 2 * n) + n
+        return total
+
+    def coefficient_io_units(self, read: float, recompute: bool) -> float:
+        """What one sublayer's coefficient kernels move, its streams read as `read` units (HC's are eager: none)."""
+        return 0.0
+
     def layout(self, boundary):
         return [Entry("streams", self.n * self.shape.hidden_size, False)]
 

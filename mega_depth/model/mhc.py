@@ -88,6 +88,11 @@ class MHC(StreamMechanism):
             return (torch.rand(list(shape), generator=generator) * 2 - 1) * bound
         return torch.randn(list(shape), generator=generator) * 0.01
 
+    def coefficient_io_units(self, read, recompute):
+        """The projection and its RMS read the streams (again in the recomputation); its backward reads them and
+        adds the streams' gradient, and phi's kernel reads them once more (Sinkhorn's n x n a token: left out)."""
+        return (2 if recompute else 1) * read + (read + 2 * self.n) + read
+
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual
         stochastic = self.kernel("sinkhorn", sinkhorn)  # the fast path: one kernel for all iterations

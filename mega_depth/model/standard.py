@@ -9,6 +9,7 @@ from .base import Entry, Mechanism
 
 class Standard(Mechanism):
     name = "standard"
+    plain_residual_adds = True
     mixes_depth = False
 
     @classmethod
@@ -27,6 +28,9 @@ class Standard(Mechanism):
 
     def io_units(self, fused=True):
         return 3.0 * self.shape.num_sublayers
+
+    def kernel_io_units(self, recompute=True):
+        return 0.0  # no mixing kernel
 
     def layout(self, boundary):
         return [Entry("hidden", self.shape.hidden_size, False)]

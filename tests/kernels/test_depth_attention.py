@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from kernel_checks import SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, saves_only_inputs
+from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
+                           saves_only_inputs)
 
-from mega_depth.kernels.depth_attention import depth_attention_backward_op, depth_attention_mix, depth_attention_op
+from mega_depth.kernels.depth_attention import (depth_attention_backward_into_op, depth_attention_backward_op,
+                                                depth_attention_mix, depth_attention_op)
 from mega_depth.model import mixing
 
 
@@ -61,6 +63,9 @@ def test_opcheck(twin):
         opcheck(depth_attention_op, (q, k, v, ck, values, group))
         grad = torch.randn(3, 2 if group else 4, 6)
         opcheck(depth_attention_backward_op, (grad, *detached([q, k, v]), detached(ck), detached(values), group))
+        into = [torch.randn(t.shape) for t in ck + values]
+        opcheck(depth_attention_backward_into_op, (grad, *detached([q, k, v]), detached(ck), detached(values), into,
+                                                   [False, True, True, False], group), eager_only=True)
 
 
 def test_saves_only_its_inputs(path):
@@ -74,3 +79,38 @@ def test_bf16(path):
     bf16_matches_fp32(lambda *a: depth_attention_mix(*a, "query"), lambda *a: mixing.depth_attention_mix(*a, "query"),
                       torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8), torch.randn(2, 6, 2, 8),
                       torch.randn(2, 6, 4, 8))
+
+
+@pytest.mark.parametrize("mode, hv", [("query", 4), ("group", 2)])
+def test_candidates_read_by_several_layers_add_into_one_buffer(path, mode, hv):
+    """Depth-Attention's stored candidates are read by every later layer's mix (and a value by its own layer's
+    attention too: here a product outside the mixing): the gradients equal autograd's sums, and the mixes'
+    gradients are added in the backward kernel, into one buffer per candidate (kernels/grad_sink.py)."""
+    lead, hq, hkv, hn = (3, 2), 4, 2, 6
+    keys, values = [leaf(*lead, hkv, hn) for _ in range(2)], [leaf(*lead, hv, hn, scale=2.0) for _ in range(2)]
+    queries = [leaf(*lead, hq, hn) for _ in range(2)]
+    own = [leaf(*lead, hkv, hn) for _ in range(4)]  # each layer's own key and value
+
+    def layers(mix):
+        def run(*t):
+            k0, k1, v0, v1, q1, q2, ok1, ov1, ok2, ov2 = t
+            out1 = mix(q1, ok1, ov1, [k0], [v0], mode)  # layer 1 reads candidate 0
+            out2 = mix(q2, ok2, ov2, [k0, k1], [v0, v1], mode)  # layer 2 candidates 0 and 1
+            return out1 * out2 + (v0 * 3.0).sum()
+
+        return run
+
+    def reference(q, k, v, ck, cv, gqa_mode):
+        return mixing.depth_attention_mix(q, k, v, torch.stack(ck), torch.stack(cv), gqa_mode)
+
+    inputs = [*keys, *values, *queries, *own]
+    check(layers(depth_attention_mix), layers(reference), inputs, f"candidates read twice {mode}")
+    out = layers(depth_attention_mix)(*inputs)
+    with SourceGradAdds(values[0].shape) as adds:
+        torch.autograd.grad((out * torch.randn_like(out)).sum(), values)
+    # one add: v0's gradient from outside the mixing joins the buffer (the torch twin adds with aten in the op)
+    assert adds.count == 1 or path == "torch", f"{adds.count} adds of a candidate's gradient"
+    with SourceGradAdds(values[0].shape) as adds:  # the reference: autograd adds every reader's gradient
+        out = layers(reference)(*inputs)
+        torch.autograd.grad(out.sum(), values)
+    assert adds.count >= 2

@@ -101,3 +101,40 @@ def test_fused_swiglu_equals_silu_gate_times_up(fused, dtype):
     (ry,) = torch.autograd.grad(ref, (y,), g)
     torch.testing.assert_close(dy.float(), ry.float(), **(tol if dtype == torch.float32 else
                                                            dict(rtol=2 ** -6, atol=2 ** -6)))
+
+
+def test_fused_norm_reads_a_head_of_a_fused_projection_in_place(fused):
+    """A key split off a fused QKV projection ([s, b, groups, (r + 2) * hn] -> its hn columns: rows (r + 2) * hn
+    apart) is normalised where it lies, and the input gradient is written once: no aten op copies or zero-fills a
+    tensor of the key's size (Liger's own Function copies the key and zero-fills its gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # (copy_ is not counted: the interpreter writes each launch's CPU tensors back with it)
+            if isinstance(out, torch.Tensor) and out.numel() >= key_size and func.overloadpacket in (
+                    torch.ops.aten.clone, torch.ops.aten.zeros_like, torch.ops.aten.zero_, torch.ops.aten.fill_,
+                    torch.ops.aten.zeros, torch.ops.aten.new_zeros):
+                self.ops.append(str(func))
+            return out
+
+    torch.manual_seed(0)
+    s_, b, groups, r, hn = 3, 2, 2, 2, 24
+    fused_qkv = (torch.randn(s_, b, groups, (r + 2) * hn) * 2).requires_grad_()
+    key = fused_qkv[..., r * hn:(r + 1) * hn]
+    key_size = key.numel()
+    w = (torch.rand(hn) + 0.5).requires_grad_()
+    g = torch.randn(s_, b, groups, hn)
+    with Traffic() as traffic:
+        y = norm.rms_norm(key, w, 1e-6)
+        got = torch.autograd.grad(y, (fused_qkv, w), g)
+    assert traffic.ops == [], traffic.ops
+    ref = eager(key, w, 1e-6)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for a, e in zip(got, torch.autograd.grad(ref, (fused_qkv, w), g)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

@@ -75,8 +75,8 @@ def test_payload_layout_matches_the_state_and_a_rebuilt_state_continues_identica
     class SeqFirst(PlainHost):  # the plain layer expects [b, s, d]; the payload is checked in [s, b, d]
         def attention_sublayer(self, h, k_in=None, v_in=None, value_mixer=None):
             t = lambda a: None if a is None else a.transpose(0, 1)  # noqa: E731
-            mixer = None if value_mixer is None else (lambda rq, rk, v, qn, kn: value_mixer(
-                rq.transpose(0, 1), rk.transpose(0, 1), v.transpose(0, 1), qn, kn).transpose(0, 1))
+            mixer = None if value_mixer is None else (lambda rq, rk, v, qn, kn: tuple(o.transpose(0, 1) for o in (
+                value_mixer(rq.transpose(0, 1), rk.transpose(0, 1), v.transpose(0, 1), qn, kn))))
             return super().attention_sublayer(t(h), t(k_in), t(v_in), mixer).transpose(0, 1)
 
         def mlp_sublayer(self, h):
