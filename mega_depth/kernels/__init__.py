@@ -64,7 +64,8 @@ def fast_functions() -> SimpleNamespace:
                            attnres_phase2=attnres_block.attnres_phase2, grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
                            streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,
-                           mhc_projection=mhc_projection.mhc_projection, recompute=grad_sink.recompute)
+                           mhc_projection=mhc_projection.mhc_projection, recompute=grad_sink.recompute,
+                           fused=True)
 
 
 def default_impl() -> str:

@@ -363,6 +363,11 @@ class Mechanism:
         return self.kernels is not None and self.recorder is None
 
     @property
+    def fused(self) -> bool:
+        """The fast path is the fused kernels' (--mixing-impl triton), not compiled twins of the reference."""
+        return self.fast_path and getattr(self.kernels, "fused", False)
+
+    @property
     def recomputes(self) -> bool:
         """On the fast path, recompute in backward what the mixing makes instead of keeping it (--mixing-recompute;
         never while recording: a recomputed forward would record twice)."""

@@ -88,10 +88,17 @@ class MHC(StreamMechanism):
             return (torch.rand(list(shape), generator=generator) * 2 - 1) * bound
         return torch.randn(list(shape), generator=generator) * 0.01
 
+    def coefficients(self, compute, streams):
+        """Kept, not recomputed, on the fused path: its projection keeps nothing but the streams (which the stream
+        update keeps anyway), and the rest a few numbers a token (the m projections and the RMS, Sinkhorn's
+        logits); recomputing would cost a second read of the streams and a nested backward pass a sublayer."""
+        return compute(streams) if self.fused else super().coefficients(compute, streams)
+
     def coefficient_io_units(self, read, recompute):
-        """The projection and its RMS read the streams (again in the recomputation); its backward reads them and
-        adds the streams' gradient, and phi's kernel reads them once more (Sinkhorn's n x n a token: left out)."""
-        return (2 if recompute else 1) * read + (read + 2 * self.n) + read
+        """The projection and its RMS read the streams (once: kept, not recomputed, see `coefficients`); its
+        backward reads them and adds the streams' gradient, and phi's kernel reads them once more (Sinkhorn's n x n
+        a token: left out)."""
+        return read + (read + 2 * self.n) + read
 
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual
