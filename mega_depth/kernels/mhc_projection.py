@@ -9,7 +9,9 @@ products on the tensor cores from the streams' own dtype (exact, fp32 sums) and 
 
 Backward, two kernels: the stream gradient (g_proj phi + 2 g_ms x~ / (n*d), one read of the streams and one write)
 and phi's gradient (g_proj^T x~, one program per (channel chunk, token split), fp32 partials summed by split: no
-atomics, deterministic). The products with the fp32 gradients run as three TF32 products (fp32 accuracy).
+atomics, deterministic). The products with the fp32 gradients run as three TF32 products (fp32 accuracy). Where
+the streams have a gradient sink (kernels/grad_sink.py: the stream read and write kernels add into it too), the
+streams' gradient is added into its buffer, not returned for autograd to add.
 
 Streams come as [n, *, d] with free stream and token strides (an expanded embedding or a pipeline tensor's view is
 read in place). The op is `mega_depth::mhc_projection`.
@@ -124,7 +126,7 @@ def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, NS: tl.conste
 
 def _blocks(d: int, m: int, element_size: int):
     """(tokens a program, outputs padded, channels a step): [BT, BC] tiles of the streams, dot-sized when compiled,
-    rows of 128 bytes (fp32 tiles of 64 channels spill in the fp32 dot); a few tokens and channels under the
+    rows of 128 bytes (fp32 tiles of 64 channels spilled); a few tokens and channels under the
     interpreter, so that the tests walk several of each and masked tails."""
     if interpreting():
         return 4, dot_dim(m), chunk(d)
