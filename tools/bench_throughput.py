@@ -41,14 +41,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms, residual_settings  # noqa: E402
 from mega_depth.training.flops import DEVICES, device_key, flops_per_token  # noqa: E402
 
-def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
-    """Training memory traffic of the depth mixing per token, in units of d: the mechanism's own model
-    (Mechanism.training_io_units in its file), so a new mechanism brings its own."""
+def _mechanism(settings: dict, L: int, d: int, heads: int, groups: int):
     from mega_depth.model.base import NORM_EPSILON, ModelShape
     from mega_depth.model.config import residual_config
     from mega_depth.model.registry import build
 
-    return build(residual_config(settings), ModelShape(L, d, heads, groups, NORM_EPSILON)).training_io_units(fused)
+    return build(residual_config(settings), ModelShape(L, d, heads, groups, NORM_EPSILON))
+
+
+def io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
+    """Forward memory traffic of the depth mixing per token, in units of d: the mechanism's own model
+    (Mechanism.io_units in its file), so a new mechanism brings its own."""
+    return _mechanism(settings, L, d, heads, groups).io_units(fused)
+
+
+def training_io_units(settings: dict, L: int, d: int, heads: int, groups: int, fused: bool = True) -> float:
+    """A training step's memory traffic of the depth mixing per token, in units of d, as the bound takes it
+    (Mechanism.training_io_units: the fused kernels' launch by launch, which the step trace checks)."""
+    return _mechanism(settings, L, d, heads, groups).training_io_units(fused)
 
 
 def mixing_impl(flags) -> str:
@@ -151,12 +161,12 @@ def main(argv=None) -> int:
                         "--vocab-size", "32000"] + layout).decoder_config()  # MoE flags: the active MLP widths
     fpt = flops_per_token(L, d, heads, groups, ffn, 32000, args.seq_length, shape.active_ffn_widths())
     fused = mixing_impl(layout) == "triton"
-    base_io = io_units({"mechanism": "standard"}, L, d, heads, groups, fused)
+    base_io = training_io_units({"mechanism": "standard"}, L, d, heads, groups, fused)
     bytes_el = 2  # the bound models bf16 training on the GPU (the targets' setting), on any machine
 
     def result(name, run, base):
         t, tb = statistics.median(run["times"]), statistics.median(base["times"])
-        extra = io_units(residual_settings(name, L), L, d, heads, groups, fused) - base_io
+        extra = training_io_units(residual_settings(name, L), L, d, heads, groups, fused) - base_io
         bound = 1 + extra * d * bytes_el / bound_bw / (fpt / (args.bound_mfu * bound_peak))
         tps_base = base["tokens"] / tb
         return {
