@@ -36,7 +36,8 @@ def trace_settings(mechanisms, shape, extra=()):
         start_megatron(cfg)
         trace = trace_step(cfg)
         unit = cfg.model.seq_length * cfg.training.micro_batch_size * cfg.model.hidden_size * 2  # [T, d] in bf16
-        model_gb = cfg.decoder_config().mechanism().kernel_io_units(recompute=cfg.model.mixing_recompute) * unit / 1e9
+        model_units = cfg.decoder_config().mechanism().kernel_io_units(recompute=cfg.model.mixing_recompute)
+        model_gb = model_units * unit / 1e9
         out[name] = (trace, dict(summary(trace), kernel_model_gb=model_gb))
     return out
 

@@ -110,13 +110,13 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, add
 def launch_bytes(launch: Launch) -> int:
     """The least DRAM traffic of a recorded launch: every distinct tensor it is given touched once (read or
     written), the rows behind its pointer tables included, and a gradient buffer that the kernel adds to (a
-    gradient table's low bit, or one of the launch's `adds_into`) read as well. What the kernel re-reads from cache within
-    the launch is not traffic; a second launch over the same rows is (the I/O models count launches alike)."""
+    gradient table's low bit, or one of the launch's `adds_into`) read as well. What the kernel re-reads from cache
+    within the launch is not traffic; a second launch over the same rows is (the I/O models count launches alike)."""
     seen: Dict[int, int] = {}
 
     def touch(t: Tensor, times: int = 1) -> None:
         key = id(t)
-        seen[key] = max(seen.get(key, 0), times * _tensor_bytes(t))
+        seen[key] = max(seen.get(key, 0), times * tensor_bytes(t))
 
     added = {id(t) for t in launch.adds_into}
     for arg in launch.args:
@@ -131,8 +131,8 @@ def launch_bytes(launch: Launch) -> int:
     return sum(seen.values())
 
 
-def _tensor_bytes(t: Tensor) -> int:
-    """A tensor's elements (a broadcast, stride-0, dimension once) times its element size."""
+def tensor_bytes(t: Tensor) -> int:
+    """The bytes a kernel reads or writes of `t`: its elements, a broadcast (stride 0) dimension counted once."""
     n = 1
     for size, stride in zip(t.shape, t.stride()):
         if stride != 0:
@@ -338,6 +338,11 @@ def folded_query_torch(q: Tensor, g: Optional[Tensor], dtype: torch.dtype, ct: t
     """gain * query, rounded to the source dtype like the reference's folded query."""
     f = q.to(ct) if g is None else g.to(ct) * q.to(ct)
     return f.to(dtype).to(ct)
+
+
+def store_or_add_torch(into: Tensor, grad: Tensor, adding: bool) -> None:
+    """The twins' store_or_add: a gradient stored into its buffer, or added to what the buffer holds."""
+    into.add_(grad) if adding else into.copy_(grad)
 
 
 def rms_inverse_torch(v: Tensor, eps: float) -> Tensor:

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (Sources, accumulation_dtype, aligned, gradient_at, gradient_table, jit, launch,
-                                       pointer_at, pointer_table, pow2, programs, register_fake, tl, token,
-                                       uses_triton, warps)
+                                       pointer_at, pointer_table, pow2, programs, register_fake, store_or_add_torch,
+                                       tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -300,7 +300,7 @@ def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding):
         rq = q.shape[1] // hkv
         dq = (dq / rq).expand(n, hkv, rq, hn)
     for into, grad, add in zip(dck + dcv, dkeys[:-1] + dvals[:-1], adding):
-        into.add_(grad) if add else into.copy_(grad)
+        store_or_add_torch(into, grad, add)
     return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1]
 
 

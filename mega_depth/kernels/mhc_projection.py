@@ -26,8 +26,8 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim, dot_t,
-                                       interpreting, jit, launch, reduction_grid, register_fake, store_or_add, tl,
-                                       uses_triton)
+                                       interpreting, jit, launch, reduction_grid, register_fake, store_or_add,
+                                       store_or_add_torch, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
 
@@ -187,7 +187,7 @@ def _torch_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor,
     for i in range(ns):
         x, cols = s[i].to(ct), slice(i * d, (i + 1) * d)
         grad = (g_proj @ phi[:, cols].to(ct) + scale * x).to(s.dtype)
-        ds[i].add_(grad) if adding else ds[i].copy_(grad)
+        store_or_add_torch(ds[i], grad, adding)
         dphi[:, cols] = g_proj.T @ x
     return dphi
 

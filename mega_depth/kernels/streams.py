@@ -19,7 +19,8 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
-                                       rows, store_or_add, tl, token, uses_triton, warps)
+                                       rows, store_or_add, store_or_add_torch, tl, token,
+                                       uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -186,15 +187,10 @@ def _torch_in_fwd(s, w):
     return out.to(dt)
 
 
-def _into(ds: Tensor, grad: Tensor, adding: bool) -> None:
-    """The twins' stream gradient stored into ds, or added to what it holds."""
-    ds.add_(grad) if adding else ds.copy_(grad)
-
-
 def _torch_in_bwd(go, s, w, ds, adding):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
     go = go.to(ct)
-    _into(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
+    store_or_add_torch(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
     return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
 
 
@@ -216,7 +212,7 @@ def _torch_out_bwd(go, s, y, mix, post, ds_into, adding):
         x = s[i].to(ct)
         ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
         dmix.append((go * x).sum(-1).t())  # [N, n (to)]
-    _into(ds_into, torch.stack(ds), adding)
+    store_or_add_torch(ds_into, torch.stack(ds), adding)
     return dy, torch.stack(dmix), dpost
 
 

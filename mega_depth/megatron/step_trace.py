@@ -28,20 +28,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mega_depth.kernels.common import launch_bytes, tensor_bytes
+
 aten = torch.ops.aten
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 # Ops that allocate or alias without touching memory
 _NO_TRAFFIC = {aten._unsafe_view.default, aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                aten.new_empty.default, aten.new_empty_strided.default, aten.detach.default, aten.lift_fresh.default}
-
-
-def _distinct_bytes(t: torch.Tensor) -> int:
-    """The bytes a kernel reads or writes of `t`: its elements, a broadcast (stride 0) dimension counted once."""
-    n = 1
-    for size, stride in zip(t.shape, t.stride()):
-        if stride != 0:
-            n *= size
-    return n * t.element_size()
 
 
 def _tensors(tree) -> List[torch.Tensor]:
@@ -111,8 +104,8 @@ class _Recorder(TorchDispatchMode):
             self.trace.gemms.append(Gemm(name, tuple(tuple(t.shape) for t in operands), _gemm_flops(func, args)))
         elif not (func in _NO_TRAFFIC or func.is_view):
             # read every tensor argument, write every output (an in-place op's output is its argument: once)
-            moved = sum(_distinct_bytes(t) for t in _tensors((args, kwargs)))
-            moved += sum(_distinct_bytes(t) for t in _tensors(out)) if not name.endswith("_") else 0
+            moved = sum(tensor_bytes(t) for t in _tensors((args, kwargs)))
+            moved += sum(tensor_bytes(t) for t in _tensors(out)) if not name.endswith("_") else 0
             self.trace.op_bytes[name] += moved
         return out
 
@@ -145,7 +138,7 @@ def _recorded_library_kernels(trace: Optional[StepTrace]):
     def recorded(self, *args, grid, warmup, **kwargs):
         if trace is not None:  # None: skipped, not recorded (host_seconds)
             trace.library_launches.append((self.fn.__name__,
-                                           sum(_distinct_bytes(t) for t in _tensors((args, kwargs)))))
+                                           sum(tensor_bytes(t) for t in _tensors((args, kwargs)))))
 
     JITFunction.run = recorded
     try:
@@ -274,8 +267,6 @@ def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
 
 
 def summary(trace: StepTrace) -> Dict[str, float]:
-    from mega_depth.kernels.common import launch_bytes
-
     return {"aten_calls": trace.aten_calls, "memory_bound_gb": trace.memory_bound_bytes / 1e9,
             "mixing_kernel_gb": sum(launch_bytes(launch) for launch in trace.triton_launches) / 1e9,
             "gemm_calls": len(trace.gemms), "bmm_calls": sum(g.op in ("bmm", "baddbmm") for g in trace.gemms),
