@@ -67,7 +67,7 @@ class _Host:
             out = out + sum(t.sum() for t in mixed) * 0
         return out
 
-    def attention_sublayer_recomputed(self, make_inputs, sources):
+    def attention_sublayer_recomputed(self, make_inputs, sources, remakes=False):
         q_in, k_in, v_in = make_inputs(*sources)  # the plain composition, as the plain decoder's host
         return self.attention_sublayer(q_in, k_in, v_in), q_in
 

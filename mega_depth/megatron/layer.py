@@ -22,7 +22,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mega_depth.kernels import grad_sink
 from mega_depth.megatron.attention import SDPAttention
-from mega_depth.megatron.qkv_projection import RecomputedQKVProjection, project_separate
+from mega_depth.megatron.norm import RMSNorm, fused_applies
+from mega_depth.megatron.qkv_projection import RecomputedQKVProjection, RemadeQKVProjection, project_separate
 from mega_depth.model.base import normed
 from mega_depth.model.mixing import expand_heads
 
@@ -128,14 +129,19 @@ class MegatronHost:
         hooks = None if value_mixer is None else AttentionHooks(value_mixer=value_mixer)
         return self._attention(normed(layer.input_layernorm, x), hooks)
 
-    def attention_sublayer_recomputed(self, make_inputs, sources):
+    def attention_sublayer_recomputed(self, make_inputs, sources, remakes=False):
         layer = self._layer
         if torch.compiler.is_compiling():  # in a compiled layer: the same recomputation, as Dynamo traces it
             return self._attention_recomputed_compiled(make_inputs, sources)
-        lin = layer.self_attention.linear_qkv
+        lin, norm = layer.self_attention.linear_qkv, layer.input_layernorm
         sources = grad_sink.aliased(sources)  # the regions of all layers add into one gradient buffer per source
-        q_in, *qkv = RecomputedQKVProjection.apply(layer.self_attention, layer.input_layernorm, make_inputs,
-                                                   lin.weight, getattr(lin, "bias", None), *sources)
+        if remakes and isinstance(norm, RMSNorm) and fused_applies(sources[0]) and torch.is_grad_enabled():
+            q_in, k_in, v_in = make_inputs(*sources)  # its node keeps the sources; the Function makes them again
+            qkv = RemadeQKVProjection.apply(layer.self_attention, norm.eps, make_inputs, norm.weight, lin.weight,
+                                            getattr(lin, "bias", None), q_in, k_in, v_in, *sources)
+        else:
+            q_in, *qkv = RecomputedQKVProjection.apply(layer.self_attention, norm, make_inputs, lin.weight,
+                                                       getattr(lin, "bias", None), *sources)
         return self._attention(q_in, AttentionHooks(qkv=tuple(qkv))), q_in
 
     def _attention_recomputed_compiled(self, make_inputs, sources):

@@ -43,23 +43,57 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def fused_forward(x, weight, eps):
+    """Liger's forward on x's rows in place -> (y shaped like x, the state its backward takes: (rstd, launch))."""
+    liger = _liger_rms_norm()
+    y, _, rstd, block, num_warps, casting = liger.rms_norm_forward(_rows(x), weight, eps, 0.0, "llama", None)
+    return y.view(x.shape), (rstd, (block, num_warps, casting))
+
+
+def fused_backward(dy, x, weight, state, needs_dw):
+    """The gradients (dx shaped like dy, dw or None) of `fused_forward` from its input x and its state."""
+    rstd, launch = state
+    dx, dw = _norm_backward(dy.reshape(-1, dy.shape[-1]), _rows(x), weight, rstd, *launch, needs_dw=needs_dw)
+    return dx.view(dy.shape), dw
+
+
 class _FusedNorm(torch.autograd.Function):
     """weight * normalise(x) by Liger's kernels ("llama" casting), on x's rows in place (module doc)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        liger = _liger_rms_norm()
-        y, rows, rstd, block, num_warps, casting = liger.rms_norm_forward(_rows(x), weight, eps, 0.0, "llama", None)
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.launch = (block, num_warps, casting)
-        return y.view(x.shape)
+        y, (rstd, ctx.launch) = fused_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        rows, weight, rstd = ctx.saved_tensors
-        dx, dw = _norm_backward(dy.reshape(rows.shape), rows, weight, rstd, *ctx.launch,
-                                needs_dw=ctx.needs_input_grad[1])
-        return dx.view(dy.shape), dw, None
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = fused_backward(dy, x, weight, (rstd, ctx.launch), ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+class _RemadeNorm(torch.autograd.Function):
+    """_FusedNorm of a sublayer input x = make(*sources) that keeps the sources, not x: backward makes x again,
+    outside autograd (one forward call of make's op, no graph, no nested backward pass), and hands x's gradient on
+    to make's own node, which the forward recorded as usual. That node must keep only its inputs (the fused ops'
+    nodes do), so x itself is kept by no one: what activation checkpointing of norm(make(*sources)) saves, at the
+    host cost of one call of make instead of a region's second forward and nested backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, make, *sources):
+        y, (rstd, ctx.launch) = fused_forward(x, weight, eps)
+        ctx.save_for_backward(weight, rstd, *sources)
+        ctx.make = make
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        weight, rstd, *sources = ctx.saved_tensors
+        with torch.no_grad():
+            x = ctx.make(*sources)
+        dx, dw = fused_backward(dy, x, weight, (rstd, ctx.launch), ctx.needs_input_grad[1])
+        return (dx, dw, None, None) + (None,) * len(sources)
 
 
 def _norm_backward(dy, rows, weight, rstd, block, num_warps, casting, needs_dw):
@@ -108,3 +142,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def remade(self, make, sources):
+        """self(make(*sources)) keeping the sources instead of make's output, where the fused kernel runs
+        (`_RemadeNorm`; make's autograd node must keep only its inputs); None elsewhere (the caller checkpoints)."""
+        first = next((t for t in sources if t is not None), None)
+        if first is None or not fused_applies(first):
+            return None
+        x = make(*sources)
+        if not torch.is_grad_enabled():
+            return self(x)
+        return _RemadeNorm.apply(x, self.weight, self.eps, make, *sources)

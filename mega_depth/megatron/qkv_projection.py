@@ -9,6 +9,13 @@ sources they were mixed from (checkpointed aggregation, as the AttnRes paper doe
 projection's backward GEMMs run on the recomputed inputs: the forward GEMMs are not re-run and no slice of the
 weight is copied for backward. Saved: the sources (which the mechanism's state keeps anyway) and the weight
 parameter. Under SP the inputs are all-gathered again in backward, as Megatron's own column-parallel linear does.
+
+`RemadeQKVProjection` (the fused path with the fused norm): the same savings without the region's second forward
+under autograd and its nested backward pass, which cost the host more than the GPU's work of the layer's mixing.
+The mechanism's mixing runs once under autograd (its op's node keeps only the sources); the Function takes its three
+outputs, normalises and projects them, and keeps the sources and the norm's rstd. Backward makes the inputs again
+outside autograd (one call of the mixing op), runs the projection's and the norm's backward kernels and hands the
+inputs' gradients on to the mixing's node in the step's own backward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
+from mega_depth.megatron import norm as fused_norm
 
 
 def _rows(r: int) -> Tuple[slice, slice, slice]:
@@ -146,3 +154,38 @@ class RecomputedQKVProjection(torch.autograd.Function):
         with grad_sink.for_the_caller():
             torch.autograd.backward(outputs, grads)
         return (None, None, None, d_weight, d_bias) + tuple(leaf.grad for leaf in leaves)
+
+
+class RemadeQKVProjection(torch.autograd.Function):
+    """(q_in, k_in, v_in) = make_inputs(*sources) -> (query, raw key, value) through the fused norm (norm_weight,
+    eps) and linear_qkv's rows, keeping the sources and three rstd vectors, not the inputs (module doc)."""
+
+    @staticmethod
+    def forward(ctx, attention, eps: float, make_inputs: Callable, norm_weight: Tensor, weight: Tensor,
+                bias: Optional[Tensor], q_in: Tensor, k_in: Tensor, v_in: Tensor, *sources: Tensor):
+        normed, states = zip(*(fused_norm.fused_forward(x, norm_weight, eps) for x in (q_in, k_in, v_in)))
+        inputs = [_to_projection(x, attention) for x in normed]
+        query, raw_key, value = project_rows(inputs, weight, bias, *_dims(attention))
+        ctx.attention, ctx.eps, ctx.make_inputs = attention, eps, make_inputs
+        ctx.launches = [launch for _, launch in states]
+        ctx.save_for_backward(norm_weight, weight, bias, *(rstd for rstd, _ in states), *sources)
+        return query, raw_key, value
+
+    @staticmethod
+    def backward(ctx, d_query, d_key, d_value):
+        norm_weight, weight, bias, *rest = ctx.saved_tensors
+        rstds, sources, attention = rest[:3], rest[3:], ctx.attention
+        with torch.no_grad():
+            made = ctx.make_inputs(*sources)
+        states = list(zip(rstds, ctx.launches))
+        # the normalised inputs again (the projection's weight gradient reads them): the norm's forward kernel
+        inputs = [_to_projection(fused_norm.fused_forward(x, norm_weight, ctx.eps)[0], attention) for x in made]
+        d_inputs, d_weight, d_bias = project_rows_backward(inputs, (d_query, d_key, d_value), weight, bias,
+                                                           *_dims(attention))
+        d_made, d_norm_weight = [], None
+        for x, d, state in zip(made, d_inputs, states):
+            dx, dw = fused_norm.fused_backward(_from_projection(d, attention), x, norm_weight, state,
+                                               ctx.needs_input_grad[3])
+            d_made.append(dx)
+            d_norm_weight = dw if d_norm_weight is None else d_norm_weight + dw
+        return (None, None, None, d_norm_weight, d_weight, d_bias, *d_made) + (None,) * len(sources)

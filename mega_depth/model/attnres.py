@@ -270,7 +270,8 @@ class AttnRes(Mechanism):
         def merge(m, z, o, partial):
             return phase2(m, z, o, partial, query, gain, self.eps, self.weight, self.heads)
 
-        return Recomputed(merge, (*state.phase1[sublayer], state.partial))  # no reader of these sums gradients
+        # no reader of these sums gradients: the plain checkpoint
+        return Recomputed(merge, (*state.phase1[sublayer], state.partial), remakes=self.fused)
 
     def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
         """The depth weights alpha [K, *] of one mix (heatmaps)."""

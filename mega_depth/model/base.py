@@ -17,9 +17,10 @@ Hosts (the `Host` protocol below). The Megatron-core layer (megatron/layer.py), 
         value_mixer(raw_query, raw_key, value, query_norm, key_norm) -> (query, key, value): Depth-Attention's
         mixer takes the projections before the q/k norms and returns the normalised query and key with the mixed
         values; the host's attention uses them as they are (each norm runs once, in the mixer)
-    attention_sublayer_recomputed(make_inputs, sources) -> (out [*, d], q_in)
+    attention_sublayer_recomputed(make_inputs, sources, remakes=False) -> (out [*, d], q_in)
         the same on (q_in, k_in, v_in) = make_inputs(*sources), where the Megatron host keeps neither those inputs
-        nor their normalised forms for backward but recomputes them from `sources` (DCA's fast path)
+        nor their normalised forms for backward but recomputes them from `sources` (DCA's fast path); remakes:
+        make_inputs' autograd node keeps only the sources (as a `Recomputed`'s)
     mlp_sublayer(x) -> [*, d]                     pre-norm + MLP (+ hidden dropout); x may be `Recomputed`
     <module name>                                 the mechanism's own modules, as attributes
 and the decoder / last pipeline stage offers the final modules as attributes. Mechanisms never see Megatron,
@@ -47,7 +48,7 @@ class Host(Protocol):
 
     def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None) -> Tensor: ...
 
-    def attention_sublayer_recomputed(self, make_inputs, sources) -> Tuple[Tensor, Tensor]: ...
+    def attention_sublayer_recomputed(self, make_inputs, sources, remakes=False) -> Tuple[Tensor, Tensor]: ...
 
     def mlp_sublayer(self, x) -> Tensor: ...
 
@@ -168,11 +169,19 @@ class Recomputed:
     make: Callable[..., Tensor]
     sources: Tuple[Optional[Tensor], ...]
     recompute: Callable[..., Any] = recompute  # the checkpoint (Mechanism.recompute: the fast path's keeps sinks)
+    # make's autograd node keeps only its inputs (the fused ops'): a host norm with a `remade` form may then run make
+    # once with autograd and make the input again in its own backward instead of checkpointing the region
+    remakes: bool = False
 
 
 def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
-    """A host's pre-norm of a sublayer input: a tensor, or a `Recomputed` one (recomputed in backward)."""
+    """A host's pre-norm of a sublayer input: a tensor, or a `Recomputed` one (recomputed in backward: by the norm
+    itself where it can make its input again, `norm.remade(make, sources)`, else by checkpointing the region)."""
     if isinstance(x, Recomputed):
+        remade = getattr(norm, "remade", None) if x.remakes else None
+        out = remade(x.make, x.sources) if remade is not None else None
+        if out is not None:
+            return out
         return x.recompute(lambda *sources: norm(x.make(*sources)), *x.sources)
     return norm(x)
 
@@ -384,7 +393,7 @@ class Mechanism:
 
     def recomputed(self, make: Callable[..., Tensor], *sources: Optional[Tensor]) -> Recomputed:
         """A sublayer input make(*sources), recomputed in backward through this mechanism's checkpoint."""
-        return Recomputed(make, sources, self.kernel("recompute", recompute))
+        return Recomputed(make, sources, self.kernel("recompute", recompute), remakes=self.fused)
 
 
 def option_fields(mechanisms: Sequence[type]) -> List[Tuple[str, Any, dataclasses.Field]]:

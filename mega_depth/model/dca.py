@@ -128,7 +128,7 @@ class DCA(Mechanism):
             return self._grn(layer.grn_qkv, list(entries), t, f"block {t} q/k/v").unbind(0)
 
         if self.recomputes:  # the three inputs and their norms are recomputed in backward, not kept: ~3-4 d per layer
-            a, q_in = layer.attention_sublayer_recomputed(qkv_inputs, state.entries())
+            a, q_in = layer.attention_sublayer_recomputed(qkv_inputs, state.entries(), remakes=self.fused)
         else:
             q_in, k_in, v_in = qkv_inputs(*state.entries())
             a = layer.attention_sublayer(q_in, k_in, v_in)

@@ -170,7 +170,7 @@ class PlainHost:
         v = q if v_in is None else norm(v_in)
         return self._dropout(self._layer.self_attn(q, k, v, self._rope, self._cache, value_mixer, self._allowed))
 
-    def attention_sublayer_recomputed(self, make_inputs, sources):
+    def attention_sublayer_recomputed(self, make_inputs, sources, remakes=False):
         q_in, k_in, v_in = make_inputs(*sources)  # no fast path here: the plain composition
         return self.attention_sublayer(q_in, k_in, v_in), q_in
 

@@ -7,6 +7,7 @@ from kernel_checks import GPU, interpreted  # first: it switches the interpreter
 
 from mega_depth.kernels import common
 from mega_depth.megatron import norm, swiglu
+from mega_depth.model import mixing
 
 if common.triton_available():
     import triton.language as tl
@@ -138,3 +139,100 @@ def test_fused_norm_reads_a_head_of_a_fused_projection_in_place(fused):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     for a, e in zip(got, torch.autograd.grad(ref, (fused_qkv, w), g)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_recomputed_sublayer_input_is_made_again_by_the_norm_without_a_nested_backward(fused, monkeypatch):
+    """A fused mixing op's output under the host's pre-norm (`normed` of a `Recomputed` input, remakes=True): the
+    norm keeps the op's inputs and rstd, not its output, makes the output again in its own backward (no nested
+    backward pass, unlike checkpointing the region), and the values and gradients equal the eager norm of the
+    op's output with autograd all the way. Where the input cannot be remade (remakes=False) the region is
+    checkpointed."""
+    from kernel_checks import saved_storages
+
+    from mega_depth.kernels.streams import streams_in
+    from mega_depth.megatron.norm import RMSNorm
+    from mega_depth.model.base import Recomputed, normed
+
+    torch.manual_seed(0)
+    n, tokens, d = 3, 5, 64
+    streams, weights = (torch.randn(n, tokens, d) * 2).requires_grad_(), torch.rand(n, tokens).requires_grad_()
+    host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
+    with torch.no_grad():
+        host_norm.weight.uniform_(0.5, 1.5)
+    passes = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (passes.append(1), backward(*a, **k))[1])
+    g = torch.randn(tokens, d)
+    inputs = (streams, weights, host_norm.weight)
+    results = {}
+    for remakes in (True, False):
+        saved, y = saved_storages(lambda: normed(host_norm, Recomputed(streams_in, (streams, weights),
+                                                                       remakes=remakes)))
+        passes.clear()
+        y.backward(g)
+        results[remakes] = (y.detach(), [t.grad.clone() for t in inputs], len(passes), saved)
+        for t in inputs:
+            t.grad = None
+    y, grads, nested, saved = results[True]
+    ref = eager(mixing.streams_in(streams, weights), host_norm.weight, host_norm.eps)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert nested == 1 and results[False][2] == 2  # the step's own pass; the checkpoint adds its nested one
+    given = {t.untyped_storage().data_ptr() for t in inputs}
+    assert {ptr: size for ptr, size in saved.items() if ptr not in given and size > tokens} == {}  # rstd only
+    for got, want in zip(grads, results[False][1]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_dcas_projection_makes_its_inputs_again_without_a_nested_backward(fused, monkeypatch):
+    """RemadeQKVProjection (DCA's fused path): the three inputs, made by a fused op from the sources, normalised and
+    met by their rows of linear_qkv, equal the eager composition (project_separate, autograd throughout) in values
+    and in the gradients of the sources, the mixing's and the norm's parameters and the weight; nothing of the
+    inputs' size is kept beyond the sources, and backward runs no nested pass."""
+    from types import SimpleNamespace
+
+    from kernel_checks import saved_storages
+
+    from mega_depth.kernels.grn import grn_apply_sources
+    from mega_depth.megatron.qkv_projection import RemadeQKVProjection, project_separate
+
+    torch.manual_seed(0)
+    groups, per_group, hn, s_, b, k = 2, 2, 16, 3, 2, 3
+    d = groups * per_group * hn
+    sources = [(torch.randn(s_, b, d) * (1 + i)).requires_grad_() for i in range(k)]
+    grn_bias = (torch.randn(3, d, k) * 0.3).requires_grad_()
+    norm_weight = (torch.rand(d) + 0.5).requires_grad_()
+    linear = SimpleNamespace(weight=(torch.randn(groups * (per_group + 2) * hn, d) * 0.1).requires_grad_())
+    attention = SimpleNamespace(config=SimpleNamespace(sequence_parallel=False), world_size=1, tp_group=None,
+                                linear_qkv=linear, num_query_groups_per_partition=groups,
+                                num_attention_heads_per_partition=groups * per_group,
+                                hidden_size_per_attention_head=hn)
+
+    def make_inputs(*entries):
+        return grn_apply_sources(list(entries), grn_bias, None, "v2").unbind(0)
+
+    def remade():
+        q_in, k_in, v_in = make_inputs(*sources)
+        return RemadeQKVProjection.apply(attention, 1e-6, make_inputs, norm_weight, linear.weight, None, q_in, k_in,
+                                         v_in, *sources)
+
+    def eager_rms(x):
+        return eager(x, norm_weight, 1e-6)
+
+    leaves = [*sources, grn_bias, norm_weight, linear.weight]
+    saved, got = saved_storages(remade)
+    want = project_separate(attention, eager_rms, *make_inputs(*sources))
+    grads = [torch.randn_like(t) for t in want]
+    passes = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **kw: (passes.append(1), backward(*a, **kw))[1])
+    torch.autograd.backward(got, grads)
+    assert len(passes) == 1
+    got_grads = [t.grad for t in leaves]
+    for got_t, want_t in zip(got, want):
+        torch.testing.assert_close(got_t, want_t, rtol=1e-5, atol=1e-5)
+    for got_g, want_g in zip(got_grads, torch.autograd.grad(want, leaves, grads)):
+        torch.testing.assert_close(got_g, want_g, rtol=1e-4, atol=1e-5)
+    given = {t.untyped_storage().data_ptr() for t in leaves}
+    assert {p: n for p, n in saved.items() if p not in given and n > s_ * b} == {}  # the rstd vectors alone
