@@ -17,6 +17,9 @@ overwrite the output gradient, zero-fills the input gradient before its kernel w
 calls the same kernels on the rows as they lie and writes the input gradient into an empty tensor.
 """
 
+import contextlib
+from typing import Dict, List, Optional, Tuple
+
 import torch
 from torch import nn
 
@@ -125,10 +128,64 @@ def fused_applies(x: torch.Tensor) -> bool:
     return (common.uses_triton(x) and not torch.compiler.is_compiling() and _liger_rms_norm() is not None)
 
 
+class _Remake:
+    """What a fused norm's output is made from: its input (which the norm's own node keeps), weight and eps."""
+
+    def __init__(self, x, weight, eps):
+        self.x, self.weight, self.eps = x, weight, eps
+
+
+_MADE_AGAIN: List[Dict[tuple, Tuple[torch.Tensor, _Remake]]] = []  # the open `outputs_made_again` contexts
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """A tensor's place: the tensor its view chain starts from (held alive while the place is looked up, so no other
+    tensor takes its id), with the view's offset, shape and strides; an alias of a gradient sink (a whole view) is
+    the same place. Not the storage's address: every meta tensor's is 0."""
+    root = t if t._base is None else t._base
+    return id(root), t.storage_offset(), tuple(t.shape), t.stride()
+
+
+@contextlib.contextmanager
+def _outputs_made_again():
+    outputs: Dict[tuple, Tuple[torch.Tensor, _Remake]] = {}  # holds the outputs: no place is reused inside
+
+    def pack(t):
+        made = outputs.get(_where(t))
+        return t if made is None else made[1]
+
+    def unpack(saved):
+        if not isinstance(saved, _Remake):
+            return saved
+        with torch.no_grad():
+            return fused_forward(saved.x, saved.weight, saved.eps)[0]
+
+    _MADE_AGAIN.append(outputs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _MADE_AGAIN.pop()
+        outputs.clear()  # every tensor saved inside keeps the hooks, and pack's closure with them
+
+
+def outputs_made_again(like: torch.Tensor) -> Optional[contextlib.AbstractContextManager]:
+    """A context within which an output of the fused norm that a later op saves for backward is saved as what makes
+    it (the norm's input, kept by the norm's own node anyway; the weight; eps) and normalised again when backward
+    reads it: the op keeps no normalised copy, with no checkpointed region (no second forward under autograd, no
+    nested backward pass; one norm forward kernel again a saved output). Depth-Attention's value mix keeps the
+    normalised query and keys of a layer and its candidates this way. None where the fused norm does not run for
+    tensors like `like` (the caller checkpoints instead). Saved-tensor hooks opened outside are shadowed inside."""
+    return _outputs_made_again() if fused_applies(like) and torch.is_grad_enabled() else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x normalised in fp32, cast to x's dtype): fused where `fused_applies`, else eager."""
     if fused_applies(x):
-        return _FusedNorm.apply(x, weight, eps)
+        y = _FusedNorm.apply(x, weight, eps)
+        if _MADE_AGAIN:
+            _MADE_AGAIN[-1][_where(y)] = (y, _Remake(x, weight, eps))
+        return y
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
@@ -142,6 +199,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    outputs_made_again = staticmethod(outputs_made_again)  # model/base.norm_outputs_made_again asks the norms
 
     def remade(self, make, sources):
         """self(make(*sources)) keeping the sources instead of make's output, where the fused kernel runs

@@ -186,6 +186,15 @@ def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
     return norm(x)
 
 
+def norm_outputs_made_again(norms: Sequence[Callable], like: Tensor):
+    """The host norms' context in which what their outputs' readers save for backward is made again from the norms'
+    inputs instead of kept (`norm.outputs_made_again(like)`, one for all of them), or None where a norm cannot (the
+    caller checkpoints the region instead)."""
+    makers = {getattr(norm, "outputs_made_again", None) for norm in norms}
+    maker = makers.pop() if len(makers) == 1 else None
+    return maker(like) if maker is not None else None
+
+
 def sunk_gradients(readers: Dict[Any, int], width: Callable[[Any], float] = lambda source: 1.0) -> float:
     """The traffic of the source gradients that backward kernels sum in one buffer per source (kernels/grad_sink.py):
     the first reader stores its gradient, each other reads the buffer and writes it back. readers: source -> how many

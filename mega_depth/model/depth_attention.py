@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 from torch import Tensor
 
-from .base import Entry, Mechanism, Option, sunk_gradients
+from .base import Entry, Mechanism, Option, norm_outputs_made_again, sunk_gradients
 from .mixing import (DEPTH_ATTN_GQA_MODES, depth_attention_candidates, depth_attention_mix,
                      depth_attention_needed_after, depth_attention_weights)
 
@@ -123,9 +123,18 @@ class DepthAttention(Mechanism):
             # On the fast path, what this mix makes (the normalised query and keys of this layer and of its
             # candidates) is recomputed in backward instead of kept: only the raw projections, this layer's value
             # and the stored candidates stay (the attention keeps its rotated query and key, not these).
+            # The host's fused norms remake their outputs where the mix saves them (no checkpointed region: no
+            # second forward under autograd, no nested backward pass; norm_outputs_made_again).
             tensors = (raw_query, raw_key, value) + (() if n == 0 else (*cand_raw, *cand_values))
-            query, key, mixed = (self.recompute(normalise_and_mix, *tensors) if self.recomputes
-                                 else normalise_and_mix(*tensors))
+            made_again = (norm_outputs_made_again((query_norm, key_norm), raw_key) if self.recomputes and self.fused
+                          else None)
+            if made_again is not None:
+                with made_again:
+                    query, key, mixed = normalise_and_mix(*tensors)
+            elif self.recomputes:
+                query, key, mixed = self.recompute(normalise_and_mix, *tensors)
+            else:
+                query, key, mixed = normalise_and_mix(*tensors)
             state.store(index, raw_key, mixed, self.shape.num_layers, self.stride, self.window)
             return query, key, mixed
 
@@ -147,8 +156,9 @@ class DepthAttention(Mechanism):
         return 3.0 * s.num_sublayers + cands * (kv + v) + s.num_layers * (v - kv)
 
     def kernel_io_units(self, recompute=True):
-        """Per layer with C candidates, the value mix (run again in the recomputation) reads the query, key and
-        value, the candidates' keys (normalised by this layer) and stored values, and writes the mixed values;
+        """Per layer with C candidates, the value mix reads the query, key and value, the candidates' keys
+        (normalised by this layer) and stored values, and writes the mixed values, once: what the recomputation
+        makes again is the normalised keys (the host's fused norm, norm_outputs_made_again), not the mix;
         backward reads those and the mixed values' gradient and writes the query's, key's, value's and candidate
         keys' gradients; a stored value's gradients are summed in the kernels over the layers that read it. Widths
         in units of d: the query 1, a key or value hkv/hq, a mixed value hq/hq per query head (1) or per group."""
@@ -163,7 +173,7 @@ class DepthAttention(Mechanism):
                 continue  # the value alone: no kernel
             forward = 1 + 2 * kw + c * (kw + vw) + vw
             backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw + c * kw)
-            total += (2 if recompute else 1) * forward + backward
+            total += forward + backward
             for j in cands:
                 readers[j] = readers.get(j, 0) + 1
         return total + sunk_gradients(readers, lambda j: vw)

@@ -236,3 +236,57 @@ def test_dcas_projection_makes_its_inputs_again_without_a_nested_backward(fused,
         torch.testing.assert_close(got_g, want_g, rtol=1e-4, atol=1e-5)
     given = {t.untyped_storage().data_ptr() for t in leaves}
     assert {p: n for p, n in saved.items() if p not in given and n > s_ * b} == {}  # the rstd vectors alone
+
+
+def test_norm_outputs_that_an_op_saves_are_made_again_from_the_norms_inputs(fused, monkeypatch):
+    """Depth-Attention's fused path: within `outputs_made_again` the value mix saves what makes the normalised query
+    and keys (the norms' inputs), not the normalised tensors, which are made again when backward reads them: the
+    candidates' normalised keys die with the forward, no nested backward pass runs, and the values and gradients
+    equal autograd's through the eager norms. A stored value of the normalised query's shape (the mix reads it
+    through its gradient sink's alias) is saved as itself: a place is a tensor's view chain, not its shape (on
+    meta tensors every storage address is 0)."""
+    import gc
+    import weakref
+
+    from mega_depth.kernels.depth_attention import depth_attention_mix
+    from mega_depth.megatron.norm import RMSNorm
+    from mega_depth.model.base import norm_outputs_made_again
+
+    torch.manual_seed(0)
+    s_, b, hq, hkv, hn = 3, 2, 4, 2, 16
+    config = type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False})
+    q_norm, k_norm = RMSNorm(config, hn), RMSNorm(config, hn)
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    raw_q, raw_k = torch.randn(s_, b, hq, hn).requires_grad_(), torch.randn(s_, b, hkv, hn).requires_grad_()
+    value = torch.randn(s_, b, hkv, hn).requires_grad_()
+    cand_raw = [(torch.randn(s_, b, hkv, hn) * (1 + i)).requires_grad_() for i in range(2)]
+    cand_values = [torch.randn(s_, b, hq, hn).requires_grad_() for _ in range(2)]  # the query's shape
+    leaves = [raw_q, raw_k, value, *cand_raw, *cand_values, q_norm.weight, k_norm.weight]
+    cand_keys = []
+
+    def normalise_and_mix(qn, kn):
+        query, key = qn(raw_q), kn(raw_k)
+        keys = [kn(k) for k in cand_raw]
+        cand_keys.extend(weakref.ref(k) for k in keys)
+        return query, key, depth_attention_mix(query, key, value, keys, cand_values, "query")
+
+    made_again = norm_outputs_made_again((q_norm, k_norm), raw_k)
+    assert made_again is not None
+    with made_again:
+        got = normalise_and_mix(q_norm, k_norm)
+    gc.collect()
+    assert all(ref() is None for ref in cand_keys)  # kept by no node: made again in backward
+    want = normalise_and_mix(lambda x: eager(x, q_norm.weight, q_norm.eps), lambda x: eager(x, k_norm.weight,
+                                                                                          k_norm.eps))
+    grads = [torch.randn_like(t) for t in want]
+    passes = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **kw: (passes.append(1), backward(*a, **kw))[1])
+    torch.autograd.backward(got, grads)
+    assert len(passes) == 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for leaf_grad, w in zip([t.grad for t in leaves], torch.autograd.grad(want, leaves, grads)):
+        torch.testing.assert_close(leaf_grad, w, rtol=1e-4, atol=1e-5)
