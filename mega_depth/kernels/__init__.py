@@ -18,6 +18,7 @@ implementation and autograd included) and its public function, which has its ref
     streams.py          HC / mHC's stream read and write             (mixing.streams_in / streams_out)
     sinkhorn.py         mHC's Sinkhorn-Knopp                         (mixing.sinkhorn)
     mhc_projection.py   mHC's coefficient projection and RMS         (mixing.mhc_projection)
+    mhc_maps.py         mHC's coefficients from it, Sinkhorn included (mixing.mhc_projected_coefficients)
     common.py           dispatch, launch heuristics, pointer tables, shared jit helpers
     aot.py              ahead-of-time compilation for GPU targets: the resource check of every launch
     saved_bytes.py      activation memory as autograd sees it
@@ -32,7 +33,8 @@ from mega_depth.model import mixing
 
 # The functions a mechanism may ask for by name (Mechanism.kernel(name, reference)).
 FAST_FUNCTIONS = ("attnres_mix_sources", "attnres_phase1_sources", "attnres_phase2", "grn_apply_sources",
-                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn", "dwa_mix", "mhc_projection")
+                  "depth_attention_mix", "streams_in", "streams_out", "sinkhorn", "dwa_mix", "mhc_projection",
+                  "mhc_projected_coefficients")
 # the reference each name stands for, in mixing.py
 REFERENCES = {"attnres_phase2": "attnres_block_phase2"}
 
@@ -56,15 +58,17 @@ def select(impl: str) -> Optional[SimpleNamespace]:
 
 def fast_functions() -> SimpleNamespace:
     """The fused ops under the names mechanisms ask for (FAST_FUNCTIONS)."""
-    from mega_depth.kernels import (attnres_block, attnres_mix, depth_attention, grad_sink, grn, mhc_projection,
-                                    sinkhorn, streams)
+    from mega_depth.kernels import (attnres_block, attnres_mix, depth_attention, grad_sink, grn, mhc_maps,
+                                    mhc_projection, sinkhorn, streams)
 
     return SimpleNamespace(attnres_mix_sources=attnres_mix.attnres_mix_sources,
                            attnres_phase1_sources=attnres_block.attnres_phase1_sources,
                            attnres_phase2=attnres_block.attnres_phase2, grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
                            streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,
-                           mhc_projection=mhc_projection.mhc_projection, recompute=grad_sink.recompute,
+                           mhc_projection=mhc_projection.mhc_projection,
+                           mhc_projected_coefficients=mhc_maps.mhc_projected_coefficients,
+                           recompute=grad_sink.recompute,
                            fused=True)
 
 

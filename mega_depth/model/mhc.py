@@ -18,7 +18,7 @@ from torch import nn
 
 from .base import Option, sublayer_label
 from .hc import COLLAPSES, StreamMechanism
-from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_maps, mhc_projection, sinkhorn
+from .mixing import MHC_EPS_STYLES, MHC_SK_ORDERS, mhc_projected_coefficients, mhc_projection
 
 INITS = ("default", "megatron", "lumia")
 
@@ -97,19 +97,19 @@ class MHC(StreamMechanism):
     def coefficient_io_units(self, read, recompute):
         """The projection and its RMS read the streams (once: kept, not recomputed, see `coefficients`); its
         backward reads them and adds the streams' gradient, and phi's kernel reads them once more (Sinkhorn's n x n
-        a token: left out)."""
+        a token, and the coefficient kernel's (kernels/mhc_maps.py): left out)."""
         return read + (read + 2 * self.n) + read
 
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual
-        stochastic = self.kernel("sinkhorn", sinkhorn)  # the fast path: one kernel for all iterations
         projection = self.kernel("mhc_projection", mhc_projection)  # the fast path: x~ phi and its RMS in one pass
+        # the fast path: the maps and Sinkhorn in one kernel
+        maps = self.kernel("mhc_projected_coefficients", mhc_projected_coefficients)
 
         def compute(s):  # == mhc_coefficients(s, ...)
-            pre, post, res_logits = mhc_maps(s, mixer.mapping_proj.weight, mixer.bias, mixer.alpha_pre,
-                                             mixer.alpha_post, mixer.alpha_res, r.mhc_eps_style,
-                                             project=projection)
-            return pre, post, stochastic(res_logits, r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style)
+            proj, mean_square = projection(s, mixer.mapping_proj.weight)
+            return maps(proj, mean_square, mixer.bias, mixer.alpha_pre, mixer.alpha_post, mixer.alpha_res,
+                        r.mhc_sinkhorn_iters, r.mhc_sk_order, r.mhc_eps_style)
 
         pre, post, res = self.coefficients(compute, streams)
         if self.recorder is not None:  # token means; H_res[i, j]: stream j -> i, one n x n grid per sublayer

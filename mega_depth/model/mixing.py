@@ -339,7 +339,18 @@ def mhc_coefficients(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tens
 
     streams [n, *, d]; phi [n^2 + 2n, n*d] laid out [pre (n) | post (n) | res (n^2, row-major)]; bias [n^2 + 2n];
     alphas [1]. x~ = vec(X): the streams concatenated per token; r = RMS(x~) (+eps, or inside the root: deepseek)."""
-    pre, post, res_logits = mhc_maps(streams, phi, bias, alpha_pre, alpha_post, alpha_res, eps_style, eps)
+    proj, mean_square = mhc_projection(streams, phi)
+    return mhc_projected_coefficients(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res, iters, order,
+                                      eps_style, eps)
+
+
+def mhc_projected_coefficients(proj: Tensor, mean_square: Tensor, bias: Tensor, alpha_pre: Tensor,
+                               alpha_post: Tensor, alpha_res: Tensor, iters: int = 20, order: str = "paper",
+                               eps_style: str = "clamp", eps: float = 1e-6):
+    """mhc_coefficients from the projection (proj [*, n^2 + 2n], mean_square [*, 1], as mhc_projection gives
+    them): the maps and Sinkhorn (the fast twin: one kernel)."""
+    pre, post, res_logits = mhc_projected_maps(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res, eps_style,
+                                               eps)
     return pre, post, sinkhorn(res_logits, iters, order, eps_style, eps)
 
 
@@ -347,14 +358,25 @@ def mhc_maps(streams: Tensor, phi: Tensor, bias: Tensor, alpha_pre: Tensor, alph
              eps_style: str = "clamp", eps: float = 1e-6, project=None):
     """mhc_coefficients before Sinkhorn: H_pre [n, *], H_post [n, *] and H_res's logits [*, n, n], fp32. `project`
     computes mhc_projection (its fast twin on the fast path)."""
-    n = streams.shape[0]
     proj, mean_square = (project or mhc_projection)(streams, phi)  # [*, n^2 + 2n], [*, 1]
+    return mhc_projected_maps(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res, eps_style, eps)
+
+
+def mhc_projected_maps(proj: Tensor, mean_square: Tensor, bias: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
+                       alpha_res: Tensor, eps_style: str = "clamp", eps: float = 1e-6):
+    """mhc_maps from the projection."""
+    n = mhc_streams_of(proj.shape[-1])
     r = mhc_rms(mean_square, eps_style, eps)
     scale = torch.cat([fp32(alpha_pre).expand(n), fp32(alpha_post).expand(n), fp32(alpha_res).expand(n * n)])
     coeff = proj * scale / r + fp32(bias)
     pre = torch.sigmoid(coeff[..., :n]) + (eps if eps_style == "deepseek" else 0.0)
     post = 2 * torch.sigmoid(coeff[..., n:2 * n])
     return pre.movedim(-1, 0), post.movedim(-1, 0), coeff[..., 2 * n:].unflatten(-1, (n, n))
+
+
+def mhc_streams_of(m: int) -> int:
+    """n from the projection's width m = n^2 + 2n = (n + 1)^2 - 1."""
+    return math.isqrt(m + 1) - 1
 
 
 def mhc_projection(streams: Tensor, phi: Tensor):
