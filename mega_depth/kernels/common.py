@@ -236,6 +236,20 @@ def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]
     return cdiv(n, tok), tok
 
 
+def sum_rows(parts: Tensor) -> Tensor:
+    """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [K], by a
+    Triton kernel where the op's kernels run (one program per chunk of columns, the rows in order: deterministic),
+    else by torch. A recorded launch, not torch's CPU sum, in the host benchmark: a reduction is the device's
+    work, whose size there follows the recorded grid, not the toy widths."""
+    p, k = parts.shape
+    if not uses_triton(parts) or not p:
+        return parts.sum(0)
+    out = torch.empty((k,), dtype=parts.dtype, device=parts.device)
+    block = min(1024, pow2(k))
+    launch(_sum_rows_kernel, (cdiv(k, block),), (parts, out, p, k), 4, BK=block)
+    return out
+
+
 def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] = None) -> Tensor:
     """The data pointers of `tensors` as an int64 tensor on their device: how a kernel reads a set unstacked.
 
@@ -436,6 +450,18 @@ def pointers_at(table, ok, kmask, like_ptr):
 # Whether tl.dot takes bf16/fp16 operands as they are (on the tensor cores: exact products, fp32 sums). Compiled
 # it does; the interpreter misreads bf16 in a dot, so there both operands go in as fp32 (the same products).
 NATIVE_DOT = tl.constexpr(not interpreting()) if tl is not None else None
+
+
+@jit
+def _sum_rows_kernel(p_ptr, out_ptr, P, K, BK: tl.constexpr):
+    ok = tl.program_id(0) * BK + tl.arange(0, BK)
+    kmask = ok < K
+    acc = tl.zeros([BK], dtype=tl.float32)
+    ptrs = p_ptr + ok  # advanced a row at a time: pointer arithmetic, no int32 row offset to overflow
+    for _ in range(P):
+        acc += tl.load(ptrs, mask=kmask, other=0.)
+        ptrs += K
+    tl.store(out_ptr + ok, acc, mask=kmask)
 
 
 @jit

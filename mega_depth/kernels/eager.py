@@ -22,15 +22,21 @@ from torch import Tensor, nn
 _FUNCTIONS: Dict[Any, type] = {}  # op -> its eager autograd.Function (ops with registered autograd)
 
 
+_PLAIN = (Tensor, nn.Parameter)
+
+
 def traced(args: Sequence[Any]) -> bool:
     """Whether this call is being traced (Dynamo, AOTAutograd's fake or functional tensors, a proxy): then the op
     must stay one opaque node. Plain tensors and parameters are eager."""
     if torch.compiler.is_compiling():
         return True
     for a in args:
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, Tensor) and type(t) not in (Tensor, nn.Parameter):
-                return True
+        if type(a) in (list, tuple):
+            for t in a:
+                if isinstance(t, Tensor) and type(t) not in _PLAIN:
+                    return True
+        elif isinstance(a, Tensor) and type(a) not in _PLAIN:
+            return True
     return False
 
 
@@ -62,15 +68,20 @@ def _unflatten(flat: Sequence[Any], spec: Tuple[int, ...]) -> List[Any]:
 
 class _Context:
     """The op's autograd context as its registered functions see it: `needs_input_grad` per op argument (any of a
-    list argument's tensors), everything else the Function's own context."""
+    list argument's tensors; worked out when asked, mostly in backward), everything else the Function's own
+    context."""
 
     def __init__(self, ctx, spec: Tuple[int, ...]):
         object.__setattr__(self, "_ctx", ctx)
-        needs = _unflatten(ctx.needs_input_grad[1:], spec)
-        object.__setattr__(self, "needs_input_grad", tuple(any(n) if isinstance(n, list) else n for n in needs))
+        object.__setattr__(self, "_spec", spec)
 
     def __getattr__(self, name):
-        return getattr(self._ctx, name)
+        if name != "needs_input_grad":
+            return getattr(self._ctx, name)
+        needs = _unflatten(self._ctx.needs_input_grad[1:], self._spec)
+        needs = tuple(any(n) if isinstance(n, list) else n for n in needs)
+        object.__setattr__(self, "needs_input_grad", needs)
+        return needs
 
     def __setattr__(self, name, value):
         setattr(self._ctx, name, value)

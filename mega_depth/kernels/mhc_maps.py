@@ -6,7 +6,7 @@ biased coefficients, H_pre = sigmoid(.) (+ eps: deepseek), H_post = 2 sigmoid(.)
 half-steps of kernels/sinkhorn.py): about twenty eager ops a sublayer and the Sinkhorn launch become one launch, and
 as many in backward become one. Backward keeps the projection and the mean square (m + 1 values a token) and
 recomputes the rest; it writes the projection's and the mean square's gradients (fp32) and, per program, fp32
-partial sums of the bias's and the three alphas' gradients, which a sum over programs reduces (deterministic).
+partial sums of the bias's and the three alphas' gradients, which common.sum_rows reduces (deterministic).
 H_pre and H_post come out as [n, *] (the stream kernels read them so), H_res as [*, n, n]. The op is
 `mega_depth::mhc_projected_coefficients`.
 """
@@ -18,7 +18,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import F32, cdiv, jit, launch, pow2, register_fake, tl, uses_triton
+from mega_depth.kernels.common import F32, cdiv, jit, launch, pow2, register_fake, sum_rows, tl, uses_triton
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.sinkhorn import _half_step, _half_step_bwd, _softmax, _start
 from mega_depth.kernels.sinkhorn import _torch_bwd as _torch_sinkhorn_bwd
@@ -109,12 +109,14 @@ def _sinkhorn_bwd(logits, lanes, g, STEPS, eps, FIRST: tl.constexpr, SECOND: tl.
 
 
 @jit
-def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, db_ptr, da_ptr, N, M,
+def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, N, M,
                 STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
                 SECOND: tl.constexpr, CLAMP: tl.constexpr):
     """dp = d coeff * alpha / r; d r = -sum(d coeff * proj * alpha) / r^2; the bias's and alphas' partial sums of
-    this program's tokens in row pid of db [P, M] and da [P, 3] (masked tokens add zero)."""
+    this program's tokens in row pid of part [P, M + 3] (masked tokens add zero)."""
     pid = tl.program_id(0)
+    db_ptr = part_ptr + pid.to(tl.int64) * (M + 3)
+    da_ptr = db_ptr + M
     ot, tmask, oi, imask, offs, lane = _rows(pid, N, NS, BT, BN)
     r, root_grad = _rms(ms_ptr, ot, tmask, eps, CLAMP)
     vmask = imask[None, :] & tmask[:, None]
@@ -126,15 +128,15 @@ def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_p
     dc = tl.load(gpre_ptr + oi[None, :] * N + ot[:, None], mask=vmask, other=0.) * s * (1. - s)
     dr = tl.sum(dc * p, axis=1) * a_pre
     tl.store(dp_ptr + ot[:, None] * M + oi[None, :], dc * a_pre / r[:, None], mask=vmask)
-    tl.store(db_ptr + pid * M + oi, tl.sum(dc, axis=0), mask=imask)
-    tl.store(da_ptr + pid * 3, tl.sum(tl.sum(dc * p, axis=1) / r, axis=0))
+    tl.store(db_ptr + oi, tl.sum(dc, axis=0), mask=imask)
+    tl.store(da_ptr, tl.sum(tl.sum(dc * p, axis=1) / r, axis=0))
     p, c = _vector(p_ptr, b_ptr, a_post, r, ot, tmask, oi, imask, NS, M)
     s = tl.sigmoid(c)
     dc = tl.load(gpost_ptr + oi[None, :] * N + ot[:, None], mask=vmask, other=0.) * 2. * s * (1. - s)
     dr += tl.sum(dc * p, axis=1) * a_post
     tl.store(dp_ptr + ot[:, None] * M + NS + oi[None, :], dc * a_post / r[:, None], mask=vmask)
-    tl.store(db_ptr + pid * M + NS + oi, tl.sum(dc, axis=0), mask=imask)
-    tl.store(da_ptr + pid * 3 + 1, tl.sum(tl.sum(dc * p, axis=1) / r, axis=0))
+    tl.store(db_ptr + NS + oi, tl.sum(dc, axis=0), mask=imask)
+    tl.store(da_ptr + 1, tl.sum(tl.sum(dc * p, axis=1) / r, axis=0))
     # H_res = Sinkhorn(logits)
     p, logits = _matrix(p_ptr, b_ptr, a_res, r, ot, tmask, offs, lane, M)
     g = tl.load(gres_ptr + ot[:, None, None] * NS * NS + (offs - 2 * NS)[None, :, :], mask=lanes, other=0.)
@@ -142,8 +144,8 @@ def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_p
     dcp = tl.sum(tl.sum(dc * p, axis=2), axis=1)
     dr += dcp * a_res
     tl.store(dp_ptr + ot[:, None, None] * M + offs[None, :, :], dc * a_res / r[:, None, None], mask=lanes)
-    tl.store(db_ptr + pid * M + offs, tl.sum(dc, axis=0), mask=lane)
-    tl.store(da_ptr + pid * 3 + 2, tl.sum(dcp / r, axis=0))
+    tl.store(db_ptr + offs, tl.sum(dc, axis=0), mask=lane)
+    tl.store(da_ptr + 2, tl.sum(dcp / r, axis=0))
     # coefficients = proj * alpha / r + bias: d r = -sum(d c * proj * alpha) / r^2, then r's root
     tl.store(dms_ptr + ot, -dr / (r * r) * root_grad, mask=tmask)
 
@@ -174,12 +176,12 @@ def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, e
     grid, consts, steps = _launch_args(order, eps_style, iters, n, tokens)
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
-    d_bias = torch.empty((grid[0], m), dtype=F32, device=proj.device)
-    d_alphas = torch.empty((grid[0], 3), dtype=F32, device=proj.device)
+    parts = torch.empty((grid[0], m + 3), dtype=F32, device=proj.device)  # the bias's, then the alphas'
     if tokens:
-        launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, d_bias, d_alphas,
-                                   tokens, m, steps, eps), 4, **consts)
-    return d_proj, d_ms, d_bias.sum(0), d_alphas.sum(0)
+        launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts, tokens, m,
+                                   steps, eps), 4, **consts)
+    sums = sum_rows(parts)
+    return d_proj, d_ms, sums[:m], sums[m:]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch import Tensor
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim, dot_t,
                                        interpreting, jit, launch, reduction_grid, register_fake, store_or_add,
-                                       store_or_add_torch, tl, uses_triton)
+                                       store_or_add_torch, sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
 
@@ -159,7 +159,7 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
     parts = torch.empty((splits, m, ns * d), dtype=F32, device=s.device)
     launch(_bwd_phi_kernel, (chunks, splits), (s, g_proj, parts, n, d, m, s.stride(0), s.stride(1), tok), 4, NS=ns,
            BT=bt, BM=bm, BC=bc)
-    return parts.sum(0)
+    return sum_rows(parts.view(splits, -1)).view(m, ns * d)
 
 
 # --------------------------------------------------------------------------------------------------------------
