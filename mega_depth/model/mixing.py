@@ -13,8 +13,9 @@ Conventions
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -197,8 +198,15 @@ def depth_attention_candidates(layer: int, stride: Optional[int], window: int) -
 
 def depth_attention_needed_after(layer: int, num_layers: int, stride: Optional[int], window: int) -> List[int]:
     """Layers j <= layer whose stored key/value some layer after `layer` still mixes (what a hop carries)."""
+    return list(_needed_after(layer, num_layers, stride, window))
+
+
+@functools.lru_cache(maxsize=4096)
+def _needed_after(layer: int, num_layers: int, stride: Optional[int], window: int) -> Tuple[int, ...]:
+    # cubic in the depth, asked once a layer a step (the state drops what no later layer reads): cached
     later = range(layer + 1, num_layers)
-    return [j for j in range(layer + 1) if any(j in depth_attention_candidates(l, stride, window) for l in later)]
+    return tuple(j for j in range(layer + 1)
+                 if any(j in depth_attention_candidates(l, stride, window) for l in later))
 
 
 def expand_heads(x: Tensor, heads: int) -> Tensor:
