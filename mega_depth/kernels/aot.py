@@ -68,7 +68,7 @@ class _Host:
         return out
 
     def attention_sublayer_recomputed(self, make_inputs, sources, remakes=False):
-        q_in, k_in, v_in = make_inputs(*sources)  # the plain composition, as the plain decoder's host
+        q_in, k_in, v_in = make_inputs(*sources).unbind(0)  # the plain composition, as the plain decoder's host
         return self.attention_sublayer(q_in, k_in, v_in), q_in
 
     def mlp_sublayer(self, x):

@@ -136,9 +136,9 @@ class MegatronHost:
         lin, norm = layer.self_attention.linear_qkv, layer.input_layernorm
         sources = grad_sink.aliased(sources)  # the regions of all layers add into one gradient buffer per source
         if remakes and isinstance(norm, RMSNorm) and fused_applies(sources[0]) and torch.is_grad_enabled():
-            q_in, k_in, v_in = make_inputs(*sources)  # its node keeps the sources; the Function makes them again
-            qkv = RemadeQKVProjection.apply(layer.self_attention, norm.eps, make_inputs, norm.weight, lin.weight,
-                                            getattr(lin, "bias", None), q_in, k_in, v_in, *sources)
+            qkv_in = make_inputs(*sources)  # its node keeps the sources; the Function makes them again
+            q_in, *qkv = RemadeQKVProjection.apply(layer.self_attention, norm.eps, make_inputs, norm.weight,
+                                                   lin.weight, getattr(lin, "bias", None), qkv_in, *sources)
         else:
             q_in, *qkv = RecomputedQKVProjection.apply(layer.self_attention, norm, make_inputs, lin.weight,
                                                        getattr(lin, "bias", None), *sources)
@@ -154,7 +154,7 @@ class MegatronHost:
         attention, norm = self._layer.self_attention, self._layer.input_layernorm
 
         def project(*tensors):
-            q_in, k_in, v_in = make_inputs(*tensors)
+            q_in, k_in, v_in = make_inputs(*tensors).unbind(0)
             return (q_in, *project_separate(attention, norm, q_in, k_in, v_in))
 
         q_in, *qkv = checkpoint(project, *sources, use_reentrant=False, preserve_rng_state=False)

@@ -56,9 +56,10 @@ def project_rows(inputs: Sequence[Tensor], weight: Tensor, bias: Optional[Tensor
 
 
 def project_rows_backward(inputs: Sequence[Tensor], grads: Sequence[Optional[Tensor]], weight: Tensor,
-                          bias: Optional[Tensor], groups: int, heads_per_group: int, head_dim: int):
+                          bias: Optional[Tensor], groups: int, heads_per_group: int, head_dim: int,
+                          out: Optional[Sequence[Tensor]] = None):
     """The input, weight and bias gradients of `project_rows` from its inputs: two GEMMs per input, as F.linear's
-    backward computes them."""
+    backward computes them; `out`: contiguous tensors shaped like the inputs that take their gradients."""
     d = weight.shape[-1]
     w = weight.view(groups, heads_per_group + 2, head_dim, d)
     # every row block is written where all three gradients arrive (the usual case): no zero fill then
@@ -68,11 +69,15 @@ def project_rows_backward(inputs: Sequence[Tensor], grads: Sequence[Optional[Ten
     d_inputs: List[Tensor] = []
     for x, grad, rows in zip(inputs, grads, _rows(heads_per_group)):
         n = rows.stop - rows.start
+        into = out[len(d_inputs)] if out is not None else None
         if grad is None:
-            d_inputs.append(torch.zeros_like(x))
+            d_inputs.append(into.zero_() if into is not None else torch.zeros_like(x))
             continue
         g = grad.reshape(-1, groups * n * head_dim)  # [s*b, rows]
-        d_inputs.append((g @ w[:, rows].reshape(-1, d)).view_as(x))
+        if into is not None:
+            d_inputs.append(torch.mm(g, w[:, rows].reshape(-1, d), out=into.view(-1, d)).view_as(x))
+        else:
+            d_inputs.append((g @ w[:, rows].reshape(-1, d)).view_as(x))
         d_weight[:, rows] = (g.t() @ x.reshape(-1, d)).view(groups, n, head_dim, d)
         if d_bias is not None:
             d_bias[:, rows] = g.sum(0).view(groups, n, head_dim)
@@ -119,8 +124,8 @@ def project_separate(attention, norm, q_in: Tensor, k_in: Tensor, v_in: Tensor):
 class RecomputedQKVProjection(torch.autograd.Function):
     """sources -> (q_in, query, raw key, value), keeping only the sources and the weight (module doc).
 
-    make_inputs(*sources) -> (q_in, k_in, v_in) [s(/tp), b, h] is the mechanism's mixing; q_in is also returned
-    raw (DCA's MLP reads a + q_in). Its parameters, and the norm's, get their gradients through autograd in
+    make_inputs(*sources) -> (q_in, k_in, v_in) stacked [3, s(/tp), b, h] is the mechanism's mixing; q_in is also
+    returned raw (DCA's MLP reads a + q_in). Its parameters, and the norm's, get their gradients through autograd in
     backward, as under reentrant activation checkpointing.
     """
 
@@ -128,7 +133,7 @@ class RecomputedQKVProjection(torch.autograd.Function):
     def forward(ctx, attention, norm, make_inputs: Callable, weight: Tensor, bias: Optional[Tensor],
                 *sources: Tensor):
         with torch.no_grad():
-            q_in, k_in, v_in = make_inputs(*sources)
+            q_in, k_in, v_in = make_inputs(*sources).unbind(0)
             inputs = [_to_projection(x, attention) for x in _normalised(norm, q_in, k_in, v_in)]
             query, raw_key, value = project_rows(inputs, weight, bias, *_dims(attention))
         ctx.attention, ctx.norm, ctx.make_inputs = attention, norm, make_inputs
@@ -142,7 +147,7 @@ class RecomputedQKVProjection(torch.autograd.Function):
         # the copies keep their sources' gradient sinks: the mixing's readers add into the buffers of the outer pass
         leaves = [grad_sink.share(s.detach().requires_grad_(s.requires_grad), s) for s in sources]
         with torch.enable_grad():
-            q_in, k_in, v_in = ctx.make_inputs(*leaves)
+            q_in, k_in, v_in = ctx.make_inputs(*leaves).unbind(0)
             normed = _normalised(ctx.norm, q_in, k_in, v_in)
         inputs = [_to_projection(x.detach(), attention) for x in normed]
         d_inputs, d_weight, d_bias = project_rows_backward(inputs, (d_query, d_key, d_value), weight, bias,
@@ -157,35 +162,42 @@ class RecomputedQKVProjection(torch.autograd.Function):
 
 
 class RemadeQKVProjection(torch.autograd.Function):
-    """(q_in, k_in, v_in) = make_inputs(*sources) -> (query, raw key, value) through the fused norm (norm_weight,
-    eps) and linear_qkv's rows, keeping the sources and three rstd vectors, not the inputs (module doc)."""
+    """qkv_in [3, s(/tp), b, h] = make_inputs(*sources) (q_in, k_in, v_in stacked) -> (q_in, query, raw key, value)
+    through the fused norm (norm_weight, eps) and linear_qkv's rows, keeping the sources and the rstd of the 3 * N
+    rows, not the inputs (module doc). The three inputs are normalised as one [3 N, h] call each way (one weight),
+    and q_in comes back as a view of qkv_in (DCA's MLP reads a + q_in): its gradient joins the norm's input gradient
+    in backward, and qkv_in's gradient is one buffer, not three stacked by autograd."""
 
     @staticmethod
     def forward(ctx, attention, eps: float, make_inputs: Callable, norm_weight: Tensor, weight: Tensor,
-                bias: Optional[Tensor], q_in: Tensor, k_in: Tensor, v_in: Tensor, *sources: Tensor):
-        normed, states = zip(*(fused_norm.fused_forward(x, norm_weight, eps) for x in (q_in, k_in, v_in)))
-        inputs = [_to_projection(x, attention) for x in normed]
+                bias: Optional[Tensor], qkv_in: Tensor, *sources: Tensor):
+        normed, (rstd, ctx.launch) = fused_norm.fused_forward(qkv_in, norm_weight, eps)
+        inputs = [_to_projection(x, attention) for x in normed.unbind(0)]
         query, raw_key, value = project_rows(inputs, weight, bias, *_dims(attention))
         ctx.attention, ctx.eps, ctx.make_inputs = attention, eps, make_inputs
-        ctx.launches = [launch for _, launch in states]
-        ctx.save_for_backward(norm_weight, weight, bias, *(rstd for rstd, _ in states), *sources)
-        return query, raw_key, value
+        ctx.save_for_backward(norm_weight, weight, bias, rstd, *sources)
+        return qkv_in[0], query, raw_key, value
 
     @staticmethod
-    def backward(ctx, d_query, d_key, d_value):
-        norm_weight, weight, bias, *rest = ctx.saved_tensors
-        rstds, sources, attention = rest[:3], rest[3:], ctx.attention
+    def backward(ctx, d_q_in, d_query, d_key, d_value):
+        norm_weight, weight, bias, rstd, *sources = ctx.saved_tensors
+        attention = ctx.attention
         with torch.no_grad():
             made = ctx.make_inputs(*sources)
-        states = list(zip(rstds, ctx.launches))
         # the normalised inputs again (the projection's weight gradient reads them): the norm's forward kernel
-        inputs = [_to_projection(fused_norm.fused_forward(x, norm_weight, ctx.eps)[0], attention) for x in made]
-        d_inputs, d_weight, d_bias = project_rows_backward(inputs, (d_query, d_key, d_value), weight, bias,
-                                                           *_dims(attention))
-        d_made, d_norm_weight = [], None
-        for x, d, state in zip(made, d_inputs, states):
-            dx, dw = fused_norm.fused_backward(_from_projection(d, attention), x, norm_weight, state,
-                                               ctx.needs_input_grad[3])
-            d_made.append(dx)
-            d_norm_weight = dw if d_norm_weight is None else d_norm_weight + dw
-        return (None, None, None, d_norm_weight, d_weight, d_bias, *d_made) + (None,) * len(sources)
+        normed = fused_norm.fused_forward(made, norm_weight, ctx.eps)[0]
+        inputs = [_to_projection(x, attention) for x in normed.unbind(0)]
+        sequence_parallel = attention.config.sequence_parallel
+        d_made = torch.empty_like(made)  # the projection writes its input gradients here (outside SP)
+        d_inputs, d_weight, d_bias = project_rows_backward(
+            inputs, (d_query, d_key, d_value), weight, bias, *_dims(attention),
+            out=None if sequence_parallel else list(d_made.unbind(0)))
+        for slot, d in zip(d_made.unbind(0), d_inputs):
+            reduced = _from_projection(d, attention)  # SP: reduce-scattered into a new tensor; TP: all-reduced in place
+            if sequence_parallel or reduced is not d:
+                slot.copy_(reduced)
+        d_x, d_norm_weight = fused_norm.fused_backward(d_made, made, norm_weight, (rstd, ctx.launch),
+                                                       ctx.needs_input_grad[3])
+        if d_q_in is not None:  # the raw q_in's own readers (DCA's MLP), after the norm
+            d_x[0] += d_q_in
+        return (None, None, None, d_norm_weight, d_weight, d_bias, d_x) + (None,) * len(sources)

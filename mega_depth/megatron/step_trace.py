@@ -31,7 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mega_depth.kernels.common import launch_bytes, tensor_bytes
 
 aten = torch.ops.aten
-GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+         aten.mm.out, aten.addmm.out, aten.bmm.out, aten.baddbmm.out}  # .out: into a given buffer
 # Ops that allocate or alias without touching memory
 _NO_TRAFFIC = {aten._unsafe_view.default, aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                aten.new_empty.default, aten.new_empty_strided.default, aten.detach.default, aten.lift_fresh.default}
@@ -78,10 +79,10 @@ class StepTrace:
 
 
 def _gemm_flops(func, args) -> int:
-    if func in (aten.mm.default, aten.addmm.default):
-        a, b = (args[0], args[1]) if func is aten.mm.default else (args[1], args[2])
+    packet = func.overloadpacket
+    a, b = args[:2] if packet in (aten.mm, aten.bmm) else args[1:3]
+    if packet in (aten.mm, aten.addmm):
         return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    a, b = (args[0], args[1]) if func is aten.bmm.default else (args[1], args[2])
     return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
 
 
@@ -100,7 +101,7 @@ class _Recorder(TorchDispatchMode):
             return out
         self.trace.ops[name] += 1
         if func in GEMMS:
-            operands = args[:2] if func in (aten.mm.default, aten.bmm.default) else args[1:3]
+            operands = args[:2] if func.overloadpacket in (aten.mm, aten.bmm) else args[1:3]
             self.trace.gemms.append(Gemm(name, tuple(tuple(t.shape) for t in operands), _gemm_flops(func, args)))
         elif not (func in _NO_TRAFFIC or func.is_view):
             # read every tensor argument, write every output (an in-place op's output is its argument: once)

@@ -18,9 +18,9 @@ Hosts (the `Host` protocol below). The Megatron-core layer (megatron/layer.py), 
         mixer takes the projections before the q/k norms and returns the normalised query and key with the mixed
         values; the host's attention uses them as they are (each norm runs once, in the mixer)
     attention_sublayer_recomputed(make_inputs, sources, remakes=False) -> (out [*, d], q_in)
-        the same on (q_in, k_in, v_in) = make_inputs(*sources), where the Megatron host keeps neither those inputs
-        nor their normalised forms for backward but recomputes them from `sources` (DCA's fast path); remakes:
-        make_inputs' autograd node keeps only the sources (as a `Recomputed`'s)
+        the same on (q_in, k_in, v_in) = make_inputs(*sources) (stacked [3, *, d]), where the Megatron host keeps
+        neither those inputs nor their normalised forms for backward but recomputes them from `sources` (DCA's fast
+        path); remakes: make_inputs' autograd node keeps only the sources (as a `Recomputed`'s)
     mlp_sublayer(x) -> [*, d]                     pre-norm + MLP (+ hidden dropout); x may be `Recomputed`
     <module name>                                 the mechanism's own modules, as attributes
 and the decoder / last pipeline stage offers the final modules as attributes. Mechanisms never see Megatron,

@@ -124,13 +124,13 @@ class DCA(Mechanism):
     def layer_forward(self, layer, state):
         t = layer.layer_index + 1
 
-        def qkv_inputs(*entries):
-            return self._grn(layer.grn_qkv, list(entries), t, f"block {t} q/k/v").unbind(0)
+        def qkv_inputs(*entries):  # [3, *, d]: q_in, k_in, v_in
+            return self._grn(layer.grn_qkv, list(entries), t, f"block {t} q/k/v")
 
         if self.recomputes:  # the three inputs and their norms are recomputed in backward, not kept: ~3-4 d per layer
             a, q_in = layer.attention_sublayer_recomputed(qkv_inputs, state.entries(), remakes=self.fused)
         else:
-            q_in, k_in, v_in = qkv_inputs(*state.entries())
+            q_in, k_in, v_in = qkv_inputs(*state.entries()).unbind(0)
             a = layer.attention_sublayer(q_in, k_in, v_in)
         state.record(a + layer.mlp_sublayer(a + q_in))  # f_t = a + m; the block input is not added
         return state

@@ -171,7 +171,7 @@ class PlainHost:
         return self._dropout(self._layer.self_attn(q, k, v, self._rope, self._cache, value_mixer, self._allowed))
 
     def attention_sublayer_recomputed(self, make_inputs, sources, remakes=False):
-        q_in, k_in, v_in = make_inputs(*sources)  # no fast path here: the plain composition
+        q_in, k_in, v_in = make_inputs(*sources).unbind(0)  # no fast path here: the plain composition
         return self.attention_sublayer(q_in, k_in, v_in), q_in
 
     def mlp_sublayer(self, x):
