@@ -5,11 +5,13 @@
 
 A GPU step is host-bound when Python, autograd and the dispatcher take longer than its kernels: the device idles
 between launches. This measures that host work alone: the process CPU time of one micro-batch forward and backward
-of the real Megatron-core model at toy widths on the CPU (mega_depth/megatron/step_trace.host_seconds: the
-widths barely change the host's work, the layer count and the mechanism do), with the mixing's and Liger-Kernel's
-Triton launches recorded instead of run, the median of --repeats after a warm-up. The baseline and the settings
-alternate, round by round, so that a machine's drift reaches them alike. The ratio to the baseline is the speed
-issue's host target; the launches counted by tools/step_trace.py add the driver's few microseconds each on a GPU.
+of the real Megatron-core model at toy widths on the CPU (mega_depth/megatron/step_trace.host_timer: the widths
+barely change the host's work, the layer count and the mechanism do), with the mixing's and Liger-Kernel's Triton
+launches recorded instead of run, the median of --repeats after a warm-up. Every model is built once; in each round
+every setting is timed right after the baseline, and its ratio is taken to that baseline measurement, so that a
+machine's drift (a shared CPU's speed moves by 5-10 % over minutes) reaches both sides of a ratio alike. The ratio
+reported is the median over rounds; it is the speed issue's host target. The launches counted by
+tools/step_trace.py add the driver's few microseconds each on a GPU.
 """
 
 import argparse
@@ -30,7 +32,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mechanisms", default=None, help="catalogue settings, comma-separated (default: all)")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward passes per setting and round")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds over all settings, the baseline in each")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over all settings, each after a baseline")
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args, shape = parser.parse_known_args(argv)
     if args.repeats < 1 or args.rounds < 1:
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
 
     from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms
     from mega_depth.config import parse_args
-    from mega_depth.megatron.step_trace import host_seconds
+    from mega_depth.megatron.step_trace import host_timer
     from mega_depth.quiet import quiet_known_warnings
     from mega_depth.training.backends.startup import start_megatron
 
@@ -51,17 +53,26 @@ def main(argv=None) -> int:
     layers = int(shape[shape.index("--num-layers") + 1])
     wanted = parse_mechanisms(args.mechanisms) if args.mechanisms else list(SETTINGS)
     names = ["standard"] + [m for m in wanted if m != "standard"]
+    timers = {}
+    for name in names:  # the same parallel state for every setting: one process, no model parallelism
+        cfg = parse_args(["--mock-data", "--bf16", "--mixing-impl", "triton"] + list(shape)
+                         + mechanism_flags(name, layers)).validate(1)
+        start_megatron(cfg)
+        timers[name] = host_timer(cfg)
     times = {name: [] for name in names}
+    ratios = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
-            cfg = parse_args(["--mock-data", "--bf16", "--mixing-impl", "triton"] + list(shape)
-                             + mechanism_flags(name, layers)).validate(1)
-            start_megatron(cfg)
-            times[name] += host_seconds(cfg, args.repeats)
-            gc.collect()  # the setting's model and graph go before the next is timed (a cyclic GC pass costs)
-    base = statistics.median(times["standard"])
-    results = {name: {"host_ms": 1000 * statistics.median(t), "host_ratio": statistics.median(t) / base,
-                      "samples_ms": [1000 * x for x in t]} for name, t in times.items()}
+            base = timers["standard"](args.repeats)
+            own = base if name == "standard" else timers[name](args.repeats)
+            times["standard"] += base
+            if name != "standard":
+                times[name] += own
+            ratios[name].append(statistics.median(own) / statistics.median(base))
+            gc.collect()  # the step's graph goes before the next is timed (a cyclic GC pass costs)
+    results = {name: {"host_ms": 1000 * statistics.median(times[name]),
+                      "host_ratio": statistics.median(ratios[name]), "round_ratios": ratios[name],
+                      "samples_ms": [1000 * x for x in times[name]]} for name in names}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shape": shape, "repeats": args.repeats, "rounds": args.rounds, "settings": results}, f,

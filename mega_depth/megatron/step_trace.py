@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -228,14 +228,14 @@ def trace_step(cfg, sm_count: int = 132) -> StepTrace:
     return trace
 
 
-def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
-    """The host's CPU time of one micro-batch forward and backward, `repeats` times after a warm-up: Python,
-    autograd, the dispatcher and the launchers' own Python, at the config's sizes on the CPU (give it toy widths:
-    the host's work does not depend on them, and the CPU's arithmetic then costs little). The mixing's and other
-    libraries' Triton launches are recorded instead of run (their outputs are left unwritten, denormals flushed), as
-    on meta tensors, but the aten ops run their C++ CPU kernels as a GPU's dispatch would: meta tensors would run
-    Python meta functions instead and overstate the elementwise ops' cost. What remains for a GPU is the driver's few
-    microseconds a launch (the step trace counts the launches)."""
+def host_timer(cfg, sm_count: int = 132) -> Callable[[int], List[float]]:
+    """The model of `cfg` built once, and a function that times the host's CPU time of one micro-batch forward and
+    backward, `repeats` times after a warm-up: Python, autograd, the dispatcher and the launchers' own Python, at the
+    config's sizes on the CPU (give it toy widths: the host's work does not depend on them, and the CPU's arithmetic
+    then costs little). The mixing's and other libraries' Triton launches are recorded instead of run (their outputs
+    are left unwritten, denormals flushed), as on meta tensors, but the aten ops run their C++ CPU kernels as a GPU's
+    dispatch would: meta tensors would run Python meta functions instead and overstate the elementwise ops' cost.
+    What remains for a GPU is the driver's few microseconds a launch (the step trace counts the launches)."""
     import time
 
     from mega_depth.kernels import common
@@ -251,20 +251,29 @@ def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
     s, b = cfg.model.seq_length, cfg.training.micro_batch_size
     tokens = torch.zeros(b, s, dtype=torch.long)
     positions = torch.arange(s).expand(b, s)
-    times = []
-    torch.set_flush_denormal(True)
-    try:
-        for _ in range(repeats + 1):
-            for pipe in pipelines_of([model]):
-                pipe.start_step()
-            model.zero_grad(set_to_none=True)
-            with common.recording(sm_count), _recorded_library_kernels(None):
-                start = time.process_time()
-                model(tokens, positions, attention_mask=None, labels=tokens).float().mean().backward()
-                times.append(time.process_time() - start)
-    finally:
-        torch.set_flush_denormal(False)
-    return times[1:]
+
+    def timed(repeats: int) -> List[float]:
+        times = []
+        torch.set_flush_denormal(True)
+        try:
+            for _ in range(repeats + 1):
+                for pipe in pipelines_of([model]):
+                    pipe.start_step()
+                model.zero_grad(set_to_none=True)
+                with common.recording(sm_count), _recorded_library_kernels(None):
+                    start = time.process_time()
+                    model(tokens, positions, attention_mask=None, labels=tokens).float().mean().backward()
+                    times.append(time.process_time() - start)
+        finally:
+            torch.set_flush_denormal(False)
+        return times[1:]
+
+    return timed
+
+
+def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
+    """host_timer(cfg)(repeats): a model built for one measurement."""
+    return host_timer(cfg, sm_count)(repeats)
 
 
 def summary(trace: StepTrace) -> Dict[str, float]:
