@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mega_depth.kernels.common import F32, cdiv, jit, launch, pow2, register_fake, sum_rows, tl, uses_triton
 from mega_depth.kernels.eager import autograd, call
-from mega_depth.kernels.sinkhorn import _half_step, _half_step_bwd, _softmax, _start
+from mega_depth.kernels.sinkhorn import _half_step, _start, launch_args, logits_grad
 from mega_depth.kernels.sinkhorn import _torch_bwd as _torch_sinkhorn_bwd
 from mega_depth.kernels.sinkhorn import _torch_fwd as _torch_sinkhorn_fwd
 from mega_depth.model import mixing
@@ -88,27 +88,6 @@ def _fwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, pre_ptr, post_ptr, res_ptr, N, M, S
 
 
 @jit
-def _sinkhorn_bwd(logits, lanes, g, STEPS, eps, FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr):
-    """The logits' gradient of Sinkhorn (kernels/sinkhorn.py's backward, on logits in registers)."""
-    m0 = _start(logits, lanes, eps, FIRST, CLAMP)
-    for back in range(STEPS):
-        h = STEPS - 1 - back
-        x = m0
-        for j in range(h):  # this half-step's input, recomputed
-            x = _half_step(x, j, eps, FIRST, SECOND, CLAMP)
-        g = _half_step_bwd(x, g, h, eps, FIRST, SECOND, CLAMP)
-    if CLAMP:  # m0 = exp(R - max R): the max's gradient is shared by the entries that attain it
-        gm = g * m0
-        peak = tl.max(tl.max(logits, axis=2), axis=1)[:, None, None]
-        is_peak = lanes & (logits == peak)
-        ties = tl.sum(tl.sum(is_peak.to(tl.float32), axis=2), axis=1)[:, None, None]
-        total = tl.sum(tl.sum(gm, axis=2), axis=1)[:, None, None]
-        return gm - tl.where(is_peak, total / tl.maximum(ties, 1.), 0.)
-    s = _softmax(logits, lanes, FIRST)
-    return s * (g - tl.expand_dims(tl.sum(g * s, axis=FIRST), FIRST))
-
-
-@jit
 def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, N, M,
                 STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
                 SECOND: tl.constexpr, CLAMP: tl.constexpr):
@@ -140,7 +119,7 @@ def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_p
     # H_res = Sinkhorn(logits)
     p, logits = _matrix(p_ptr, b_ptr, a_res, r, ot, tmask, offs, lane, M)
     g = tl.load(gres_ptr + ot[:, None, None] * NS * NS + (offs - 2 * NS)[None, :, :], mask=lanes, other=0.)
-    dc = tl.where(lanes, _sinkhorn_bwd(logits, lanes, g, STEPS, eps, FIRST, SECOND, CLAMP), 0.)
+    dc = tl.where(lanes, logits_grad(logits, lanes, g, STEPS, eps, FIRST, SECOND, CLAMP), 0.)
     dcp = tl.sum(tl.sum(dc * p, axis=2), axis=1)
     dr += dcp * a_res
     tl.store(dp_ptr + ot[:, None, None] * M + offs[None, :, :], dc * a_res / r[:, None, None], mask=lanes)
@@ -150,30 +129,20 @@ def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_p
     tl.store(dms_ptr + ot, -dr / (r * r) * root_grad, mask=tmask)
 
 
-def _launch_args(order: str, eps_style: str, iters: int, n: int, tokens: int):
-    """(grid, constexprs, STEPS): about 2k fp32 values of the n x n lanes a program, as kernels/sinkhorn.py."""
-    first = 1 if order == "paper" else 2
-    clamp = eps_style == "clamp"
-    bn = pow2(n)
-    bt = max(1, min(pow2(tokens), 2048 // (bn * bn)))
-    consts = dict(NS=n, BT=bt, BN=bn, FIRST=first, SECOND=3 - first, CLAMP=clamp)
-    return (cdiv(tokens, bt),), consts, 2 * iters - (0 if clamp else 1)
-
-
 def _triton_fwd(proj, ms, bias, alphas, n, iters, order, eps_style, eps):
     tokens, m = proj.shape
     pre = torch.empty((n, tokens), dtype=F32, device=proj.device)
     post = torch.empty_like(pre)
     res = torch.empty((tokens, n, n), dtype=F32, device=proj.device)
     if tokens:
-        grid, consts, steps = _launch_args(order, eps_style, iters, n, tokens)
+        grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
         launch(_fwd_kernel, grid, (proj, ms, bias, alphas, pre, post, res, tokens, m, steps, eps), 4, **consts)
     return pre, post, res
 
 
 def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, eps_style, eps):
     tokens, m = proj.shape
-    grid, consts, steps = _launch_args(order, eps_style, iters, n, tokens)
+    grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
     parts = torch.empty((grid[0], m + 3), dtype=F32, device=proj.device)  # the bias's, then the alphas'

@@ -110,8 +110,15 @@ def _fwd_kernel(r_ptr, out_ptr, N, STEPS, eps, NS: tl.constexpr, BT: tl.constexp
 def _bwd_kernel(r_ptr, go_ptr, dr_ptr, N, STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                 FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr):
     offs, lanes, r = _load(r_ptr, tl.program_id(0), N, NS, BT, BN)
-    m0 = _start(r, lanes, eps, FIRST, CLAMP)
     g = tl.load(go_ptr + offs, mask=lanes, other=0.).to(tl.float32)
+    tl.store(dr_ptr + offs, logits_grad(r, lanes, g, STEPS, eps, FIRST, SECOND, CLAMP), mask=lanes)
+
+
+@jit
+def logits_grad(r, lanes, g, STEPS, eps, FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr):
+    """The logits' gradient [BT, BN, BN] given the output's g, the logits r in registers (-inf on padded lanes):
+    each half-step's input recomputed from the start, last to first (kernels/mhc_maps.py runs it too)."""
+    m0 = _start(r, lanes, eps, FIRST, CLAMP)
     for back in range(STEPS):
         h = STEPS - 1 - back
         x = m0
@@ -124,14 +131,13 @@ def _bwd_kernel(r_ptr, go_ptr, dr_ptr, N, STEPS, eps, NS: tl.constexpr, BT: tl.c
         is_peak = lanes & (r == peak)
         ties = tl.sum(tl.sum(is_peak.to(tl.float32), axis=2), axis=1)[:, None, None]
         total = tl.sum(tl.sum(gm, axis=2), axis=1)[:, None, None]
-        dr = gm - tl.where(is_peak, total / tl.maximum(ties, 1.), 0.)
-    else:  # m0 = softmax(R) + eps along FIRST
-        s = _softmax(r, lanes, FIRST)
-        dr = s * (g - tl.expand_dims(tl.sum(g * s, axis=FIRST), FIRST))
-    tl.store(dr_ptr + offs, dr, mask=lanes)
+        return gm - tl.where(is_peak, total / tl.maximum(ties, 1.), 0.)
+    # m0 = softmax(R) + eps along FIRST
+    s = _softmax(r, lanes, FIRST)
+    return s * (g - tl.expand_dims(tl.sum(g * s, axis=FIRST), FIRST))
 
 
-def _launch_args(order: str, eps_style: str, iters: int, n: int, tokens: int):
+def launch_args(order: str, eps_style: str, iters: int, n: int, tokens: int):
     """(grid, constexprs, STEPS): about 2k fp32 values a program."""
     first = 1 if order == "paper" else 2  # axis 1: sums over rows i (column sums), the reference's dim -2
     clamp = eps_style == "clamp"
@@ -146,7 +152,7 @@ def _triton_fwd(r: Tensor, iters: int, order: str, eps_style: str, eps: float) -
     tokens, n = r.shape[0], r.shape[-1]
     out = torch.empty_like(r)
     if tokens:
-        grid, consts, steps = _launch_args(order, eps_style, iters, n, tokens)
+        grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
         launch(_fwd_kernel, grid, (r, out, tokens, steps, eps), 4, **consts)
     return out
 
@@ -155,7 +161,7 @@ def _triton_bwd(go: Tensor, r: Tensor, iters: int, order: str, eps_style: str, e
     tokens, n = r.shape[0], r.shape[-1]
     dr = torch.empty_like(r)
     if tokens:
-        grid, consts, steps = _launch_args(order, eps_style, iters, n, tokens)
+        grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
         launch(_bwd_kernel, grid, (r, go, dr, tokens, steps, eps), 4, **consts)
     return dr
 

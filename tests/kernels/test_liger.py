@@ -44,6 +44,15 @@ def fused(monkeypatch):
     assert norm.fused_applies(torch.zeros(1))
 
 
+def backward_passes(monkeypatch):
+    """A list that gets an entry per torch.autograd.backward call: the step's own pass, and a checkpointed region's
+    nested one."""
+    passes = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **kw: (passes.append(1), backward(*a, **kw))[1])
+    return passes
+
+
 def eager(x, weight, eps):
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -159,9 +168,7 @@ def test_a_recomputed_sublayer_input_is_made_again_by_the_norm_without_a_nested_
     host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
     with torch.no_grad():
         host_norm.weight.uniform_(0.5, 1.5)
-    passes = []
-    backward = torch.autograd.backward
-    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (passes.append(1), backward(*a, **k))[1])
+    passes = backward_passes(monkeypatch)
     g = torch.randn(tokens, d)
     inputs = (streams, weights, host_norm.weight)
     results = {}
@@ -228,9 +235,7 @@ def test_dcas_projection_makes_its_inputs_again_without_a_nested_backward(fused,
     saved, got = saved_storages(remade)
     want = composed()
     grads = [torch.randn_like(t) for t in want]
-    passes = []
-    backward = torch.autograd.backward
-    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **kw: (passes.append(1), backward(*a, **kw))[1])
+    passes = backward_passes(monkeypatch)
     torch.autograd.backward(got, grads)
     assert len(passes) == 1
     got_grads = [t.grad for t in leaves]
@@ -285,9 +290,7 @@ def test_norm_outputs_that_an_op_saves_are_made_again_from_the_norms_inputs(fuse
     want = normalise_and_mix(lambda x: eager(x, q_norm.weight, q_norm.eps), lambda x: eager(x, k_norm.weight,
                                                                                           k_norm.eps))
     grads = [torch.randn_like(t) for t in want]
-    passes = []
-    backward = torch.autograd.backward
-    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **kw: (passes.append(1), backward(*a, **kw))[1])
+    passes = backward_passes(monkeypatch)
     torch.autograd.backward(got, grads)
     assert len(passes) == 1
     for g, w in zip(got, want):
