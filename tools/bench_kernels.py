@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 EPS = 1e-6
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out", "depth_attention", "sinkhorn", "mhc_projection")
+OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out", "depth_attention", "mhc_maps", "mhc_projection")
 
 
 @dataclass
@@ -76,7 +76,7 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
     from mega_depth.kernels.depth_attention import depth_attention_mix
     from mega_depth.kernels.grn import grn_apply_sources
     from mega_depth.kernels.mhc_projection import mhc_projection
-    from mega_depth.kernels.sinkhorn import sinkhorn
+    from mega_depth.kernels.mhc_maps import mhc_projected_coefficients
     from mega_depth.kernels.streams import streams_out
 
     s = sizes(shape, toy)
@@ -122,20 +122,30 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
                  lambda qv, kv, vv, *cand: depth_attention_mix(qv, kv, vv, list(cand[:c]), list(cand[c:])),
                  2 * q_row + (2 + c) * kv_row + c * q_row,
                  2 * (2 * q_row + (2 + c) * kv_row + c * q_row))
-    cells = n * ns * ns * 4  # fp32 logits, ns x ns per token
-    sink = Case("sinkhorn", shape, f"mHC's Sinkhorn-Knopp, {ns} x {ns} per token, {iters} iterations",
-                lambda: [rand(n, ns, ns, seed=5).float()],
-                lambda logits: sinkhorn(logits, iters), 2 * cells, 3 * cells)
     m = ns * ns + 2 * ns
+    per_token = n * 4  # one fp32 value a token
+    maps = Case("mhc_maps", shape, f"mHC's coefficients from the projection ({m} values a token), Sinkhorn "
+                f"({iters} iterations) included; outputs concatenated",
+                lambda: [rand(n, m, seed=5).float(), (rand(n, 1, seed=6).abs() + 0.5).float(),
+                         rand(m, scale=0.5, seed=7).float()] + [rand(1, shift=1.0, seed=8 + i).float() for i in range(3)],
+                lambda *a: _concatenated(mhc_projected_coefficients(*a, iters)),
+                (2 * m + 1) * per_token, (3 * m + 2) * per_token)
     project = Case("mhc_projection", shape, f"mHC's coefficient projection and RMS, {ns} streams -> {m}",
                    lambda: [rand(ns, n, d, seed=1), rand(m, ns * d, scale=0.02, seed=2)],
                    lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 3 * ns * row)
     from kernel_peers import peers_for
 
-    out = [full, phase1, phase2, grn, streams, depth, sink, project]
+    out = [full, phase1, phase2, grn, streams, depth, maps, project]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
+
+
+def _concatenated(coefficients):
+    """H_pre, H_post and H_res as one vector: the benchmark times one output."""
+    import torch
+
+    return torch.cat([c.reshape(-1) for c in coefficients])
 
 
 def _rms_applied(projection):
@@ -169,7 +179,7 @@ def reference(op: str):
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
         "depth_attention": lambda qv, kv, vv, *cand: mixing.depth_attention_mix(
             qv, kv, vv, torch.stack(cand[:len(cand) // 2]), torch.stack(cand[len(cand) // 2:])),
-        "sinkhorn": lambda logits: mixing.sinkhorn(logits, SINKHORN_ITERS),
+        "mhc_maps": lambda *a: _concatenated(mixing.mhc_projected_coefficients(*a, SINKHORN_ITERS)),
         "mhc_projection": lambda st, phi: _rms_applied(mixing.mhc_projection(st, phi)),
     }[op]
 

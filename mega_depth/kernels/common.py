@@ -236,18 +236,21 @@ def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]
     return cdiv(n, tok), tok
 
 
-def sum_rows(parts: Tensor) -> Tensor:
-    """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [K], by a
-    Triton kernel where the op's kernels run (one program per chunk of columns, the rows in order: deterministic),
-    else by torch. A recorded launch, not torch's CPU sum, in the host benchmark: a reduction is the device's
-    work, whose size there follows the recorded grid, not the toy widths."""
+def sum_rows(parts: Tensor, cols: Optional[int] = None) -> Tensor:
+    """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [cols] (the
+    first `cols` columns, all by default), by a Triton kernel where the op's kernels run (one program per chunk of
+    columns, the rows in order: deterministic), else by torch. A recorded launch, not torch's CPU sum, in the host
+    benchmark: a reduction is the device's work, whose size there follows the recorded grid, not the toy widths.
+    A row width K that is a multiple of 16 lets the kernel load 16 bytes a thread; it sums whole rows (padding
+    columns past `cols` included) and returns the first `cols`."""
     p, k = parts.shape
+    cols = k if cols is None else cols
     if not uses_triton(parts) or not p:
-        return parts.sum(0)
-    out = torch.empty((k,), dtype=parts.dtype, device=parts.device)
-    block = min(1024, pow2(k))
-    launch(_sum_rows_kernel, (cdiv(k, block),), (parts, out, p, k), 4, BK=block)
-    return out
+        return parts[:, :cols].sum(0)
+    out = torch.empty((k,), dtype=parts.dtype, device=parts.device)  # whole rows: a mask at `cols` breaks the vectors
+    block = max(128, min(1024, pow2(k)))  # 4 values a thread at least (a warp per 128): one 16-byte load each
+    launch(_sum_rows_kernel, (cdiv(k, block),), (parts, out, p, k), block // 256 or 1, BK=block)
+    return out[:cols]
 
 
 def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] = None) -> Tensor:
@@ -457,10 +460,8 @@ def _sum_rows_kernel(p_ptr, out_ptr, P, K, BK: tl.constexpr):
     ok = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = ok < K
     acc = tl.zeros([BK], dtype=tl.float32)
-    ptrs = p_ptr + ok  # advanced a row at a time: pointer arithmetic, no int32 row offset to overflow
-    for _ in range(P):
-        acc += tl.load(ptrs, mask=kmask, other=0.)
-        ptrs += K
+    for r in range(P):  # r * K: a row offset the compiler knows to be a multiple of 16 where K is (vector loads)
+        acc += tl.load(p_ptr + r * K + ok, mask=kmask, other=0.)
     tl.store(out_ptr + ok, acc, mask=kmask)
 
 

@@ -88,13 +88,13 @@ def _fwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, pre_ptr, post_ptr, res_ptr, N, M, S
 
 
 @jit
-def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, N, M,
+def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, W, N, M,
                 STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
                 SECOND: tl.constexpr, CLAMP: tl.constexpr):
     """dp = d coeff * alpha / r; d r = -sum(d coeff * proj * alpha) / r^2; the bias's and alphas' partial sums of
-    this program's tokens in row pid of part [P, M + 3] (masked tokens add zero)."""
+    this program's tokens in row pid of part [P, W >= M + 3] (masked tokens add zero)."""
     pid = tl.program_id(0)
-    db_ptr = part_ptr + pid.to(tl.int64) * (M + 3)
+    db_ptr = part_ptr + pid.to(tl.int64) * W
     da_ptr = db_ptr + M
     ot, tmask, oi, imask, offs, lane = _rows(pid, N, NS, BT, BN)
     r, root_grad = _rms(ms_ptr, ot, tmask, eps, CLAMP)
@@ -145,11 +145,12 @@ def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, e
     grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
-    parts = torch.empty((grid[0], m + 3), dtype=F32, device=proj.device)  # the bias's, then the alphas'
+    # the bias's, then the alphas' partials; rows padded to 16 values, so that their sum loads 16 bytes a thread
+    parts = torch.empty((grid[0], cdiv(m + 3, 16) * 16), dtype=F32, device=proj.device)
     if tokens:
-        launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts, tokens, m,
-                                   steps, eps), 4, **consts)
-    sums = sum_rows(parts)
+        launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts,
+                                   parts.shape[1], tokens, m, steps, eps), 4, **consts)
+    sums = sum_rows(parts, m + 3)
     return d_proj, d_ms, sums[:m], sums[m:]
 
 
