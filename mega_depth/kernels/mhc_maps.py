@@ -18,7 +18,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import F32, cdiv, jit, launch, pow2, register_fake, sum_rows, tl, uses_triton
+from mega_depth.kernels.common import F32, cdiv, jit, launch, register_fake, sum_rows, tl, uses_triton
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.sinkhorn import _half_step, _start, launch_args, logits_grad
 from mega_depth.kernels.sinkhorn import _torch_bwd as _torch_sinkhorn_bwd
@@ -224,7 +224,7 @@ def coefficients_backward_op(grad_pre: Tensor, grad_post: Tensor, grad_res: Tens
                              mean_square: Tensor, bias: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                              alpha_res: Tensor, iters: int, order: str, eps_style: str, eps: float) -> List[Tensor]:
     """-> [proj's gradient [*, m], mean_square's [*, 1], bias's [m], the alphas' [3]] (proj's dtype)."""
-    n, m = mixing.mhc_streams_of(proj.shape[-1]), proj.shape[-1]
+    n = mixing.mhc_streams_of(proj.shape[-1])
     rows, ms, b, alphas = _inputs(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res)
     ct = rows.dtype
     grads = [g.reshape(shape).to(ct).contiguous() for g, shape in ((grad_pre, (n, -1)), (grad_post, (n, -1)),

@@ -137,7 +137,7 @@ def _recorded_library_kernels(trace: Optional[StepTrace]):
     run = JITFunction.run
 
     def recorded(self, *args, grid, warmup, **kwargs):
-        if trace is not None:  # None: skipped, not recorded (host_seconds)
+        if trace is not None:  # None: skipped, not recorded (host_timer)
             trace.library_launches.append((self.fn.__name__,
                                            sum(tensor_bytes(t) for t in _tensors((args, kwargs)))))
 
@@ -269,11 +269,6 @@ def host_timer(cfg, sm_count: int = 132) -> Callable[[int], List[float]]:
         return times[1:]
 
     return timed
-
-
-def host_seconds(cfg, repeats: int = 5, sm_count: int = 132) -> List[float]:
-    """host_timer(cfg)(repeats): a model built for one measurement."""
-    return host_timer(cfg, sm_count)(repeats)
 
 
 def summary(trace: StepTrace) -> Dict[str, float]:
