@@ -127,25 +127,30 @@ class _Attention(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _recorded_library_kernels(trace: Optional[StepTrace]):
-    """Triton kernels launched by other libraries (kernel[grid](...) reaches JITFunction.run): recorded with the
-    bytes of their tensor arguments, not run (their tensors are meta)."""
+    """Triton kernels launched by other libraries (kernel[grid](...) reaches JITFunction.run, or
+    InterpretedFunction.run where TRITON_INTERPRET=1 was set before triton's import): recorded with the bytes of
+    their tensor arguments, not run (their tensors are meta)."""
     try:
+        from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
     except ImportError:
         yield
         return
-    run = JITFunction.run
+    kinds = (JITFunction, InterpretedFunction)
+    runs = [kind.run for kind in kinds]
 
     def recorded(self, *args, grid, warmup, **kwargs):
         if trace is not None:  # None: skipped, not recorded (host_timer)
             trace.library_launches.append((self.fn.__name__,
                                            sum(tensor_bytes(t) for t in _tensors((args, kwargs)))))
 
-    JITFunction.run = recorded
+    for kind in kinds:
+        kind.run = recorded
     try:
         yield
     finally:
-        JITFunction.run = run
+        for kind, run in zip(kinds, runs):
+            kind.run = run
 
 
 @contextlib.contextmanager
