@@ -15,5 +15,5 @@ Modules, one job each:
 - weights.py: any format's weights in canonical names, in one process, without a Megatron model;
 - plain.py: the plain/XLA trainer's format (safetensors + a pickle-free trainer state) and weights-only
   checkpoints (what an import writes);
-- writer_queue.py: megatron-core's checkpoint-writer helper processes, made to die with the trainer.
+- dist_writer.py: megatron-core's dist-checkpoint writes on the trainer's own threads (no forked writer, no helper).
 """

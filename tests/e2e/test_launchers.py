@@ -137,9 +137,10 @@ def iters(n):
 
 def test_a_preemption_of_the_launcher_after_periodic_saves_saves_a_verified_checkpoint_that_resumes_exactly(
         tmp_path):
-    """torchrun stops its workers with killpg: the signal reaches megatron-core's checkpoint helpers (its results
-    queue's Manager) too, and a helper that dies with it breaks the pre-emption save (BrokenPipeError, a .tmp left,
-    exit 143). Periodic saves first, so those helpers exist when the signal comes."""
+    """torchrun stops its workers with killpg: the signal reaches every process of the group, and a helper that a
+    save needs and dies with it breaks the pre-emption save (megatron-core's own writer spawns a Manager for its
+    results: BrokenPipeError, a .tmp left, exit 143; ours writes on the trainer's threads). Periodic saves first, so
+    that anything a save starts exists when the signal comes."""
     ckpt, steps = tmp_path / "ckpt", 40
     job = launch("launch/torchrun.sh", iters(steps) + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval",
                                                        "1", "--output-dir", str(tmp_path / "pre")], {"NPROC": "2"})

@@ -223,9 +223,9 @@ class MegatronBackend(Collectives):
     def save_files(self, tmp_dir: str, step: int) -> None:
         from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-        from mega_depth.checkpoint import writer_queue
+        from mega_depth.checkpoint import dist_writer
 
-        writer_queue.install()  # the writer's helper processes die with this one (a kill -9 leaves none behind)
+        dist_writer.install()  # megatron-core's bucket writes on this process's threads, not in forked processes
         sd = self._sharded_state()
         sd["common"] = {"step": step, "scheduler": self.scheduler.state_dict()}
         dist_checkpointing.save(sd, tmp_dir)
