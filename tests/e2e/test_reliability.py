@@ -312,15 +312,18 @@ def test_kill_9_of_a_megatron_run_leaves_no_checkpoint_writer_behind(data, tmp_p
                                                         "--output-dir", str(tmp_path / "run")),
                                 cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
     pointer = ckpt / "latest_checkpointed_iteration.txt"
-    wait_for(lambda: pointer.exists() and int(pointer.read_text() or 0) >= 2, proc, "two checkpoints")
-    trainer = psutil.Process(proc.pid)
     seen = set()
-    for _ in range(50):  # over further saves: any helper a save started would be a child while it writes
-        seen.update(trainer.children(recursive=True))
-        time.sleep(0.02)
+    try:
+        wait_for(lambda: pointer.exists() and int(pointer.read_text() or 0) >= 2, proc, "two checkpoints",
+                 output=lambda: (tmp_path / "out.txt").read_text())
+        trainer = psutil.Process(proc.pid)
+        for _ in range(50):  # over further saves: any helper a save started would be a child while it writes
+            seen.update(trainer.children(recursive=True))
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
     assert not seen, [_cmdline(h)[:120] for h in seen]
-    proc.kill()
-    proc.wait(timeout=60)
 
 
 def test_a_dist_checkpoint_write_runs_on_a_thread_of_the_trainer(tmp_path):
