@@ -80,7 +80,17 @@ LAYOUTS = {
     "moe-ep2-tp2-sp-etp1": (4, MOE + EP2 + TP2_SP + ["--expert-tensor-parallel-size", "1"], True, MOE_SET),
     "moe-ep2-tp2-sp-etp2": (4, MOE + EP2 + TP2_SP, True, MOE_SET),
     "moe-cp2-ep2": (2, MOE + CP2 + EP2, True, "standard,attnres-block,depth-attention"),
+    # The fused norm's paths that keep what makes a sublayer input (DCA's q/k/v projection, Block AttnRes's and mHC's
+    # remade norm, Depth-Attention's normalised outputs made again) run where the fused norm does: a GPU, or here
+    # Liger's norm under Triton's interpreter (LAYOUT_ENV; the mixing ops keep their torch twins). Under TP with and
+    # without SP (their gradient all-reduce and reduce-scatter branches).
+    # CI time (an interpreted launch costs ~20 s a mechanism): DCA's projection, whose TP branches are its own; the
+    # other paths' gradients meet TP and SP only through Megatron's own reductions, as the eager ones do.
+    "tp2-sp-interpreted": (2, TP2_SP + ["--mixing-impl", "triton"], True, "dca-2"),
+    "tp2-interpreted": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca"),
 }
+INTERPRETED = {"TRITON_INTERPRET": "1", "FUSED_NORM_INTERPRETED": "1"}
+LAYOUT_ENV = {"tp2-sp-interpreted": INTERPRETED, "tp2-interpreted": INTERPRETED}
 # The module fixture trains every layout (about 15 minutes on 2 cores) inside the first test's timeout.
 pytestmark = pytest.mark.timeout(2700)
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
@@ -90,7 +100,7 @@ COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-lay
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     for name, (nproc, flags, _, only) in LAYOUTS.items():
-        env = {"MECHANISMS": only} if only else {}
+        env = dict({"MECHANISMS": only} if only else {}, **LAYOUT_ENV.get(name, {}))
         torchrun(nproc, [SCRIPT, str(root / name)] + flags, str(root / f"{name}.log"), env=env)
     return root
 
@@ -154,6 +164,17 @@ def test_compiled_layers_were_compiled_whole(runs, layout):
             assert compiled["graph_breaks"] == 0, (layout, mechanism, compiled)
     eager = json.loads((runs / "single" / "standard" / "compiled.json").read_text())
     assert eager == {"layers": 0, "graphs_in_process": 0, "graph_breaks": 0}
+
+
+def test_the_interpreted_layouts_ran_the_fused_norms_remade_paths(runs):
+    """Else they would compare the eager fallback (checkpointed regions) with itself."""
+    path_of = {"dca": "remade_qkv", "dca-2": "remade_qkv"}
+    for layout in LAYOUT_ENV:
+        for mechanism in LAYOUTS[layout][3].split(","):
+            paths = json.loads((runs / layout / mechanism / "fused_paths.json").read_text())
+            assert paths.get(path_of[mechanism], 0) > 0, (layout, mechanism, paths)
+    for mechanism in path_of:  # the reference: the eager norm
+        assert json.loads((runs / "single" / mechanism / "fused_paths.json").read_text()) == {}, mechanism
 
 
 def test_losses_fall_and_mechanisms_act(runs):

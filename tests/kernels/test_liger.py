@@ -9,38 +9,18 @@ from mega_depth.kernels import common
 from mega_depth.megatron import norm, swiglu
 from mega_depth.model import mixing
 
-if common.triton_available():
-    import triton.language as tl
-
-    @common.jit
-    def _rsqrt(x):
-        return tl.math.rsqrt(x)
-
 
 @pytest.fixture
 def fused(monkeypatch):
-    """The fused path, as a GPU runs it. Under the interpreter two of its gaps are bridged: a float argument
-    becomes an fp32 scalar (the compiler's specialisation; the interpreter passes a Python float, which Liger's
-    kernels cast with .to), and libdevice's rsqrt, which the interpreter does not implement, is tl.math's."""
+    """The fused path, as a GPU runs it (on a CPU: under the interpreter, its gaps bridged)."""
     pytest.importorskip("liger_kernel", reason="Liger-Kernel is a test extra (pip install -e '.[test]')")
     if not interpreted():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
     monkeypatch.setattr(common, "FORCE_TRITON", True)
     if not GPU:
-        import numpy as np
-        from liger_kernel.ops import rms_norm as liger
-        from triton.runtime import interpreter
+        from liger_bridge import bridge_liger_for_the_interpreter
 
-        convert = interpreter._implicit_cvt
-
-        def float_as_fp32(arg):
-            if isinstance(arg, float):
-                return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32),
-                                 tl.float32)
-            return convert(arg)
-
-        monkeypatch.setattr(interpreter, "_implicit_cvt", float_as_fp32)
-        monkeypatch.setattr(liger, "rsqrt", _rsqrt)
+        bridge_liger_for_the_interpreter(monkeypatch.setattr)
     assert norm.fused_applies(torch.zeros(1))
 
 

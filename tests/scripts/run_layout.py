@@ -6,7 +6,7 @@ Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<
 under global names, experts included), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
 OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
 the process so far (a later mechanism may reuse the graphs of an earlier one), and the graph breaks Dynamo met while
-this mechanism trained).
+this mechanism trained) and OUT_DIR/<mechanism>/fused_paths.json (rank 0: calls of the fused norm's remade paths).
 MECHANISMS=a,b limits the mechanisms.
 """
 
@@ -57,6 +57,30 @@ def full_grads(modules, cfg) -> dict:
     return out
 
 
+class _FusedPaths:
+    """Counts, per mechanism, the calls of the fused norm's paths that keep what makes a sublayer input instead of
+    the input (they run where the fused norm does: a GPU, or Triton's interpreter with the kernels forced)."""
+
+    def __init__(self):
+        from mega_depth.megatron import norm
+        from mega_depth.megatron.qkv_projection import RemadeQKVProjection
+
+        self.counts = {}
+        for key, cls in (("remade_qkv", RemadeQKVProjection), ("remade_norm", norm._RemadeNorm)):
+            cls.forward = staticmethod(self._counted(key, cls.forward))
+        norm._outputs_made_again = self._counted("made_again", norm._outputs_made_again)
+
+    def _counted(self, key, fn):
+        def counted(*args, **kwargs):
+            self.counts[key] = self.counts.get(key, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def take(self) -> dict:
+        counts, self.counts = self.counts, {}
+        return counts
+
+
 def _dynamo_counts():
     """(graphs Dynamo has captured in this process so far, graph breaks it has met so far)."""
     from torch._dynamo.utils import counters
@@ -75,6 +99,15 @@ def main() -> None:
 
     only = os.environ.get("MECHANISMS")
     world = int(os.environ["WORLD_SIZE"])
+    fused_paths = _FusedPaths()
+    if os.environ.get("FUSED_NORM_INTERPRETED") == "1":
+        # Liger's norm as a GPU runs it, on CPU tensors under Triton's interpreter (the mixing ops keep their torch
+        # twins: interpreting them too costs minutes a mechanism)
+        from liger_bridge import bridge_liger_for_the_interpreter
+        from mega_depth.megatron import layer, norm
+
+        bridge_liger_for_the_interpreter()
+        norm.fused_applies = layer.fused_applies = lambda x: not torch.compiler.is_compiling()
     for name, flags in mechanism_flags(4).items():
         if only and name not in only.split(","):
             continue
@@ -108,6 +141,8 @@ def main() -> None:
                 json.dump({"layers": sum(getattr(m, "compiled_whole", False)
                                          for chunk in backend.modules for m in chunk.modules()),
                            "graphs_in_process": graphs, "graph_breaks": breaks - breaks_before}, f)
+            with open(os.path.join(run_dir, "fused_paths.json"), "w") as f:
+                json.dump(fused_paths.take(), f)
         backend.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
