@@ -5,8 +5,8 @@ process per bucket (`write_preloaded_data_multiproc`, `thread_count` = 2 buckets
 through a queue served by a Manager process that it spawns on first use. That is three hazards for a trainer:
 - fork() copies a process that runs gloo / NCCL, OpenMP and Triton threads. A lock one of them held at that moment
   stays held in the child, which then waits forever, and so does the rank that waits for the child (PyTorch's docs:
-  "poison fork"). On CI one tp2 x pp2 save hung that way on both ranks of the last stage until gloo's 10-minute
-  timeout; a forked child that uses OpenMP after the parent did hangs every time (torch 2.13 CPU).
+  "poison fork"). On CI a tp2 x pp2 save stopped at this step on both ranks of the last stage, until gloo's
+  10-minute timeout; a forked child that uses OpenMP after the parent did hangs every time (torch 2.13 CPU).
 - the Manager and multiprocessing's resource tracker do not watch their parent: a kill -9 of the trainer leaves them
   running (about 275 MB a rank), and a writer left behind holds the trainer's stdout open.
 - a pre-emption's SIGTERM reaches the whole process group (torchrun stops its workers with killpg), helpers included,

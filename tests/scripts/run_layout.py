@@ -59,7 +59,8 @@ def full_grads(modules, cfg) -> dict:
 
 class _FusedPaths:
     """Counts, per mechanism, the calls of the fused norm's paths that keep what makes a sublayer input instead of
-    the input (they run where the fused norm does: a GPU, or Triton's interpreter with the kernels forced)."""
+    the input (they run where the fused norm does: a GPU, or here Liger's norm under Triton's interpreter with
+    FUSED_NORM_INTERPRETED=1)."""
 
     def __init__(self):
         from mega_depth.megatron import norm
