@@ -95,10 +95,10 @@ def failures(rows):
 
 
 def markdown(rows):
-    """One line per kernel: over all its specialisations (configs, shapes) and both dtypes, per target the most
-    registers and the lowest occupancy; the most shared memory and stack; the spills and the narrow loads (all 0
-    when the check passes); over the bf16 rows, the narrowest of the kernels' widest loads (bytes a thread) and the
-    smallest load wave (KiB an SM asks for with one such load a thread)."""
+    """One line per kernel: over all its specialisations (configs, shapes), per target (bf16) and per other dtype
+    and target (fp32 sm_90) the most registers and the lowest occupancy; the most shared memory and stack; the
+    spills and the narrow loads (all 0 when the check passes); over the bf16 rows, the narrowest of the kernels'
+    widest loads (bytes a thread) and the smallest load wave (KiB an SM asks for with one such load a thread)."""
     kernels = {}
     for r in rows:
         k = kernels.setdefault(r["kernel"].split("(")[0], {"targets": {}, "shared": 0, "stack": 0, "spills": 0,
@@ -107,7 +107,8 @@ def markdown(rows):
         if r.get("error"):
             k["errors"] += 1
             continue
-        t = k["targets"].setdefault(r["target"], [0, 100])
+        column = r["target"] if r["dtype"] == "bf16" else f"{r['dtype']} {r['target']}"
+        t = k["targets"].setdefault(column, [0, 100])
         t[0], t[1] = max(t[0], r["registers"]), min(t[1], r["occupancy"])
         k["shared"], k["stack"] = max(k["shared"], r["shared"]), max(k["stack"], r["stack"])
         k["spills"] += r["spill_stores"] + r["local"]
@@ -116,7 +117,8 @@ def markdown(rows):
             k["widest"] = min(k["widest"] or r["widest_load"], r["widest_load"])
             k["wave"] = min(k["wave"] or r["load_wave"], r["load_wave"])
         k["n"] += 1
-    targets = sorted({r["target"] for r in rows}, key=lambda t: int(t[3:]))
+    targets = sorted({r["target"] if r["dtype"] == "bf16" else f"{r['dtype']} {r['target']}" for r in rows},
+                     key=lambda t: (" " in t, t.split()[0] if " " in t else "", int(t.split()[-1][3:])))
     lines = ["| kernel | compiled | " + " | ".join(f"{t}: regs / occupancy" for t in targets) +
              " | shared B | stack B | spills B | narrow loads | bf16 load B | bf16 load wave KiB/SM | errors |",
              "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|---:|---:|---:|"]

@@ -157,7 +157,7 @@ def _bind(launch: Launch, capability: int):
     target = GPUTarget("cuda", capability, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(launch.constexprs, **common.options(launch.num_warps))
+    kwargs = dict(launch.constexprs, **common.options(launch.num_warps, launch.resident_warps))
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
     return target, options, signature, constexprs, attrs
@@ -167,7 +167,7 @@ def specialisation(launch: Launch) -> str:
     """What the Triton runtime would cache the launch's compiled kernel on (target aside)."""
     _, options, signature, constexprs, attrs = _bind(launch, 90)
     return repr((kernel_name(launch), sorted(signature.items()), sorted(constexprs.items()),
-                 sorted(attrs.items()), options.num_warps))
+                 sorted(attrs.items()), options.num_warps, getattr(options, "maxnreg", None)))
 
 
 def compile_launch(launch: Launch, capability: int) -> Compiled:
@@ -274,7 +274,7 @@ def unique(launches: Sequence[Launch]) -> List[Launch]:
 def describe(launch: Launch) -> str:
     """The constexprs that set a kernel's shape, for tables (block dims, flags)."""
     consts = ", ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in launch.constexprs.items())
-    return f"{kernel_name(launch)}({consts}) warps={launch.num_warps}"
+    return f"{kernel_name(launch)}({consts}) warps={launch.num_warps}/{launch.resident_warps}"
 
 
 def kernel_name(launch: Launch) -> str:

@@ -15,17 +15,18 @@ The ops are `mega_depth::attnres_phase1` and `mega_depth::attnres_phase2` (each 
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from mega_depth.kernels.attnres_mix import accumulate
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, channel_block,
-                                       check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32, dot_dim, dot_t,
-                                       folded_query, folded_query_torch, jit, launch, nothing, pointer_at,
-                                       pointer_table, pointers_at, pow2, programs, reduction_grid, register_fake,
-                                       rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
+                                       channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
+                                       dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
+                                       pointer_at, pointer_table, pointers_at, pow2, programs, reduction_grid,
+                                       register_fake, rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton,
+                                       warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
@@ -311,13 +312,26 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
         tl.atomic_add(df_ptr + offs, total, mask=cmask)
 
 
-_DQ_TOKENS = 32  # tokens per step of the queries' gradient: a [32, chunk] tile of a block's rows per load
+def _dq_tiles(bs: int, element_size: int) -> Tuple[int, int]:
+    """(tokens a step, warps) of the queries' gradient: a [BT, chunk] tile of a block's rows per load, 16 bytes a
+    thread. 32 tokens on 8 warps; past 16 queries a block the [BS, 32] weights spill at the default 128 registers
+    (sm_100), so 16 tokens, on 4 warps in 16-bit (8 in fp32, whose 16 bytes are 4 values)."""
+    if bs <= 16:
+        return 32, 8
+    return 16, 4 if element_size == 2 else 8
 
 
 def _phase1_warps(bs: int) -> int:
     """Warps of a phase-1 program: 4 (16-byte loads of a [16, 64] tile, 3 blocks an SM at the 1B size), 8 past 16
     queries a block, where 4 spill in fp32 (compiled for sm_80 / sm_90 / sm_100: tests/unit/test_kernels_aot.py)."""
     return 4 if bs <= 16 else 8
+
+
+def _phase1_resident(x: Tensor) -> int:
+    """The resident warps the phase-1 kernels' register cap aims at (common.options): the default (4 blocks of 4
+    warps, 128 registers) for 16-bit rows; fp32 tiles take the whole register file of one block (up to 248
+    registers), where a cap of 128 spills (compiled for sm_80 / sm_90 / sm_100: tests/unit/test_kernels_aot.py)."""
+    return RESIDENT_WARPS if x.element_size() == 2 else 1
 
 
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
@@ -339,7 +353,8 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
     count, tok = programs(n, o.device, reduces=False)
     launch(_phase1_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs), n, s,
                                           d, d // heads, heads, eps, tok),
-           _phase1_warps(bs), BK=bk, BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid)
+           _phase1_warps(bs), resident_warps=_phase1_resident(o), BK=bk, BS=bs, BH=pow2(heads), BCH=bch,
+           NORM=g is not None, SIGMOID=sigmoid)
     return m, z, o
 
 
@@ -357,13 +372,14 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
         launch(_phase1_bwd_kernel, (count,), (table, pointer_table(grads), q, q if g is None else g, m, go,
                                               m if gz is None else gz, w, len(srcs), n, s, d, d // heads, heads, eps,
                                               tok),
-               _phase1_warps(bs), BK=bk, BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid,
-               HAS_GZ=gz is not None)
+               _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk, BS=bs, BH=pow2(heads), BCH=bch,
+               NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
         chunks = cdiv(d // heads, bch)
         splits, tok = reduction_grid(n, heads * chunks, go.device)
+        bt, dq_warps = _dq_tiles(bs, go.element_size())
         launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, df, len(srcs), n, s, d, d // heads,
                                                              heads, tok),
-               8, BS=bs, BT=_DQ_TOKENS, BCH=bch)
+               dq_warps, BS=bs, BT=bt, BCH=bch)
     if g is None:
         return grads, df, None
     return grads, df * g.float(), df * q.float()

@@ -39,6 +39,9 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 F32 = torch.float32
 
 Sources = Union[Tensor, Sequence[Tensor]]
+# Warps an SM keeps resident by default (the register cap, options): 4 blocks of 4 warps, a quarter of the 64 an
+# SM holds, at most 128 registers a thread. A memory-bound kernel needs loads in flight; they come from warps.
+RESIDENT_WARPS = 16
 
 
 def jit(fn):
@@ -70,6 +73,7 @@ class Launch:
     constexprs: Dict[str, Any]
     num_warps: int
     adds_into: Tuple[Any, ...] = ()  # tensor arguments the kernel adds to (read and written): launch_bytes
+    resident_warps: int = RESIDENT_WARPS  # the register cap's aim (options)
 
 
 @dataclass
@@ -97,14 +101,15 @@ def is_recording() -> bool:
 
 
 def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, adds_into: Sequence[Any] = (),
-           **constexprs) -> None:
+           resident_warps: int = RESIDENT_WARPS, **constexprs) -> None:
     """kernel[grid](*args, **constexprs) with num_warps, or recorded. adds_into: the tensor arguments that the
-    kernel adds to rather than overwrites (for the recorded launch's bytes)."""
+    kernel adds to rather than overwrites (for the recorded launch's bytes). resident_warps: how many warps of
+    this kernel the register cap leaves room for on one SM (options)."""
     if _RECORDER is not None:
         _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps,
-                                         tuple(adds_into)))
+                                         tuple(adds_into), resident_warps))
         return
-    kernel[tuple(grid)](*args, **constexprs, **options(num_warps))
+    kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps))
 
 
 def launch_bytes(launch: Launch) -> int:
@@ -140,13 +145,17 @@ def tensor_bytes(t: Tensor) -> int:
     return n * t.element_size()
 
 
-def options(num_warps: int) -> Dict[str, int]:
-    """Triton's launch options for a program of num_warps warps. maxnreg: the whole register file is the block's
-    (65536 / threads, at most 255 a thread); left to itself ptxas caps a 16-warp kernel at 64 registers, aiming at
-    two blocks an SM, and spills where the kernel holds whole rows."""
+def options(num_warps: int, resident_warps: int = RESIDENT_WARPS) -> Dict[str, int]:
+    """Triton's launch options for a program of num_warps warps. maxnreg: the register file (64K) split between
+    `resident_warps` warps, or the block's own warps where it has more (at most 255 registers a thread). Left to
+    itself ptxas caps a 16-warp kernel at 64 registers, aiming at two blocks an SM, and spills where the kernel
+    holds whole rows; given the whole file, a 4-warp kernel took up to 248 and left 2 blocks (8 warps) an SM: too
+    few loads in flight. A launcher whose kernel needs more registers than the default leaves (they would spill)
+    asks for fewer resident warps, one that holds little asks for more; tests/unit/test_kernels_aot.py compiles
+    every launch of the shipped configs and fails on a spill."""
     if interpreting():
         return {"num_warps": num_warps}
-    return {"num_warps": num_warps, "maxnreg": min(255, 65536 // (32 * num_warps)) // 8 * 8}
+    return {"num_warps": num_warps, "maxnreg": min(255, 65536 // (32 * max(num_warps, resident_warps))) // 8 * 8}
 
 
 def register_fake(op):

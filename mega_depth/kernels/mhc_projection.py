@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim, dot_t,
-                                       interpreting, jit, launch, reduction_grid, register_fake, store_or_add,
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim,
+                                       dot_t, interpreting, jit, launch, reduction_grid, register_fake, store_or_add,
                                        store_or_add_torch, sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
@@ -140,8 +140,10 @@ def _triton_fwd(s: Tensor, phi: Tensor):
     ms = torch.empty((n,), dtype=F32, device=s.device)
     if n:
         bt, bm, bc = _blocks(d, m, s.element_size())
-        launch(_fwd_kernel, (cdiv(n, bt),), (s, phi, proj, ms, n, d, m, s.stride(0), s.stride(1)), 4, NS=ns, BT=bt,
-               BM=bm, BC=bc, HALF=phi.dtype == s.dtype and s.element_size() == 2)
+        # fp32 tiles take one block's whole register file (up to 201 registers); 16-bit ones fit the default 128
+        launch(_fwd_kernel, (cdiv(n, bt),), (s, phi, proj, ms, n, d, m, s.stride(0), s.stride(1)), 4,
+               resident_warps=RESIDENT_WARPS if s.element_size() == 2 else 1, NS=ns, BT=bt, BM=bm, BC=bc,
+               HALF=phi.dtype == s.dtype and s.element_size() == 2)
     return proj, ms
 
 
@@ -152,8 +154,9 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
     if not n:
         return torch.zeros((m, ns * d), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
+    # 3 blocks an SM (168 registers): at the default 128 it spills
     launch(_bwd_streams_kernel, (cdiv(n, bt),), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 4,
-           adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
+           adds_into=(ds,) if adding else (), resident_warps=12, NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
     parts = torch.empty((splits, m, ns * d), dtype=F32, device=s.device)

@@ -122,18 +122,22 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
             tl.store(dmix_ptr + (r * N + n) * NS + oj, tl.sum(go * x[None, :], axis=1), mask=jmask & valid)
 
 
-def _launch(kernel, n: int, device, args, live: int, adds_into=(), **constexprs) -> None:
-    """One program per token (no parameter gradient is reduced over tokens here)."""
+def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_into=(), **constexprs) -> None:
+    """One program per token (no parameter gradient is reduced over tokens here). The warps hold the token's n
+    outputs [BN, BD], but a stream row [BD] is read by all of them: at most one thread per 16 bytes of the row,
+    so that each loads 16 (at 16 warps a bf16 row of 2048 was read 8 bytes a thread)."""
     count, tok = programs(n, device, reduces=False)
     elements = constexprs.get("BN", 1) * constexprs["BD"]
-    launch(kernel, (count,), (*args, tok), warps(elements, live), adds_into, **constexprs)
+    row_threads = max(4, constexprs["BD"] * element_size // (16 * 32))
+    launch(kernel, (count,), (*args, tok), min(warps(elements, live), row_threads), adds_into, **constexprs)
 
 
 def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
     ns, n, d = s.shape
     out = torch.empty((n, d), dtype=s.dtype, device=s.device)
     if n:
-        _launch(_in_fwd_kernel, n, s.device, (s, w, out, n, d, s.stride(0), s.stride(1)), 2, NS=ns, BD=pow2(d))
+        _launch(_in_fwd_kernel, n, s.device, (s, w, out, n, d, s.stride(0), s.stride(1)), 2, s.element_size(), NS=ns,
+                BD=pow2(d))
     return out
 
 
@@ -142,8 +146,8 @@ def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool) -
     ns, n, d = s.shape
     dw = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
-        _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, NS=ns,
-                BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
+        _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, s.element_size(),
+                NS=ns, BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
     return dw
 
 
@@ -151,8 +155,8 @@ def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
     ns, n, d = s.shape
     out = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
     if n:
-        _launch(_out_fwd_kernel, n, s.device, (s, y, mix, post, out, n, d, s.stride(0), s.stride(1)), 2, NS=ns,
-                BN=pow2(ns), BD=pow2(d))
+        _launch(_out_fwd_kernel, n, s.device, (s, y, mix, post, out, n, d, s.stride(0), s.stride(1)), 2,
+                s.element_size(), NS=ns, BN=pow2(ns), BD=pow2(d))
     return out
 
 
@@ -165,8 +169,8 @@ def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor,
     dpost = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
-                                               s.stride(1)), 2, NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding,
-                adds_into=(ds,) if adding else ())
+                                               s.stride(1)), 2, s.element_size(), NS=ns, BN=pow2(ns), BD=pow2(d),
+                ADD=adding, adds_into=(ds,) if adding else ())
     return dy, dmix, dpost
 
 
