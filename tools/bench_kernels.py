@@ -12,7 +12,9 @@ a copy of the same bytes (read + write), and a sum of 8 sources into one (a mix 
 on our kernels (mega_depth/kernels), on `torch.compile` of the eager math (mega_depth/model/mixing.py: the floor a
 user gets for free), and on every peer that computes the same function (tools/kernel_peers.py): a peer's output
 and gradients are checked equal to ours before it is timed; one that differs is reported so, not timed; one that
-cannot run here is skipped with the reason.
+cannot run here is skipped with the reason. The torch.compile rows come last, after every op's own and peer
+rows: compiling is the slow part, and a run cut short by its time box keeps the rest (--out is written after
+every case).
 
 --toy runs the same code at toy sizes in fp32 on the CPU under Triton's interpreter: every op and every peer that
 can run there is run and checked, nothing is timed (timings on a CPU say nothing of a GPU).
@@ -226,10 +228,8 @@ def agree(a, b, tol: float) -> Optional[str]:
     return None if err <= tol else f"max relative error {err:.2e} > {tol:g}"
 
 
-def measure(case: Case, device, repeats: int, tol: float, compile_floor: bool) -> List[dict]:
-    """One row per implementation of the case: ours, torch.compile of the eager math, each peer."""
-    import torch
-
+def measure(case: Case, device, repeats: int, tol: float) -> List[dict]:
+    """One row per implementation of the case: ours, then each peer."""
     inputs = case.make()
     out, grads, fwd, bwd = forward_backward(case.run, inputs, device, repeats)
     rows = [dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, status="ok")]
@@ -238,10 +238,6 @@ def measure(case: Case, device, repeats: int, tol: float, compile_floor: bool) -
                                                 if p), None)
     if problem:
         raise SystemExit(f"{case.op} {case.shape}: our kernels differ from the eager math ({problem})")
-    if compile_floor:
-        compiled = torch.compile(reference(case.op))
-        _, _, cf, cb = forward_backward(compiled, inputs, device, repeats)
-        rows.append(dict(impl="torch.compile(eager)", fwd_s=cf, bwd_s=cb, status="ok"))
     for name, peer in case.peers.items():
         row = dict(impl=name, fwd_s=None, bwd_s=None)
         peer_inputs = peer.prepare(inputs) if peer.prepare else inputs
@@ -261,9 +257,20 @@ def measure(case: Case, device, repeats: int, tol: float, compile_floor: bool) -
             continue
         _, _, p_fwd, p_bwd = forward_backward(peer.run, peer_inputs, device, repeats)
         rows.append(dict(row, fwd_s=p_fwd, bwd_s=p_bwd, status="equal" + (f" ({peer.note})" if peer.note else "")))
-    for r in rows:
-        r.update(op=case.op, shape=case.shape, what=case.what, fwd_bytes=case.fwd_bytes, bwd_bytes=case.bwd_bytes)
-    return rows
+    return [_of_case(r, case) for r in rows]
+
+
+def compile_floor(case: Case, device, repeats: int) -> dict:
+    """The row of torch.compile of the case's eager math (the floor a fused kernel should beat)."""
+    import torch
+
+    _, _, fwd, bwd = forward_backward(torch.compile(reference(case.op)), case.make(), device, repeats)
+    return _of_case(dict(impl="torch.compile(eager)", fwd_s=fwd, bwd_s=bwd, status="ok"), case)
+
+
+def _of_case(row: dict, case: Case) -> dict:
+    return dict(row, op=case.op, shape=case.shape, what=case.what, fwd_bytes=case.fwd_bytes,
+                bwd_bytes=case.bwd_bytes)
 
 
 def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[str, Optional[float]]:
@@ -336,20 +343,31 @@ def main(argv=None) -> int:
     tol = 1e-4 if args.toy else BF16_TOL
     start, rows, refs = time.time(), [], {}
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (toy, untimed)"
+    def save():  # after every case: a run cut short by its time box keeps what it finished
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": device_name, "references": refs, "rows": rows, "seconds": time.time() - start},
+                          f, indent=1)
+
+    chosen = {}
     for shape in (["toy"] if args.toy else args.shapes.split(",")):
-        chosen = [c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")]
+        chosen[shape] = [c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")]
         found_sizes = sizes(shape, args.toy)
         refs[shape] = bandwidth_references(device, dtype, found_sizes["tokens"] * found_sizes["d"] * dtype.itemsize,
                                            args.repeats)
-        for case in chosen:
-            found = measure(case, device, args.repeats, tol, compile_floor=not args.no_compile_floor
-                            and not args.toy)
+        for case in chosen[shape]:
+            found = measure(case, device, args.repeats, tol)
             rows += with_rates(found, refs[shape]["copy_GBps"])
             print(f"{shape} {case.op}: " + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
-            if args.out:  # after every case: a run cut short by its time box keeps what it finished
-                with open(args.out, "w") as f:
-                    json.dump({"device": device_name, "references": refs, "rows": rows,
-                               "seconds": time.time() - start}, f, indent=1)
+            save()
+    # the torch.compile floor last: compiling every op's eager math takes longer than timing ours and the peers,
+    # so a run cut short by its box has the table's main columns
+    if not args.no_compile_floor and not args.toy:
+        for shape, shape_cases in chosen.items():
+            for case in shape_cases:
+                rows += with_rates([compile_floor(case, device, args.repeats)], refs[shape]["copy_GBps"])
+                print(f"{shape} {case.op}: torch.compile(eager) timed", flush=True)
+                save()
     if args.markdown:
         print(markdown(rows))
     print(f"{len(rows)} rows in {time.time() - start:.0f} s")

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
-# important first:
+# important first, so that the first 150 s give the kernel table and the next 230 s the 1B step ratios:
 #   1. environment;
-#   2. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
-#      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
-#   3. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes,
-#      torch.compile of the eager math and the published peers (tools/bench_kernels.py): the kernel table;
-#   4. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
+#   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes and
+#      the published peers, then torch.compile of the eager math (tools/bench_kernels.py): the kernel table;
+#   3. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
 #      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton (Block AttnRes, Depth-Attention and
 #      2-DCA first), same run, interleaved, one mechanism and the baseline resident at a time; MFU,
 #      saved-for-backward bytes, the analytic bound;
+#   4. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
+#      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
 #   5. a torch.profiler trace of one 1B-size step, baseline and Block AttnRes: top kernels, device idle time and the
 #      longest gaps (tools/profile_step.py), so a missed ratio says where its time went;
 #   6. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
@@ -23,7 +23,7 @@
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
-# status; the timeouts add up to 550 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
+# status; the timeouts add up to 525 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
 # logs, summary.txt) and $OUT/device_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,16 +94,18 @@ else
   INTERPRET=0
 fi
 
-step environment 25 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
+# the environment took 19 s on the last GPU machine (imports of torch, megatron-core and transformers)
+step environment 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
   $PY -c 'import sys, torch, megatron.core, transformers; print(sys.version.split()[0], torch.__version__,
   megatron.core.__version__, transformers.__version__, torch.cuda.is_available())';
   $PY -c 'import triton; print(\"triton\", triton.__version__)'"
-step kernels 40 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained"
-# (on a CPU, --toy runs the Triton kernels under the interpreter)
-step bench_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+# (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op, the
+# torch.compile floor last)
+step bench_kernels 130 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --out "$WORK/kernels.json" --markdown
 step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
+step kernels 40 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained"
 step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
   --out-dir "$WORK"
 step sync_check 45 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
