@@ -3,6 +3,7 @@ and % of a copy of the same bytes, with the published peers side by side on the 
 
     python tools/bench_kernels.py [--shapes 1b,7b] [--ops attnres_mix,phase1,...] [--out kernels.json] [--markdown]
     TRITON_INTERPRET=1 MEGA_DEPTH_KERNELS_FORCE_TRITON=1 python tools/bench_kernels.py --toy     # CPU, checks only
+    python tools/bench_kernels.py --shapes 1b --tune mega_depth/kernels/tuned.json   # a GPU: tune the launches
 
 A case is one op at the size a config's step launches it (tokens = micro-batch x sequence on one GPU, the config's
 width, a middle layer's number of sources). Bytes are what the op must move at the least: each input read once and
@@ -18,6 +19,12 @@ every case).
 
 --toy runs the same code at toy sizes in fp32 on the CPU under Triton's interpreter: every op and every peer that
 can run there is run and checked, nothing is timed (timings on a CPU say nothing of a GPU).
+
+--tune replaces the table: each kernel of our ops, at each setting around its launcher's guess (warps, and the
+warps its register cap leaves resident: mega_depth/kernels/tuning.py), timed in the phase that launches it and
+checked equal to the guess; a setting at least 3 % faster is written for this GPU's generation into the given
+table (merged), every tried setting into <TABLE>.rows.json. Commit mega_depth/kernels/tuned.json, then run
+tests/unit/test_kernels_aot.py: it compiles every entry for its target and fails on a spill.
 """
 
 import argparse
@@ -273,6 +280,60 @@ def _of_case(row: dict, case: Case) -> dict:
                 bwd_bytes=case.bwd_bytes)
 
 
+TUNE_MARGIN = 0.03  # a candidate replaces the launcher's guess only when it is this much faster (timing noise)
+
+
+def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
+    """Each kernel our op launches, at each candidate setting (mega_depth/kernels/tuning.py: the launcher's warps
+    and resident warps, and their neighbours), timed in the phase that launches it (forward, or backward from a
+    fixed forward) with the others at their guesses. Every candidate's output (forward) or gradients (backward)
+    must equal the guess's: the warps change a reduction's order, not its result. One row per kernel: the guess,
+    the fastest candidate and its time; on a CPU (toy) nothing is timed and no winner is named."""
+    import torch
+
+    from mega_depth.kernels import tuning
+
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in case.make()]
+    wanted = [t for t in leaves if t.requires_grad]
+    with tuning.observing() as fwd_seen:
+        out = case.run(*leaves)
+    go = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device,
+                     dtype=out.dtype)
+    with tuning.observing() as bwd_seen:
+        ref_grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
+    phases = {"fwd": (lambda: case.run(*leaves), lambda got: [got], [out.detach()]),
+              "bwd": (lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), list, list(ref_grads))}
+    rows = []
+    for phase, seen in (("fwd", fwd_seen), ("bwd", bwd_seen)):
+        run, results, expected = phases[phase]
+        for key, guess in dict(seen).items():  # one row per specialisation
+            row = dict(op=case.op, shape=case.shape, phase=phase, kernel=key, guess=list(guess), tried={})
+            for candidate in tuning.candidates(guess):
+                with tuning.forcing({key: candidate}), tuning.observing() as launched:
+                    try:
+                        got = results(run())
+                        seconds = timed(run, device, repeats)
+                    except Exception as exc:  # e.g. out of shared memory at more warps: not a candidate here
+                        why = str(exc).splitlines()[0][:100] if str(exc) else ""
+                        row["tried"][f"{candidate}"] = f"failed: {type(exc).__name__}: {why}"
+                        continue
+                if (key, candidate) not in launched:
+                    raise SystemExit(f"{key}: the forced setting {candidate} did not reach the launch")
+                problem = next((p for p in (agree(g, e, tol) for g, e in zip(got, expected)) if p), None)
+                if problem:
+                    raise SystemExit(f"{key} at {candidate}: differs from its guess ({problem})")
+                row["tried"][f"{candidate}"] = seconds
+            timed_ok = {c: t for c, t in row["tried"].items() if isinstance(t, float)}
+            guess_s = timed_ok.get(f"{guess}")
+            if guess_s is not None:
+                best = min(timed_ok, key=timed_ok.get)
+                if timed_ok[best] < (1 - TUNE_MARGIN) * guess_s:
+                    row.update(best=[int(v) for v in best.strip("()").split(",")], best_s=timed_ok[best],
+                               guess_s=guess_s)
+            rows.append(row)
+    return rows
+
+
 def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[str, Optional[float]]:
     """GB/s of a copy and of an 8-source sum (bytes: 2 x 8 rows and 9 rows) of rows of row_bytes."""
     import torch
@@ -321,6 +382,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile-floor", action="store_true", help="skip torch.compile of the eager math")
     parser.add_argument("--out", default=None, help="write the rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table")
+    parser.add_argument("--tune", default=None, metavar="TABLE",
+                        help="instead of the table: time each kernel's warps and resident warps around the "
+                             "launcher's guess and write the winners for this GPU into TABLE (merged; the shipped "
+                             "one is mega_depth/kernels/tuned.json)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.ops.split(",")) - set(OPS))
     if unknown:
@@ -349,6 +414,8 @@ def main(argv=None) -> int:
                 json.dump({"device": device_name, "references": refs, "rows": rows, "seconds": time.time() - start},
                           f, indent=1)
 
+    if args.tune:
+        return _tune_all(args, dtype, device, tol, device_name, start)
     chosen = {}
     for shape in (["toy"] if args.toy else args.shapes.split(",")):
         chosen[shape] = [c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")]
@@ -371,6 +438,35 @@ def main(argv=None) -> int:
     if args.markdown:
         print(markdown(rows))
     print(f"{len(rows)} rows in {time.time() - start:.0f} s")
+    return 0
+
+
+def _tune_all(args, dtype, device, tol, device_name, start) -> int:
+    """--tune: every op's kernels at every shape; the winners merged into args.tune under this GPU's target, and
+    every row (the tried settings and their times) beside it as <TABLE>.rows.json."""
+    import torch
+
+    from mega_depth.kernels import tuning
+
+    rows = []
+    for shape in (["toy"] if args.toy else args.shapes.split(",")):
+        for case in (c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")):
+            found = tune(case, device, args.repeats, tol)
+            rows += found
+            better = [r for r in found if "best" in r]
+            print(f"{shape} {case.op}: {len(found)} kernels, {len(better)} faster than the guess"
+                  + "".join(f"; {r['kernel'].split('(')[0]} {tuple(r['guess'])} -> {tuple(r['best'])} "
+                            f"{r['guess_s'] / r['best_s']:.2f}x" for r in better), flush=True)
+            with open(args.tune + ".rows.json", "w") as f:
+                json.dump({"device": device_name, "rows": rows, "seconds": time.time() - start}, f, indent=1)
+            winners = {r["kernel"]: tuple(r["best"]) for r in found if "best" in r}
+            if winners:  # after every op: a run cut short by its time box keeps what it found
+                table = tuning.merged(args.tune, tuning.target(torch.cuda.get_device_capability()), winners)
+                with open(args.tune, "w") as f:
+                    json.dump(table, f, indent=1)
+                    f.write("\n")
+    print(f"{len(rows)} kernels tuned in {time.time() - start:.0f} s; "
+          f"{sum('best' in r for r in rows)} settings written to {args.tune}")
     return 0
 
 

@@ -14,10 +14,12 @@
 #      longest gaps (tools/profile_step.py), so a missed ratio says where its time went;
 #   6. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
 #      excluded (tools/sync_check.py); the optimizer step's syncs counted (0 for every setting on the H100 last time).
-#   FULL=1 adds throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
+#   FULL=1 adds the kernels' launch settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in
+#   the results, to commit as mega_depth/kernels/tuned.json; ONLY=tune_kernels FULL=1 runs it alone, unmeasured on a
+#   GPU so far), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
 #   and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU quality
 #   run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the
-#   560 s box). The boxes are sized from the last GPU run (H100, docs/benchmarks.md): a 1B pair takes ~55 s.
+#   525 s box). The boxes are sized from the last GPU run (H100, docs/benchmarks.md): a 1B pair takes ~55 s.
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
 #                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
@@ -110,6 +112,8 @@ step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attn
   --out-dir "$WORK"
 step sync_check 45 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
 if [ "${FULL:-0}" = 1 ]; then
+  step tune_kernels 180 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+    "$PY" tools/bench_kernels.py "${KERNELS[@]}" --tune "$WORK/tuned.json"
   step throughput_d512 80 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
     --out "$WORK/throughput_d512.json"
   step throughput_d512_compiled 50 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \

@@ -79,7 +79,8 @@ def _survey_one(job):
             seen.setdefault(aot.specialisation(launch), (launch, set()))[1].add(name)
     rows = []
     for launch, names in seen.values():
-        row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}", "kernel": aot.describe(launch)}
+        row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}",
+               "kernel": aot.describe(aot.tuned(launch, target))}  # the warps it runs with there
         try:
             row.update(aot.resources(aot.compile_launch(launch, target), target))
         except Exception as exc:  # a compile error is a result here, not a crash

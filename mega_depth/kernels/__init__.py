@@ -21,6 +21,7 @@ implementation and autograd included) and its public function, which has its ref
     mhc_maps.py         mHC's coefficients from it, Sinkhorn included (mixing.mhc_projected_coefficients)
     common.py           dispatch, launch heuristics, pointer tables, shared jit helpers
     aot.py              ahead-of-time compilation for GPU targets: the resource check of every launch
+    tuning.py           GPU-measured launch settings (tuned.json), per kernel specialisation and GPU generation
     saved_bytes.py      activation memory as autograd sees it
 """
 

@@ -23,13 +23,13 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from mega_depth.kernels import common
+from mega_depth.kernels import common, tuning
 from mega_depth.kernels.common import Launch
 
 # SMs, registers per SM, threads per SM and shared memory per SM (bytes) by compute capability (datasheets: A100,
@@ -170,10 +170,18 @@ def specialisation(launch: Launch) -> str:
                  sorted(attrs.items()), options.num_warps, getattr(options, "maxnreg", None)))
 
 
+def tuned(launch: Launch, capability: int) -> Launch:
+    """The launch with the settings the GPU of `capability` would run it with (kernels/tuning.py's table)."""
+    warps, resident = tuning.setting(launch.kernel, launch.args, launch.constexprs,
+                                     (launch.num_warps, launch.resident_warps), f"sm_{capability}")
+    return replace(launch, num_warps=warps, resident_warps=resident)
+
+
 def compile_launch(launch: Launch, capability: int) -> Compiled:
     import triton
     from triton.compiler import ASTSource
 
+    launch = tuned(launch, capability)
     target, options, signature, constexprs, attrs = _bind(launch, capability)
     kernel = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
                             options=options.__dict__)
@@ -279,5 +287,5 @@ def describe(launch: Launch) -> str:
 
 def kernel_name(launch: Launch) -> str:
     """op module . kernel, e.g. attnres_mix._fwd_kernel."""
-    return f"{launch.kernel.fn.__module__.rsplit('.', 1)[-1]}.{launch.kernel.__name__}"
+    return tuning.kernel_name(launch.kernel)
 

@@ -25,6 +25,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from mega_depth.kernels import tuning
+
 try:  # triton is optional: without it every device runs the torch twins
     import triton
     import triton.language as tl
@@ -109,6 +111,8 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, add
         _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps,
                                          tuple(adds_into), resident_warps))
         return
+    if tuning.active():  # a GPU-measured setting for this kernel and GPU (kernels/tuned.json)
+        num_warps, resident_warps = tuning.setting(kernel, args, constexprs, (num_warps, resident_warps))
     kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps))
 
 

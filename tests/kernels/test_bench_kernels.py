@@ -36,3 +36,24 @@ def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
     case.peers = {"off by 1 %": Peer(lambda *a: case.run(*a) * 1.01)}
     rows = bench_kernels.measure(case, torch.device("cpu"), 1, 1e-4)
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("differs"), rows
+
+
+def test_the_tuner_launches_every_candidate_setting_and_checks_it(tmp_path):
+    """--tune at toy size: each kernel of the op, forward and backward, runs at the launcher's guess and each
+    neighbour (the tuner stops if a forced setting does not reach the launch, or a result differs); on a CPU
+    nothing is timed, so no winner is named and no table is written."""
+    from mega_depth.kernels import tuning
+
+    table = tmp_path / "tuned.json"
+    assert bench_kernels.main(["--toy", "--tune", str(table), "--ops", "attnres_mix,streams_out"]) == 0
+    rows = json.loads((tmp_path / "tuned.json.rows.json").read_text())["rows"]
+    kernels = {(r["op"], r["phase"], r["kernel"].split("(")[0]) for r in rows}
+    assert kernels == {("attnres_mix", "fwd", "attnres_mix._fwd_kernel"),
+                       ("attnres_mix", "bwd", "attnres_mix._bwd_kernel"),
+                       ("streams_out", "fwd", "streams._out_fwd_kernel"),
+                       ("streams_out", "bwd", "streams._out_bwd_kernel")}
+    for r in rows:
+        assert list(r["tried"]) == [str(c) for c in tuning.candidates(tuple(r["guess"]))], r
+        assert len(r["tried"]) >= 4 and all(t is None for t in r["tried"].values()), r  # ran, untimed
+        assert "best" not in r
+    assert not table.exists()

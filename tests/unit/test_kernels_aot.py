@@ -6,6 +6,7 @@ target and read with ptxas -v and cuobjdump from the triton wheel."""
 
 import json
 import os
+import textwrap
 
 import pytest
 
@@ -78,3 +79,42 @@ def test_a_spill_or_a_compile_error_fails_the_check():
     assert failures([dict(ok, spill_stores=4)]) and failures([dict(ok, local=8)])
     assert failures([dict(ok, narrow_loads=1)])
     assert failures([{"kernel": "k", "error": "CompilationError: ..."}])
+
+
+def test_a_tuned_setting_is_what_its_target_compiles():
+    """kernels/tuned.json's entry for a kernel and a GPU generation reaches that target's compile (and so the spill
+    check above) and no other target's. In a process of its own: the kernel tests' interpreter replaces the JIT
+    functions that a compile needs."""
+    run(["-c", textwrap.dedent("""
+        import torch
+
+        from mega_depth.kernels import aot, common, tuning
+        from mega_depth.kernels.streams import streams_out
+
+        with torch.device("meta"):
+            args = (torch.zeros(4, 8, 256, dtype=torch.bfloat16), torch.zeros(8, 256, dtype=torch.bfloat16),
+                    torch.zeros(4, 8, 4), torch.zeros(4, 8))
+        with common.recording(132) as launches:
+            streams_out(*args)
+        (launch,) = launches
+        key = tuning.key(launch.kernel, launch.args, launch.constexprs)
+        assert key == "streams._out_fwd_kernel(BD=256, BN=4, NS=4) bf16,fp32", key
+        tuning.TABLE = {"sm_90": {key: (2, 32)}}
+        tuned = aot.compile_launch(launch, 90)
+        assert tuned.num_warps == 2, tuned.num_warps
+        assert aot.resources(tuned, 90)["registers"] <= 64  # 32 resident warps: 64 registers a thread
+        assert aot.compile_launch(launch, 80).num_warps == launch.num_warps == 4, launch.num_warps
+    """)], env={"TRITON_INTERPRET": "0", "MEGA_DEPTH_KERNELS_FORCE_TRITON": "0"}, timeout=300)
+
+
+def test_a_malformed_tuning_table_names_the_fix(tmp_path):
+    from mega_depth.kernels import tuning
+
+    bad = tmp_path / "tuned.json"
+    bad.write_text('{"sm_90": {"streams._out_fwd_kernel(BD=256) bf16": [8]}}')
+    with pytest.raises(ValueError, match="not \\[warps, resident warps\\].*bench_kernels.py --tune"):
+        tuning.load(str(bad))
+    bad.write_text('{"h100": {}}')
+    with pytest.raises(ValueError, match="not a target like 'sm_90'"):
+        tuning.load(str(bad))
+    assert tuning.load(str(tmp_path / "absent.json")) == {}

@@ -1,0 +1,143 @@
+"""Launch settings measured on a GPU: the warps of each kernel specialisation, and the warps its register cap
+leaves resident, per GPU generation.
+
+A launcher guesses both on a CPU: its warps from the values a thread holds (common.warps and the op's own rules),
+the resident warps from what compiles without a spill (common.options). `tools/bench_kernels.py --tune` times
+each guess's neighbours on a GPU, at the sizes the shipped configs launch, and writes the winners into
+`tuned.json` beside this module, keyed by compute capability ("sm_90") and by the specialisation: the kernel,
+its constexprs and the dtypes of its tensors. `common.launch` takes an entry where the running GPU's capability
+has one, and the launcher's guess elsewhere.
+
+The table is a file in the repository, not a cache filled while training: every rank of a job launches the same
+settings (the warps set the order of a kernel's reductions), nothing is timed inside a step, and
+tests/unit/test_kernels_aot.py compiles every launch with the table's settings for its target and fails on a
+spill, as it does the guesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
+Setting = Tuple[int, int]  # (num_warps, resident_warps)
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def load(path: str = TABLE_PATH) -> Dict[str, Dict[str, Setting]]:
+    """{"sm_90": {key: (num_warps, resident_warps)}} from a tuned.json (empty where there is none)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    table = {}
+    for target, entries in raw.items():
+        if not target.startswith("sm_") or not isinstance(entries, dict):
+            raise ValueError(f"{path}: {target!r} is not a target like 'sm_90' mapping kernels to [warps, resident "
+                             "warps]; regenerate it with tools/bench_kernels.py --tune")
+        table[target] = {}
+        for key, value in entries.items():
+            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
+                raise ValueError(f"{path}: {target} {key}: {value!r} is not [warps, resident warps]; regenerate it "
+                                 "with tools/bench_kernels.py --tune")
+            table[target][key] = (value[0], value[1])
+    return table
+
+
+TABLE: Dict[str, Dict[str, Setting]] = load()
+_FORCED: Dict[str, Setting] = {}  # bench_kernels --tune: a candidate setting, on any device
+_OBSERVERS: List[List[Tuple[str, Setting]]] = []
+_CAPABILITY: Dict[int, str] = {}
+
+
+def kernel_name(kernel) -> str:
+    """op module . kernel, e.g. attnres_mix._fwd_kernel (a JIT function, or the interpreter's)."""
+    return f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.__name__}"
+
+
+def key(kernel, args: Sequence[Any], constexprs: Mapping[str, Any]) -> str:
+    """What a setting is chosen for: the kernel, its constexprs (the block shape and flags) and the dtypes of its
+    floating tensors, e.g. "attnres_mix._fwd_kernel(BC=2048, BH=1, NORM=1, PER_TOKEN=1, SIGMOID=0) bf16,fp32"."""
+    consts = ", ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(constexprs.items()))
+    dtypes: List[str] = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and _DTYPES.get(a.dtype) not in dtypes:
+            dtypes.append(_DTYPES.get(a.dtype, str(a.dtype)))
+    return f"{kernel_name(kernel)}({consts}) {','.join(dtypes)}"
+
+
+def target(capability: Tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def _running_target(args: Sequence[Any]) -> Optional[str]:
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is None or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = target(torch.cuda.get_device_capability(index))
+    return _CAPABILITY[index]
+
+
+def active() -> bool:
+    """Whether launch must look anything up (the common case, an empty table, costs nothing)."""
+    return bool(TABLE or _FORCED or _OBSERVERS)
+
+
+def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: Setting,
+            target_name: Optional[str] = None) -> Setting:
+    """The setting to launch (or, with target_name, to compile for that target): a forced one, else the table's
+    entry for the running GPU's capability, else the launcher's guess."""
+    k = key(kernel, args, constexprs)
+    chosen = _FORCED.get(k) or TABLE.get(target_name or _running_target(args) or "", {}).get(k) or guess
+    for seen in _OBSERVERS:
+        seen.append((k, chosen))
+    return chosen
+
+
+@contextlib.contextmanager
+def observing() -> Iterator[List[Tuple[str, Setting]]]:
+    """Collects (key, setting) of every launch made inside."""
+    seen: List[Tuple[str, Setting]] = []
+    _OBSERVERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _OBSERVERS.remove(seen)
+
+
+@contextlib.contextmanager
+def forcing(settings: Mapping[str, Setting]) -> Iterator[None]:
+    """Launches the kernels of `settings`' keys with those settings, on any device (the tuner's candidates)."""
+    previous = dict(_FORCED)
+    _FORCED.update(settings)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(previous)
+
+
+def candidates(guess: Setting) -> List[Setting]:
+    """The guess and its neighbours: half and twice the warps (1 to 16), and twice the resident warps (a register
+    cap half as high) for each."""
+    warps, resident = guess
+    out = []
+    for w in (warps, warps // 2, warps * 2):
+        for r in (resident, resident * 2):
+            if 1 <= w <= 16 and max(w, r) <= 64 and (w, r) not in out:
+                out.append((w, r))
+    return out
+
+
+def merged(path: str, target_name: str, winners: Mapping[str, Setting]) -> Dict[str, Dict[str, List[int]]]:
+    """The table at `path` with `winners` written over the target's entries (other targets kept)."""
+    table = {t: {k: list(v) for k, v in entries.items()} for t, entries in load(path).items()}
+    table.setdefault(target_name, {}).update({k: list(v) for k, v in winners.items()})
+    return {t: dict(sorted(entries.items())) for t, entries in sorted(table.items())}
