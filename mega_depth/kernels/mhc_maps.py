@@ -148,9 +148,9 @@ def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, e
     # the bias's, then the alphas' partials; rows padded to 16 values, so that their sum loads 16 bytes a thread
     parts = torch.empty((grid[0], cdiv(m + 3, 16) * 16), dtype=F32, device=proj.device)
     if tokens:
-        # 3 blocks an SM (144 registers): at the default 128 it spills
+        # 8 warps, two threads a token: on 4 (one a token) it took 141-148 registers and spilled at the default 128
         launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts,
-                                   parts.shape[1], tokens, m, steps, eps), 4, resident_warps=12, **consts)
+                                   parts.shape[1], tokens, m, steps, eps), 8, **consts)
     sums = sum_rows(parts, m + 3)
     return d_proj, d_ms, sums[:m], sums[m:]
 

@@ -154,9 +154,9 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
     if not n:
         return torch.zeros((m, ns * d), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
-    # 3 blocks an SM (168 registers): at the default 128 it spills
-    launch(_bwd_streams_kernel, (cdiv(n, bt),), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 4,
-           adds_into=(ds,) if adding else (), resident_warps=12, NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
+    # 8 warps: on 4, its [BT, BC] tiles and [BT, BM] x [BM, BC] dot took up to 175 registers and spilled at 128
+    launch(_bwd_streams_kernel, (cdiv(n, bt),), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 8,
+           adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
     parts = torch.empty((splits, m, ns * d), dtype=F32, device=s.device)

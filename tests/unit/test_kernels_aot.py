@@ -44,12 +44,10 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
                                                                                         for c in r["configs"])]
     assert step and all(r["narrow_loads"] == 0 and r["widest_load"] >= 8 for r in step), step[:3]
     assert all(r["widest_load"] == 16 for r in step if "_phase1_" in r["kernel"]), step
-    # loads in flight come from resident warps: every kernel of the 1B step keeps 16 an SM (4 blocks of 4, 25 %) but
-    # mHC's two backward kernels, 12 (3 blocks: capped at 128 registers they spill). Given the whole register file,
-    # Block AttnRes's phase-1 kernels kept 8 (12 %).
-    low = {r["kernel"].split("(")[0] for r in step if r["occupancy"] < 25}
-    assert low <= {"mhc_maps._bwd_kernel", "mhc_projection._bwd_streams_kernel"}, low
-    assert all(r["occupancy"] >= 19 for r in step), [(r["kernel"], r["occupancy"]) for r in step]
+    # loads in flight come from resident warps: every kernel of the 1B step keeps at least 16 an SM (4 blocks of 4,
+    # 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept 8 (12 %).
+    assert all(r["occupancy"] >= 25 for r in step), [(r["kernel"], r["occupancy"]) for r in step if
+                                                     r["occupancy"] < 25]
 
 
 def test_the_load_widths_of_a_kernel_are_read_from_its_ptx():
