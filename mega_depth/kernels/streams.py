@@ -128,8 +128,8 @@ def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_int
     so that each loads 16 (at 16 warps a bf16 row of 2048 was read 8 bytes a thread)."""
     count, tok = programs(n, device, reduces=False)
     elements = constexprs.get("BN", 1) * constexprs["BD"]
-    row_threads = max(4, constexprs["BD"] * element_size // (16 * 32))
-    launch(kernel, (count,), (*args, tok), min(warps(elements, live), row_threads), adds_into, **constexprs)
+    row_warps = max(4, constexprs["BD"] * element_size // (16 * 32))  # a warp reads 32 x 16 bytes
+    launch(kernel, (count,), (*args, tok), min(warps(elements, live), row_warps), adds_into, **constexprs)
 
 
 def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
