@@ -308,6 +308,7 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
         run, results, expected = phases[phase]
         for key, guess in dict(seen).items():  # one row per specialisation
             row = dict(op=case.op, shape=case.shape, phase=phase, kernel=key, guess=list(guess), tried={})
+            timings = {}  # candidate -> seconds (a GPU's)
             for candidate in tuning.candidates(guess):
                 with tuning.forcing({key: candidate}), tuning.observing() as launched:
                     try:
@@ -323,13 +324,12 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
                 if problem:
                     raise SystemExit(f"{key} at {candidate}: differs from its guess ({problem})")
                 row["tried"][f"{candidate}"] = seconds
-            timed_ok = {c: t for c, t in row["tried"].items() if isinstance(t, float)}
-            guess_s = timed_ok.get(f"{guess}")
-            if guess_s is not None:
-                best = min(timed_ok, key=timed_ok.get)
-                if timed_ok[best] < (1 - TUNE_MARGIN) * guess_s:
-                    row.update(best=[int(v) for v in best.strip("()").split(",")], best_s=timed_ok[best],
-                               guess_s=guess_s)
+                if seconds is not None:
+                    timings[candidate] = seconds
+            if guess in timings:
+                best = min(timings, key=timings.get)
+                if timings[best] < (1 - TUNE_MARGIN) * timings[guess]:
+                    row.update(best=list(best), best_s=timings[best], guess_s=timings[guess])
             rows.append(row)
     return rows
 
