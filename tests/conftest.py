@@ -8,6 +8,24 @@ from fixtures import CORPUS, run
 # tests/kernels runs in its own process (tests/unit/test_kernels.py), with the Triton interpreter switched on.
 collect_ignore = ([] if importlib.util.find_spec("torch_xla") else ["xla"]) + ["kernels"]
 
+# The longest files first: tools/test.sh hands the suite to two workers a file at a time, in this order
+# (--no-loadscope-reorder), so a long file started last would run alone at the end. Minutes on 2 shared cores.
+LONGEST_FIRST = [
+    "integration/test_layouts.py",  # ~44: one launch per layout
+    "unit/test_kernels.py",  # ~5: the kernel tests under the Triton interpreter, in one process
+    "e2e/test_launchers.py",  # ~8
+    "e2e/test_tools.py",  # ~7
+    "e2e/test_training.py",  # ~7
+    "e2e/test_reliability.py",  # ~10
+    "e2e/test_hf.py",  # ~8
+    "e2e/test_backends.py",  # ~5
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))  # stable
+
 
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
