@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fixtures import READINGS
-from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run
+from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run, run_together
 from mega_depth.catalogue import SETTINGS
 
 # 2-device layouts, data parallel and FSDP-sharded, on four settings with different parameter shapes (AttnRes's
@@ -26,12 +26,13 @@ def losses(root, mechanism):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("xla")
-    run([RUN_PLAIN, str(root / "eager"), "--device", "cpu"] + SMALL)
-    run([RUN_PLAIN, str(root / "xla1")] + SMALL + PRECISE)
+    jobs = [([RUN_PLAIN, str(root / "eager"), "--device", "cpu"] + SMALL, None),
+            ([RUN_PLAIN, str(root / "xla1")] + SMALL + PRECISE, None)]
     for mesh in sorted(set(SPMD.values())):
         only = ",".join(m for m, v in SPMD.items() if v == mesh)
-        run([RUN_PLAIN, str(root / f"xla2-{mesh.replace(',', 'x')}"), "--mesh", mesh] + SMALL + PRECISE,
-            env={"CPU_NUM_DEVICES": "2", "MECHANISMS": only})
+        jobs.append(([RUN_PLAIN, str(root / f"xla2-{mesh.replace(',', 'x')}"), "--mesh", mesh] + SMALL + PRECISE,
+                     {"CPU_NUM_DEVICES": "2", "MECHANISMS": only}))
+    run_together(jobs)
     return root
 
 
@@ -56,10 +57,10 @@ MOE = ["--num-experts", "4", "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-los
 
 def test_xla_moe_equals_the_eager_run_on_one_and_two_devices(tmp_path):
     env = {"MECHANISMS": "attnres-block"}
-    run([RUN_PLAIN, str(tmp_path / "eager"), "--device", "cpu"] + SMALL + MOE, env=env)
-    run([RUN_PLAIN, str(tmp_path / "xla1")] + SMALL + MOE + PRECISE, env=env)
-    run([RUN_PLAIN, str(tmp_path / "xla2"), "--mesh", "2,1"] + SMALL + MOE + PRECISE,
-        env=dict(env, CPU_NUM_DEVICES="2"))
+    run_together([([RUN_PLAIN, str(tmp_path / "eager"), "--device", "cpu"] + SMALL + MOE, env),
+                  ([RUN_PLAIN, str(tmp_path / "xla1")] + SMALL + MOE + PRECISE, env),
+                  ([RUN_PLAIN, str(tmp_path / "xla2"), "--mesh", "2,1"] + SMALL + MOE + PRECISE,
+                   dict(env, CPU_NUM_DEVICES="2"))])
     eager = losses(tmp_path / "eager", "attnres-block")
     assert eager[-1] < eager[0]
     for name in ("xla1", "xla2"):

@@ -8,6 +8,8 @@ folder, as a user's machine would.
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -16,9 +18,34 @@ MAIN_PY = os.path.join(ROOT, ".venv", "bin", "python")
 RUN_PLAIN = os.path.join(ROOT, "tests", "scripts", "run_plain.py")
 
 
+def _env(env):
+    return dict(os.environ, PYTHONPATH=ROOT, PJRT_DEVICE="CPU", **(env or {}))
+
+
+def _check(args, returncode, stdout, stderr):
+    if returncode != 0:
+        pytest.fail(f"{' '.join(args)} exited {returncode}:\n{stdout[-3000:]}\n{stderr[-5000:]}")
+
+
 def run(args, env=None, python=sys.executable, timeout=1800):
-    full_env = dict(os.environ, PYTHONPATH=ROOT, PJRT_DEVICE="CPU", **(env or {}))
-    proc = subprocess.run([python] + args, capture_output=True, text=True, cwd=ROOT, env=full_env, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = subprocess.run([python] + args, capture_output=True, text=True, cwd=ROOT, env=_env(env), timeout=timeout)
+    _check(args, proc.returncode, proc.stdout, proc.stderr)
     return proc
+
+
+def run_together(jobs, timeout=1800):
+    """Independent runs [(args, env), ...] at once: each is one process that spends most of its time in XLA's
+    compiler on one core, so two or more share the machine's cores. Fails with the first failed run's output."""
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in jobs]  # pipes would fill and stall
+    procs = [subprocess.Popen([sys.executable] + args, stdout=out, stderr=err, text=True, cwd=ROOT, env=_env(env))
+             for (args, env), (out, err) in zip(jobs, logs)]
+    try:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for (args, _), proc, (out, err) in zip(jobs, procs, logs):
+        out.seek(0), err.seek(0)
+        _check(args, proc.returncode, out.read(), err.read())
