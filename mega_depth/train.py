@@ -39,6 +39,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
     def backend():
+        from mega_depth.megatron.deferred_fusions import import_megatron
+
+        import_megatron()  # both backends build Megatron-core's model
         if cfg.training.deepspeed:
             from mega_depth.training.backends.deepspeed import DeepSpeedBackend
 

@@ -12,10 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def start() -> int:
     """The process group (gloo on CPU, NCCL on a GPU); returns the world size."""
+    from mega_depth.megatron.deferred_fusions import import_megatron
     from mega_depth.quiet import quiet_known_warnings
     from mega_depth.training.distributed import init_process_group
 
     quiet_known_warnings()
+    import_megatron()
     return init_process_group()
 
 

@@ -22,6 +22,9 @@ MECHANISMS = {"standard": ["--residual", "standard"], "depth-attention": ["--res
 
 
 def measure(flags, world: int) -> dict:
+    from mega_depth.megatron.deferred_fusions import import_megatron
+
+    import_megatron()
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from mega_depth.config import parse_args

@@ -15,6 +15,9 @@ def main() -> None:
     out, prefix, tokenizer, layout = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     import torch
 
+    from mega_depth.megatron.deferred_fusions import import_megatron
+
+    import_megatron()
     from mega_depth.config import parse_args
     from mega_depth.train import apply_tokenizer_vocab, train
     from mega_depth.training.backends.megatron import MegatronBackend
