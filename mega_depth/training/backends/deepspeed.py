@@ -176,7 +176,7 @@ class DeepSpeedBackend(Collectives):
         import deepspeed
 
         self.cfg = cfg
-        start_megatron(cfg, data_parallel_only=True)  # the model is Megatron-core's, every rank holds all of it
+        self._megatron_groups = start_megatron(cfg, data_parallel_only=True)  # the model is Megatron-core's, every rank holds all of it
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         self.num_microbatches = cfg.num_microbatches(self.world_size)
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -430,6 +430,6 @@ class DeepSpeedBackend(Collectives):
                 shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
-        from megatron.core import parallel_state
+        from mega_depth.training.backends.startup import stop_megatron
 
-        parallel_state.destroy_model_parallel()
+        stop_megatron(self._megatron_groups)  # DeepSpeed's own groups stay: its module state may hold them

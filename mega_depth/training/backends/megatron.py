@@ -26,7 +26,7 @@ class MegatronBackend(Collectives):
         from mega_depth.training.backends.startup import start_megatron
 
         self.cfg = cfg
-        start_megatron(cfg)
+        self._megatron_groups = start_megatron(cfg)
         self.num_microbatches = cfg.num_microbatches(self.world_size)
         self.model: List[torch.nn.Module] = []
 
@@ -256,6 +256,6 @@ class MegatronBackend(Collectives):
         return int(common["step"])
 
     def close(self) -> None:
-        from megatron.core import parallel_state
+        from mega_depth.training.backends.startup import stop_megatron
 
-        parallel_state.destroy_model_parallel()
+        stop_megatron(self._megatron_groups)
