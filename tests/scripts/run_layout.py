@@ -1,17 +1,23 @@
-"""Train every mechanism for a few steps in one parallel layout; write losses, step-1 grads and hop widths.
+"""Train every mechanism for a few steps in parallel layouts; write losses, step-1 grads and hop widths.
 
-Run under torchrun (one launch per layout, all mechanisms inside it, so imports are paid once):
+Run under torchrun, all mechanisms of a layout inside one launch (imports and the process group are paid once):
     torchrun --nproc-per-node N tests/scripts/run_layout.py OUT_DIR [layout flags...]
+    torchrun --nproc-per-node N tests/scripts/run_layout.py --plan PLAN.json
+A plan trains several layouts of N processes one after another in the same launch: a JSON list of
+{"out": OUT_DIR, "flags": [layout flags], "mechanisms": "a,b" or null (all)}. Each mechanism builds Megatron's
+process groups for its own layout and destroys them after (MegatronBackend.close), as one launch per layout would.
 Writes OUT_DIR/<mechanism>/losses.json (rank 0), OUT_DIR/<mechanism>/grads_rank<r>.pt (every rank: full tensors
 under global names, experts included), OUT_DIR/<mechanism>/hops_rank<r>.json (hop widths and bytes) and
 OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
-the process so far (a later mechanism may reuse the graphs of an earlier one), and the graph breaks Dynamo met while
-this mechanism trained) and OUT_DIR/<mechanism>/fused_paths.json (rank 0: calls of the fused norm's remade paths).
-MECHANISMS=a,b limits the mechanisms.
+the process so far (a later mechanism or layout may reuse the graphs of an earlier one), and the graph breaks Dynamo
+met while this mechanism trained) and OUT_DIR/<mechanism>/fused_paths.json (rank 0: calls of the fused norm's remade
+paths), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0: the process groups the process holds once the
+backend has closed). MECHANISMS=a,b limits the mechanisms of a single layout.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -89,26 +95,17 @@ def _dynamo_counts():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def main() -> None:
-    out_dir, layout = sys.argv[1], sys.argv[2:]
+def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
+    """Every mechanism (or those in `only`, comma-separated) for a few steps in one layout."""
     from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
 
     from mega_depth.config import parse_args
     from mega_depth.data.datasets import GlobalBatchSampler, build_datasets, tokenizer_for
     from mega_depth.megatron.pipeline import pipelines_of
     from mega_depth.training.backends.megatron import MegatronBackend
 
-    only = os.environ.get("MECHANISMS")
     world = int(os.environ["WORLD_SIZE"])
-    fused_paths = _FusedPaths()
-    if os.environ.get("FUSED_NORM_INTERPRETED") == "1":
-        # Liger's norm as a GPU runs it, on CPU tensors under Triton's interpreter (the mixing ops keep their torch
-        # twins: interpreting them too costs minutes a mechanism)
-        from liger_bridge import bridge_liger_for_the_interpreter
-        from mega_depth.megatron import layer, norm
-
-        bridge_liger_for_the_interpreter()
-        norm.fused_applies = layer.fused_applies = lambda x: not torch.compiler.is_compiling()
     for name, flags in mechanism_flags(4).items():
         if only and name not in only.split(","):
             continue
@@ -145,6 +142,38 @@ def main() -> None:
             with open(os.path.join(run_dir, "fused_paths.json"), "w") as f:
                 json.dump(fused_paths.take(), f)
         backend.close()
+        # The closed backend's model and optimizer hold its destroyed process groups in reference cycles: collected
+        # now, their gloo threads and sockets go now (else they pile up, hundreds of busy threads, until Python's
+        # collector gets to them).
+        del backend
+        gc.collect()
+        if rank == 0:  # the process groups left once the backend is closed: the default one alone
+            with open(os.path.join(run_dir, "groups_after_close.json"), "w") as f:
+                json.dump(len(distributed_c10d._world.pg_map), f)
+
+
+def main() -> None:
+    from mega_depth.megatron.deferred_fusions import import_megatron
+
+    import_megatron()
+    if sys.argv[1] == "--plan":
+        with open(sys.argv[2]) as f:
+            plan = json.load(f)
+    else:
+        plan = [{"out": sys.argv[1], "flags": sys.argv[2:], "mechanisms": os.environ.get("MECHANISMS")}]
+    fused_paths = _FusedPaths()
+    if os.environ.get("FUSED_NORM_INTERPRETED") == "1":
+        # Liger's norm as a GPU runs it, on CPU tensors under Triton's interpreter (the mixing ops keep their torch
+        # twins: interpreting them too costs minutes a mechanism)
+        from liger_bridge import bridge_liger_for_the_interpreter
+        from mega_depth.megatron import layer, norm
+
+        bridge_liger_for_the_interpreter()
+        norm.fused_applies = layer.fused_applies = lambda x: not torch.compiler.is_compiling()
+    for layout in plan:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"== layout {os.path.basename(layout['out'])}: {' '.join(layout['flags'])}", flush=True)
+        train_layout(layout["out"], layout["flags"], layout["mechanisms"], fused_paths)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
