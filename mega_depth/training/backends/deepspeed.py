@@ -176,7 +176,8 @@ class DeepSpeedBackend(Collectives):
         import deepspeed
 
         self.cfg = cfg
-        self._megatron_groups = start_megatron(cfg, data_parallel_only=True)  # the model is Megatron-core's, every rank holds all of it
+        # the model is Megatron-core's, every rank holds all of it
+        self._megatron_groups = start_megatron(cfg, data_parallel_only=True)
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         self.num_microbatches = cfg.num_microbatches(self.world_size)
         self.dp, self.dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
