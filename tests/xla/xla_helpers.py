@@ -18,8 +18,14 @@ MAIN_PY = os.path.join(ROOT, ".venv", "bin", "python")
 RUN_PLAIN = os.path.join(ROOT, "tests", "scripts", "run_plain.py")
 
 
+# XLA's CPU compiler at LLVM -O0: these tests compare numbers, not CPU code speed, and compiling is most of their time
+# (a setting's run: 55 s -> 24 s, bitwise the same losses). A TPU run never sees it: the flag is set here only.
+XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def _env(env):
-    return dict(os.environ, PYTHONPATH=ROOT, PJRT_DEVICE="CPU", **(env or {}))
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS"), XLA_FLAGS) if f)
+    return dict(os.environ, PYTHONPATH=ROOT, PJRT_DEVICE="CPU", XLA_FLAGS=flags, **(env or {}))
 
 
 def _check(args, returncode, stdout, stderr):
