@@ -73,6 +73,9 @@ if [ "${SCALE:-full}" = tiny ]; then
           --mechanisms attnres-block --num-experts 4 --moe-layer-freq "([0]*1+[1]*3)")
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
   KERNELS=(--toy --ops attnres_mix,phase1)
+  # the kernels' tests are collected, not run: the CPU suite runs all of them under the interpreter
+  # (tests/unit/test_kernels.py); collecting checks the selection and imports (pytest exits 5 on an empty one)
+  KERNEL_TESTS=(--collect-only)
   INTERPRET=1
   # the boxes are the GPU's; a 2-core CPU that shares its cores with other tests needs more (the environment's
   # imports alone took 21 s there)
@@ -96,6 +99,7 @@ else
           --moe-ffn-hidden-size 1408 --moe-layer-freq "([0]*1+[1]*23)" --moe-aux-loss-coeff 0.001)
   QUICK=()
   KERNELS=(--shapes 1b)
+  KERNEL_TESTS=()
   INTERPRET=0
   BOX_SCALE=1
 fi
@@ -111,7 +115,8 @@ step bench_kernels 130 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --out "$WORK/kernels.json" --markdown
 step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
-step kernels 40 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained"
+step kernels 40 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
+  "${KERNEL_TESTS[@]}"
 step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
   --out-dir "$WORK"
 step sync_check 45 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
