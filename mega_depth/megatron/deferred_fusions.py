@@ -8,6 +8,10 @@ calls one. Most runs call none of them (our layers use their own fused ops). Her
 function's first call instead: the same `torch.compile(fn)`, with the same defaults, so a run that calls one gets
 the same compiled function. Inside a region that Dynamo is tracing (`--compile-layers`) the function is called as
 it is, which is what Dynamo does with a nested `torch.compile` wrapper: it inlines the original function.
+
+Megatron's inference context and timers also try `import wandb` as they are imported, for writers that training
+never passes them: ~0.9 s of every process. While megatron is imported here that import fails as if wandb were
+absent (their `except ImportError` path); a run with `--wandb-project` imports wandb itself afterwards.
 """
 
 from __future__ import annotations
@@ -38,13 +42,21 @@ def _deferred(compile_fn):
 
 
 def import_megatron() -> None:
-    """Import megatron-core (once); its fusions compile on their first call. A no-op once megatron is imported."""
+    """Import megatron-core (once); its fusions compile on their first call, and its optional wandb writers stay
+    off. A no-op once megatron is imported."""
     if "megatron.core" in sys.modules:
         return
     real_compile = torch.compile
     torch.compile = _deferred(real_compile)
+    hide_wandb = "wandb" not in sys.modules
+    if hide_wandb:
+        sys.modules["wandb"] = None  # `import wandb` raises ImportError
     try:
         # megatron.core.jit keeps the deferring maker as its jit_fuser: modules imported later defer too
         import megatron.core  # noqa: F401
+        import megatron.core.inference_params  # noqa: F401  (every layer module imports it: its wandb try)
+        import megatron.core.timers  # noqa: F401
     finally:
         torch.compile = real_compile
+        if hide_wandb and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]

@@ -56,7 +56,7 @@ def test_inside_a_traced_region_the_plain_function_runs():
     torch.testing.assert_close(layer(b, x), 3 * bias_gelu(b, x))
 
 
-def test_import_megatron_leaves_inductor_unimported_and_torch_compile_as_it_was():
+def test_import_megatron_leaves_inductor_and_wandb_unimported_and_torch_compile_as_it_was():
     probe = ("import sys, torch; real = torch.compile\n"
              "from mega_depth.megatron.deferred_fusions import import_megatron\n"
              "import_megatron(); import megatron.core.jit as jit\n"
@@ -64,5 +64,8 @@ def test_import_megatron_leaves_inductor_unimported_and_torch_compile_as_it_was(
              "assert torch.compile is real\n"
              "assert jit.jit_fuser.__name__ == 'compile_on_first_call', jit.jit_fuser\n"
              "assert 'torch._inductor.compile_fx' not in sys.modules\n"
+             "import megatron.core.inference.contexts.dynamic_context as ctx, megatron.core.timers as timers\n"
+             "assert 'wandb' not in sys.modules and ctx.wandb is None and timers.wandb is None\n"
+             "import wandb; assert wandb.init, wandb  # the real package, for --wandb-project\n"
              "print('ok')")
     assert run(["-c", probe]).stdout.strip() == "ok"
