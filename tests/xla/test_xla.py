@@ -13,7 +13,8 @@ from mega_depth.catalogue import SETTINGS
 
 # 2-device layouts, data parallel and FSDP-sharded, on four settings with different parameter shapes (AttnRes's
 # per-sublayer queries, Depth-Attention's none, DCA's depth-growing GRNs, mHC's [n*n+2n, n*d] projections): the
-# mixing is the same plain-PyTorch code under every mesh, and XLA's CPU compiler costs ~30 s per setting and mesh.
+# mixing is the same plain-PyTorch code under every mesh, and XLA's CPU compiler costs ~15 s per setting and mesh
+# (at -O0, xla_helpers.XLA_FLAGS).
 SPMD = {"attnres-block": "2,1", "depth-attention": "2,1", "dca-2": "1,2", "mhc": "1,2"}
 PRECISE = ["--mat-mul-precision", "highest"]
 SMALL = ["--num-layers", "2"]  # run_layout.py's model, two layers deep: XLA's CPU compiler is slow
