@@ -17,6 +17,7 @@ absent (their `except ImportError` path); a run with `--wandb-project` imports w
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 
 import torch
@@ -54,8 +55,10 @@ def import_megatron() -> None:
     try:
         # megatron.core.jit keeps the deferring maker as its jit_fuser: modules imported later defer too
         import megatron.core  # noqa: F401
-        import megatron.core.inference_params  # noqa: F401  (every layer module imports it: its wandb try)
-        import megatron.core.timers  # noqa: F401
+
+        # the two modules that try wandb (every layer module imports the first), while it is hidden
+        for name in ("megatron.core.inference_params", "megatron.core.timers"):
+            importlib.import_module(name)
     finally:
         torch.compile = real_compile
         if hide_wandb and sys.modules.get("wandb", 0) is None:
