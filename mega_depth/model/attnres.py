@@ -332,8 +332,9 @@ class AttnRes(Mechanism):
 
     def kernel_io_units(self, recompute=True):
         """Sublayer by sublayer (Full AttnRes, the input-dependent query): each mix reads its K sources and writes
-        its input; backward reads them again with the output gradient, and the sources' gradients are summed in
-        the kernels; a per-token query is read, and its gradient written in fp32. Two-phase (Block AttnRes): per
+        its input; backward reads them again with the output gradient (and, with softmax weights, the output), and
+        the sources' gradients are summed in the kernels; a per-token query is read, and its gradient written in
+        fp32. Two-phase (Block AttnRes): per
         block, phase 1 reads the n completed blocks and writes one output per member sublayer, its backward reads
         them again with those outputs' gradients and writes a gradient per block, its query-gradient kernel reads
         the blocks once more; per sublayer, phase 2 reads phase 1's output (and the partial sum) and writes the
@@ -357,8 +358,9 @@ class AttnRes(Mechanism):
                 blocks = [f"b{j}" for j in range(lay.completed_blocks_before(sub) + 1)]
                 mixes.append(blocks + ([f"partial{sub}"] if lay.has_partial_before(sub) else []))
         readers: Dict[str, int] = {}
-        for sources in mixes:
-            total += 2 * (len(sources) + 1) + (4 if per_token_query else 0)  # forward, backward (+ q, dq in fp32)
+        saved_output = int(self.weight == "softmax")  # the softmax gradient's go . h
+        for sources in mixes:  # forward, backward (+ q, dq in fp32)
+            total += 2 * (len(sources) + 1) + saved_output + (4 if per_token_query else 0)
             for s in sources:
                 readers[s] = readers.get(s, 0) + 1
         return total + sunk_gradients(readers)

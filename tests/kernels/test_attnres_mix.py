@@ -55,12 +55,13 @@ def test_opcheck(twin):
     for query, gain in ((leaf(8), leaf(8)), (leaf(2, 3, 8), None)):
         opcheck(attnres_mix_op, (sources, query, gain, EPS, False, 2))
         grad = torch.randn(2, 3, 8)
-        opcheck(attnres_mix_backward_op, (grad, detached(sources), query.detach(), None if gain is None else
-                                          gain.detach(), EPS, True, 1))
+        bare = (detached(sources), query.detach(), None if gain is None else gain.detach())
+        for sigmoid, heads in ((True, 1), (False, 2)):
+            saved = attnres_mix_op(*bare, EPS, sigmoid, heads)  # the forward's output and lse
+            opcheck(attnres_mix_backward_op, (grad, *bare, *saved, EPS, sigmoid, heads))
         for adding in ([False] * 3, [True, False, True]):
-            opcheck(attnres_mix_backward_into_op, (grad, detached(sources), [torch.randn(2, 3, 8) for _ in sources],
-                                                   adding, query.detach(), None if gain is None else gain.detach(),
-                                                   EPS, False, 2), eager_only=True)
+            opcheck(attnres_mix_backward_into_op, (grad, bare[0], [torch.randn(2, 3, 8) for _ in sources], adding,
+                                                   *bare[1:], *saved, EPS, False, 2), eager_only=True)
 
 
 def test_saves_no_stacked_copy(path):
