@@ -1,8 +1,8 @@
 """Every mechanism in every supported layout gives the single-process losses and step-1 gradients.
 
 Every layout trains every catalogue setting (tests/scripts/run_layout.py), then each (layout, mechanism) pair is
-compared with the single-process run. Dense layouts of one process count share a torchrun launch (a plan), so that
-the ~8 s of imports a process are paid in 12 launches instead of 31. Also: the pipeline payload of Block AttnRes
+compared with the single-process run. Layouts of one process count share a torchrun launch (a plan), so that the
+~8 s of imports a process are paid in 4 launches instead of 31. Also: the pipeline payload of Block AttnRes
 with virtual stages, with and without cross-stage caching, against the formula of docs/mechanisms.md §11.
 """
 
@@ -99,22 +99,19 @@ COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-lay
 
 
 def launches():
-    """{(processes, environment, MoE layout or None): [layout names]}: one torchrun launch each. Compiled layouts go
-    last in theirs, so that the eager ones before them run in a process where Dynamo has captured nothing
-    (test_compiled_... reads the single-process run's count as the eager zero). Each MoE layout keeps a launch of its
-    own: a closed MoE backend stays reachable in megatron-core 0.16.1 (its model, and with it its process groups'
-    gloo threads, ~50 a build), so a process that trained them all would carry over a thousand busy threads."""
+    """{(processes, environment): [layout names]}: one torchrun launch each. Compiled layouts go last in theirs, so
+    that the eager ones before them run in a process where Dynamo has captured nothing (test_compiled_... reads the
+    single-process run's count as the eager zero)."""
     groups = {}
     for name in sorted(LAYOUTS, key=lambda name: name in COMPILED):  # stable: the table's order otherwise
-        env = tuple(sorted(LAYOUT_ENV.get(name, {}).items()))
-        groups.setdefault((LAYOUTS[name][0], env, name if name.startswith("moe-") else None), []).append(name)
+        groups.setdefault((LAYOUTS[name][0], tuple(sorted(LAYOUT_ENV.get(name, {}).items()))), []).append(name)
     return groups
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
-    for i, ((nproc, env, _), names) in enumerate(launches().items()):
+    for i, ((nproc, env), names) in enumerate(launches().items()):
         plan = root / f"launch{i}-{nproc}proc.json"
         plan.write_text(json.dumps([{"out": str(root / name), "flags": LAYOUTS[name][1],
                                      "mechanisms": LAYOUTS[name][3]} for name in names]))
@@ -197,11 +194,20 @@ def test_the_interpreted_layouts_ran_the_fused_norms_remade_paths(runs):
 
 def test_a_closed_backend_leaves_only_the_default_process_group(runs):
     """One launch builds a backend per layout and mechanism (up to ~130): each close must free the groups Megatron
-    made for it, else every gloo group's threads and sockets stay (a launch slowed ~5x by its fortieth build)."""
+    made for it, and the backend itself, else every gloo group's threads and sockets stay (a launch slowed ~5x by
+    its fortieth build). A MoE backend kept itself alive through Megatron's gradient hooks (megatron/ddp.py): ~50
+    threads a rank after each build of a 4-process layout."""
     left = {str(path.relative_to(runs)): json.loads(path.read_text())
             for path in runs.glob("*/*/groups_after_close.json")}
     assert left and len(left) == len(list(runs.glob("*/*/losses.json")))  # every trained setting wrote it
-    assert set(left.values()) == {1}, {k: v for k, v in left.items() if v != 1}
+    assert {v["groups"] for v in left.values()} == {1}, {k: v for k, v in left.items() if v["groups"] != 1}
+    # A launch's threads do not grow with its builds. Compiled builds are left out: each one that compiles new graphs
+    # keeps ~9 threads for the life of the process (rebuilding the same mechanism adds none: what Dynamo caches per
+    # graph, not tracked down yet).
+    for names in launches().values():
+        threads = sorted((v["build"], v["threads"], k) for k, v in left.items()
+                         if k.split("/")[0] in names and k.split("/")[0] not in COMPILED)
+        assert len(threads) > 1 and threads[-1][1] <= threads[0][1] + 8, threads
 
 
 def test_losses_fall_and_mechanisms_act(runs):

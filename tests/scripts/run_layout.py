@@ -11,13 +11,15 @@ under global names, experts included), OUT_DIR/<mechanism>/hops_rank<r>.json (ho
 OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
 the process so far (a later mechanism or layout may reuse the graphs of an earlier one), and the graph breaks Dynamo
 met while this mechanism trained) and OUT_DIR/<mechanism>/fused_paths.json (rank 0: calls of the fused norm's remade
-paths), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0: the process groups the process holds once the
-backend has closed). MECHANISMS=a,b limits the mechanisms of a single layout.
+paths), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0, once the backend has closed: the process groups
+the process holds, its OS threads and the build's number in the process). MECHANISMS=a,b limits the mechanisms of a
+single layout.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import sys
@@ -95,6 +97,9 @@ def _dynamo_counts():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+_BUILDS = itertools.count()  # this process's backends so far
+
+
 def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
     """Every mechanism (or those in `only`, comma-separated) for a few steps in one layout."""
     from megatron.core import parallel_state
@@ -147,9 +152,11 @@ def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
         # collector gets to them).
         del backend
         gc.collect()
-        if rank == 0:  # the process groups left once the backend is closed: the default one alone
+        if rank == 0:  # the process groups left once the backend is closed (the default one alone), and the
+            # process's threads (OS threads: gloo's included), which a backend kept alive after close would add to
             with open(os.path.join(run_dir, "groups_after_close.json"), "w") as f:
-                json.dump(len(distributed_c10d._world.pg_map), f)
+                json.dump({"groups": len(distributed_c10d._world.pg_map),
+                           "threads": len(os.listdir("/proc/self/task")), "build": next(_BUILDS)}, f)
 
 
 def main() -> None:

@@ -49,11 +49,11 @@ class MegatronBackend(Collectives):
 
     # --- build ------------------------------------------------------------------------------------------------------
     def build(self, initial_weights: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamWithNamePredicate, get_megatron_optimizer
 
         from mega_depth.megatron.builder import build_model_chunks, load_full_state, transformer_impl
+        from mega_depth.megatron.ddp import DistributedDataParallel
         from mega_depth.model.state_dict_adapter import is_expert_param
 
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.training

@@ -55,7 +55,12 @@ def stop_megatron(megatron_groups: FrozenSet) -> None:
     gloo group on a CPU, a NCCL communicator on a GPU), so a process that builds one backend after another (a sweep,
     a benchmark of every mechanism) slowed down with each: ~2,700 threads a rank after 40 builds."""
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     parallel_state.destroy_model_parallel()
     for group in megatron_groups & _process_groups():  # those destroy_model_parallel left
         torch.distributed.destroy_process_group(group)
+    # A destroyed gloo group's threads end when the group object goes, and Megatron's RotaryEmbedding.forward is an
+    # lru_cache over `self` (class-wide, 32 entries): it kept each closed model's rotary module, and with it the CP
+    # group, alive (3 threads a build).
+    RotaryEmbedding.forward.cache_clear()
