@@ -204,7 +204,9 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
     """{"registers", "stack" (bytes a thread), "shared" (bytes a block), "local" (bytes a thread), "spill_stores" /
     "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds), "narrow_loads" (global loads of
     2 bytes or less a thread), "widest_load" (bytes a thread), "load_wave" (bytes the resident threads of an SM
-    ask for with one widest load each: what one load instruction puts in flight)} of a compiled kernel: the
+    ask for with one widest load each: what one load instruction puts in flight), "atomics" (global atomic
+    instructions: a reduction whose order, and so whose fp32 rounding, varies from run to run)} of a compiled
+    kernel: the
     cubin's resource usage as cuobjdump --dump-resource-usage reads it, and the spills ptxas -v reports for its
     PTX (Triton runs ptxas with -v but keeps the report to itself; a spill goes to the stack frame, which cuobjdump
     shows as STACK, not LOCAL)."""
@@ -230,7 +232,7 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
     return {"registers": regs, "stack": int(found["STACK"]), "shared": shared, "local": int(found["LOCAL"]),
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)), "occupancy": resident,
             "narrow_loads": sum(count for size, count in widths.items() if size <= 2), "widest_load": widest,
-            "load_wave": resident * 64 * 32 // 100 * widest}
+            "load_wave": resident * 64 * 32 // 100 * widest, "atomics": global_atomics(compiled.ptx)}
 
 
 # A global load in PTX: ld.global[.nc][.L1::...].[v2|v4].<type> (predicated or not), or an asynchronous copy to
@@ -239,6 +241,15 @@ _GLOBAL_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global((?:\.[\w:]+)*)\s", re
 _LOAD_TYPE = re.compile(r"\.(?:v(\d+)\.)?[bsuf](8|16|32|64|128)$")
 _ASYNC_COPY = re.compile(
     r"^\s*(?:@!?%p\d+\s+)?cp\.async\.\w+\.shared\.global\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)", re.M)
+
+
+# A global atomic in PTX: atom.global... or red.global... (predicated or not).
+_GLOBAL_ATOMIC = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.global\.", re.M)
+
+
+def global_atomics(ptx: str) -> int:
+    """The global atomic instructions in a kernel's PTX (tl.atomic_add and the like)."""
+    return len(_GLOBAL_ATOMIC.findall(ptx))
 
 
 def load_widths(ptx: str) -> Dict[int, int]:

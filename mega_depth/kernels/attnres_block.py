@@ -25,8 +25,8 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
                                        dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
                                        pointer_at, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton,
-                                       warps)
+                                       register_fake, rms_inverse, rms_inverse_torch, rows, sum_rows, tl, token,
+                                       uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
@@ -182,11 +182,11 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
 
 
 @jit
-def _phase1_dq_kernel(table, like_ptr, w_ptr, df_ptr, K, N, S, D, C, H, TOK, BS: tl.constexpr, BT: tl.constexpr,
-                      BCH: tl.constexpr):
+def _phase1_dq_kernel(table, like_ptr, w_ptr, part_ptr, PW, K, N, S, D, C, H, TOK, BS: tl.constexpr,
+                      BT: tl.constexpr, BCH: tl.constexpr):
     """dL/d(folded queries) [S, d] = sum over tokens and blocks of w[n, k, s, h] v_k[n, h-th channels]: one
-    program per (head, channel chunk, token split), BT tokens a step as one dot [BS, BT] x [BT, BCH], one atomic
-    add per program."""
+    program per (head, channel chunk, token split), BT tokens a step as one dot [BS, BT] x [BT, BCH]; each token
+    split's sum [S, d] is a row of part_ptr [splits, PW], which common.sum_rows reduces in order."""
     chunks = tl.cdiv(C, BCH)
     h = tl.program_id(0) // chunks
     c0 = (tl.program_id(0) % chunks) * BCH
@@ -207,7 +207,8 @@ def _phase1_dq_kernel(table, like_ptr, w_ptr, df_ptr, K, N, S, D, C, H, TOK, BS:
             w = tl.load(w_ptr + ((n[None, :] * K + k) * S + os_[:, None]) * H + h,
                         mask=(os_ < S)[:, None] & tmask[None, :], other=0.)
             acc += dot32(w, v)
-    tl.atomic_add(df_ptr + os_[:, None] * D + offs[None, :], acc, mask=(os_ < S)[:, None] & cmask[None, :])
+    tl.store(part_ptr + tl.program_id(1).to(tl.int64) * PW + os_[:, None] * D + offs[None, :], acc,
+             mask=(os_ < S)[:, None] & cmask[None, :])
 
 
 @jit
@@ -255,12 +256,13 @@ def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, out_ptr, N, D, 
 
 
 @jit
-def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr, dz_ptr, do_ptr, dx_ptr, df_ptr,
-                       N, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr,
+def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr, dz_ptr, do_ptr, dx_ptr, part_ptr,
+                       PW, N, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr,
                        NORM: tl.constexpr, SIGMOID: tl.constexpr):
     """With a = exp(m - M), b = exp(l - M), den = z a + b (M = max(m, l), a constant) and A = a / den,
     B = b / den: out = o A + x B, so do = go A, dx = go B (+ the logit's path), dz = -A (go . out),
-    dm = A (go . (o - z out)), dl = B (go . (x - out)) per head. Sigmoid: do = go (left to the host)."""
+    dm = A (go . (o - z out)), dl = B (go . (x - out)) per head. Sigmoid: do = go (left to the host). The folded
+    query's gradient over the program's tokens goes to its row of part_ptr [programs, PW] (common.sum_rows)."""
     pid = tl.program_id(0)
     oh, offs, cmask = channel_block(C, H, BH, BC)
     hmask = oh < H
@@ -309,7 +311,7 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
             tl.store(do_ptr + row, (go / z[:, None]).to(go_ptr.dtype.element_ty), mask=mask)
             tl.store(dz_ptr + n * H + oh, -tl.sum(go * o, axis=1) / (z * z), mask=hm)
     if HAS_PARTIAL:
-        tl.atomic_add(df_ptr + offs, total, mask=cmask)
+        tl.store(part_ptr + pid.to(tl.int64) * PW + offs, total, mask=cmask)
 
 
 def _dq_tiles(bs: int, element_size: int) -> Tuple[int, int]:
@@ -363,7 +365,7 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
     """-> (block gradients, dq [S, d] fp32, dg [S, d] fp32 or None)."""
     (n, d), s = srcs[0].shape, q.shape[0]
     grads = [torch.empty_like(x) for x in srcs]
-    df = torch.zeros((s, d), dtype=F32, device=go.device)
+    df = torch.zeros((s, d), dtype=F32, device=go.device)  # (no token: no gradient)
     if n > 0:
         bk, bs, bch = _phase1_blocks(srcs, s, heads)
         w = torch.empty((n, len(srcs), s, heads), dtype=F32, device=go.device)  # the logits' gradients
@@ -377,9 +379,11 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
         chunks = cdiv(d // heads, bch)
         splits, tok = reduction_grid(n, heads * chunks, go.device)
         bt, dq_warps = _dq_tiles(bs, go.element_size())
-        launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, df, len(srcs), n, s, d, d // heads,
-                                                             heads, tok),
+        parts = torch.empty((splits, cdiv(s * d, 16) * 16), dtype=F32, device=go.device)  # a token split's sums
+        launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, parts, parts.shape[1], len(srcs), n,
+                                                             s, d, d // heads, heads, tok),
                dq_warps, BS=bs, BT=bt, BCH=bch)
+        df = sum_rows(parts, s * d).view(s, d)
     if g is None:
         return grads, df, None
     return grads, df * g.float(), df * q.float()
@@ -409,15 +413,19 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
     dz = torch.zeros_like(z, dtype=F32) if not sigmoid else None
     do = None if sigmoid else torch.empty_like(o)
     dx = torch.empty_like(x) if x is not None else None
-    df = torch.zeros(d, dtype=F32, device=dev) if x is not None else None
+    df = torch.zeros(d, dtype=F32, device=dev) if x is not None else None  # (no token: no gradient)
     if n > 0 and (x is not None or not sigmoid):
         bh, bc = pow2(heads), pow2(d // heads)
         count, tok = programs(n, dev, reduces=x is not None)
+        # per-program partial sums of the folded query's gradient (rows of a multiple of 16 for sum_rows)
+        parts = torch.empty((count, cdiv(d, 16) * 16), dtype=F32, device=dev) if x is not None else go
         launch(_phase2_bwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, go,
                                               go if dm is None else dm, go if dz is None else dz,
-                                              go if do is None else do, go if dx is None else dx,
-                                              go if df is None else df, n, d, d // heads, heads, eps, tok),
+                                              go if do is None else do, go if dx is None else dx, parts,
+                                              parts.shape[-1], n, d, d // heads, heads, eps, tok),
                warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
+        if x is not None:
+            df = sum_rows(parts, d)
     if df is None:
         return dm, dz, do, dx, None, None
     if g is None:

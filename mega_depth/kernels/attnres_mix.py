@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block, check_heads,
-                                       depth_weight_is_sigmoid, folded_query, folded_query_torch, gradient_at,
-                                       gradient_table, jit, launch, nothing, pointer_at, pointer_table, pow2, programs,
-                                       register_fake, rms_inverse, rms_inverse_torch, rows, tl, token, uses_triton,
-                                       warps)
+from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, channel_block,
+                                       check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
+                                       gradient_at, gradient_table, jit, launch, nothing, pointer_at, pointer_table,
+                                       pow2, programs, register_fake, rms_inverse, rms_inverse_torch, rows, sum_rows,
+                                       tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -77,13 +77,14 @@ def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
 
 
 @jit
-def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, dg_ptr, df_ptr, K, N, D, C, H, eps, TOK,
+def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, part_ptr, PW, K, N, D, C, H, eps, TOK,
                 BH: tl.constexpr, BC: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
                 SIGMOID: tl.constexpr):
     """One pass over the sources per token: source k's weight from its logit and the saved lse, the softmax
     gradient's normaliser go . h from the saved output h. The source gradients are stored, or added to what a buffer
-    holds (gtable: common.gradient_table). Static query: the fp32 sum over tokens of dL/d(folded query) goes to
-    df_ptr [d]. Per-token query: dL/dq per token goes to dq_ptr [N, d] and the gain's sum to dg_ptr [d]."""
+    holds (gtable: common.gradient_table). Per-token query: dL/dq per token goes to dq_ptr [N, d]. The parameter
+    gradient summed over the program's tokens (fp32; the folded query's with a static query, the gain's with a
+    per-token one) goes to its row of part_ptr [programs, PW], which common.sum_rows reduces in order."""
     oh, offs, cmask = channel_block(C, H, BH, BC)
     if NORM:
         gain = tl.load(g_ptr + offs, mask=cmask, other=0.).to(tl.float32)
@@ -130,11 +131,8 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, dg_
                 tl.store(dq_ptr + row, df, mask=mask)
         else:
             total += df
-    if PER_TOKEN:
-        if NORM:
-            tl.atomic_add(dg_ptr + offs, total, mask=cmask)
-    else:
-        tl.atomic_add(df_ptr + offs, total, mask=cmask)
+    if NORM or not PER_TOKEN:
+        tl.store(part_ptr + tl.program_id(0).to(tl.int64) * PW + offs, total, mask=cmask)
 
 
 def _lse_like(out: Tensor, heads: int, sigmoid: bool) -> Tensor:
@@ -164,21 +162,26 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     fp32 [d] or None). out and lse: the forward's (unused with sigmoid weights)."""
     n, d = srcs[0].shape
     per_token = q.dim() == 2
-    # a per-token query's gradient is stored row by row (every row once); a static one is summed into by atomics
-    dq = (torch.empty if per_token else torch.zeros)(q.shape, dtype=F32, device=go.device)
-    dg = torch.zeros(d, dtype=F32, device=go.device) if g is not None else None
     if n == 0:
-        return dq, dg
-    df = dq if not per_token else None  # static query: the folded query's gradient, summed over tokens
+        return (torch.zeros(q.shape, dtype=F32, device=go.device),
+                None if g is None else torch.zeros(d, dtype=F32, device=go.device))
+    dq = torch.empty(q.shape, dtype=F32, device=go.device) if per_token else None  # stored row by row
     bh, bc = pow2(heads), pow2(d // heads)
     count, tok = programs(n, go.device, reduces=True)
+    # per-program partial sums of the parameter gradient (rows of a multiple of 16: sum_rows loads 16 bytes a thread);
+    # a per-token query without a key norm has none
+    parts = torch.empty((count, cdiv(d, 16) * 16), dtype=F32, device=go.device) if g is not None or not per_token \
+        else dq
     launch(_bwd_kernel, (count,), (pointer_table(srcs), gradient_table(grads, adding), q, q if g is None else g, go,
-                                   go if sigmoid else out, go if sigmoid else lse, dq, dq if dg is None else dg,
-                                   dq if df is None else df, len(srcs), n, d, d // heads, heads, eps, tok),
+                                   go if sigmoid else out, go if sigmoid else lse, parts if dq is None else dq, parts,
+                                   parts.shape[1], len(srcs), n, d, d // heads, heads, eps, tok),
            warps(bh * bc, 4), BH=bh, BC=bc, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid)
-    if not per_token and g is not None:  # folded = gain * query
-        dq, dg = df * g.float(), df * q.float()
-    return dq, dg
+    if per_token:  # the gain's gradient, summed over tokens
+        return dq, None if g is None else sum_rows(parts, d)
+    df = sum_rows(parts, d)  # the folded query's, summed over tokens
+    if g is None:
+        return df, None
+    return df * g.float(), df * q.float()  # folded = gain * query
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -204,7 +204,7 @@ def warps(elements: int, live: int) -> int:
 
 def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
     """(programs, tokens per program). Kernels that reduce parameter gradients over tokens use a few programs per
-    SM (fewer atomics); the rest one token per program. Under the interpreter a handful of programs of several
+    SM (fewer partial sums or atomics); the rest one token per program. Under the interpreter a handful of programs of several
     tokens each, so that the tests walk the token loop, its masked tail and the cross-program reduction."""
     if _RECORDER is not None:
         count = min(n, 8 * _RECORDER.sm_count) if reduces else n
@@ -234,8 +234,8 @@ def chunk(c: int, rows: int = 1) -> int:
 
 def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]:
     """(token splits, tokens per split) for a kernel that reduces over tokens with one program per (channel chunk,
-    token split): enough programs to fill the GPU (8 per SM), each summing its tokens in registers before one
-    atomic add per chunk."""
+    token split): enough programs to fill the GPU (8 per SM), each summing its tokens in registers before it writes
+    its split's partial sum (sum_rows) or adds it in (an atomic)."""
     if _RECORDER is not None:
         sms = _RECORDER.sm_count
     elif interpreting() or device.type != "cuda":

@@ -73,8 +73,8 @@ def test_the_bound_takes_the_training_model_of_the_kernels():
     """The bound's traffic is a training step's as the fused kernels move it (Mechanism.training_io_units; the step
     trace checks each model against the recorded launches): the plain residual's 6 per sublayer (forward and the
     gradient's add); Full AttnRes's mixes of K = 1 .. 49 sources read them and write their input forward and again
-    with the output gradient backward, and each source's gradient is stored by its first reader and added to by
-    every other (1,225 reads of 49 sources: 2 * 1225 - 49)."""
+    with the output gradient backward, with the forward's output (the softmax gradient's go . h), and each source's
+    gradient is stored by its first reader and added to by every other (1,225 reads of 49 sources: 2 * 1225 - 49)."""
     import sys
 
     sys.path.insert(0, "tools")
@@ -82,7 +82,7 @@ def test_the_bound_takes_the_training_model_of_the_kernels():
 
     assert training_io_units({"mechanism": "standard"}, 24, 2048, 16, 16) == 6 * 48
     full = training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16)
-    assert full == 2 * sum(k + 1 for k in range(1, 50)) + (2 * 1225 - 49)
+    assert full == sum(2 * (k + 1) + 1 for k in range(1, 50)) + (2 * 1225 - 49)
     assert training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16, fused=False) == 3 * io_units(
         {"mechanism": "attnres"}, 24, 2048, 16, 16, fused=False)
 

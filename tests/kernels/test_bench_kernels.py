@@ -50,6 +50,7 @@ def test_the_tuner_launches_every_candidate_setting_and_checks_it(tmp_path):
     kernels = {(r["op"], r["phase"], r["kernel"].split("(")[0]) for r in rows}
     assert kernels == {("attnres_mix", "fwd", "attnres_mix._fwd_kernel"),
                        ("attnres_mix", "bwd", "attnres_mix._bwd_kernel"),
+                       ("attnres_mix", "bwd", "common._sum_rows_kernel"),  # the query's gradient, in order
                        ("streams_out", "fwd", "streams._out_fwd_kernel"),
                        ("streams_out", "bwd", "streams._out_bwd_kernel")}
     for r in rows:

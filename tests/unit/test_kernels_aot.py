@@ -48,6 +48,11 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     # 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept 8 (12 %).
     assert all(r["occupancy"] >= 25 for r in step), [(r["kernel"], r["occupancy"]) for r in step if
                                                      r["occupancy"] < 25]
+    # AttnRes's kernels (Full AttnRes's mix, Block AttnRes's phases) reduce their parameter gradients in order
+    # (per-program partial sums, then common.sum_rows): the same bits every run. The GRNs' still add atomically.
+    attnres = [r for r in rows if r["kernel"].startswith(("attnres_mix.", "attnres_block."))]
+    assert attnres and all(r["atomics"] == 0 for r in attnres), [(r["kernel"], r["atomics"]) for r in attnres
+                                                                 if r["atomics"]]
 
 
 def test_the_load_widths_of_a_kernel_are_read_from_its_ptx():
@@ -64,6 +69,18 @@ def test_the_load_widths_of_a_kernel_are_read_from_its_ptx():
         st.global.b16 [ %rd2 + 0 ], { %rs1 };
     """
     assert load_widths(ptx) == {8: 2, 2: 1, 16: 2}
+
+
+def test_global_atomics_are_counted_in_the_ptx():
+    from mega_depth.kernels.aot import global_atomics
+
+    ptx = """
+        @%p1 atom.global.gpu.acq_rel.add.f32 %f1, [ %rd1 + 0 ], %f2;
+        red.global.add.f32 [ %rd2 + 0 ], %f3;
+        atom.shared.add.f32 %f4, [ %r1 + 0 ], %f5;
+        ld.global.b32 { %r2 }, [ %rd3 + 0 ];
+    """
+    assert global_atomics(ptx) == 2
 
 
 def test_a_spill_or_a_compile_error_fails_the_check():
