@@ -24,9 +24,9 @@ from mega_depth.kernels.attnres_mix import accumulate
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
                                        dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
-                                       pointer_at, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, rms_inverse, rms_inverse_torch, rows, sum_rows, tl, token,
-                                       uses_triton, warps)
+                                       partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
+                                       reduction_grid, register_fake, rms_inverse, rms_inverse_torch, rows, sum_rows,
+                                       tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
@@ -379,7 +379,7 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
         chunks = cdiv(d // heads, bch)
         splits, tok = reduction_grid(n, heads * chunks, go.device)
         bt, dq_warps = _dq_tiles(bs, go.element_size())
-        parts = torch.empty((splits, cdiv(s * d, 16) * 16), dtype=F32, device=go.device)  # a token split's sums
+        parts = partial_sums(splits, s * d, go.device)  # a token split's sums
         launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, parts, parts.shape[1], len(srcs), n,
                                                              s, d, d // heads, heads, tok),
                dq_warps, BS=bs, BT=bt, BCH=bch)
@@ -417,8 +417,7 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
     if n > 0 and (x is not None or not sigmoid):
         bh, bc = pow2(heads), pow2(d // heads)
         count, tok = programs(n, dev, reduces=x is not None)
-        # per-program partial sums of the folded query's gradient (rows of a multiple of 16 for sum_rows)
-        parts = torch.empty((count, cdiv(d, 16) * 16), dtype=F32, device=dev) if x is not None else go
+        parts = partial_sums(count, d, dev) if x is not None else go  # the folded query's gradient a program
         launch(_phase2_bwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, go,
                                               go if dm is None else dm, go if dz is None else dz,
                                               go if do is None else do, go if dx is None else dx, parts,

@@ -22,11 +22,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, channel_block,
+from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block,
                                        check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
-                                       gradient_at, gradient_table, jit, launch, nothing, pointer_at, pointer_table,
-                                       pow2, programs, register_fake, rms_inverse, rms_inverse_torch, rows, sum_rows,
-                                       tl, token, uses_triton, warps)
+                                       gradient_at, gradient_table, jit, launch, nothing, partial_sums, pointer_at,
+                                       pointer_table, pow2, programs, register_fake, rms_inverse, rms_inverse_torch,
+                                       rows, sum_rows, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -168,10 +168,8 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     dq = torch.empty(q.shape, dtype=F32, device=go.device) if per_token else None  # stored row by row
     bh, bc = pow2(heads), pow2(d // heads)
     count, tok = programs(n, go.device, reduces=True)
-    # per-program partial sums of the parameter gradient (rows of a multiple of 16: sum_rows loads 16 bytes a thread);
-    # a per-token query without a key norm has none
-    parts = torch.empty((count, cdiv(d, 16) * 16), dtype=F32, device=go.device) if g is not None or not per_token \
-        else dq
+    # per-program partial sums of the parameter gradient (a per-token query without a key norm has none)
+    parts = partial_sums(count, d, go.device) if g is not None or not per_token else dq
     launch(_bwd_kernel, (count,), (pointer_table(srcs), gradient_table(grads, adding), q, q if g is None else g, go,
                                    go if sigmoid else out, go if sigmoid else lse, parts if dq is None else dq, parts,
                                    parts.shape[1], len(srcs), n, d, d // heads, heads, eps, tok),

@@ -204,8 +204,9 @@ def warps(elements: int, live: int) -> int:
 
 def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
     """(programs, tokens per program). Kernels that reduce parameter gradients over tokens use a few programs per
-    SM (fewer partial sums or atomics); the rest one token per program. Under the interpreter a handful of programs of several
-    tokens each, so that the tests walk the token loop, its masked tail and the cross-program reduction."""
+    SM (fewer partial sums or atomics); the rest one token per program. Under the interpreter a handful of
+    programs of several tokens each, so that the tests walk the token loop, its masked tail and the cross-program
+    reduction."""
     if _RECORDER is not None:
         count = min(n, 8 * _RECORDER.sm_count) if reduces else n
     elif interpreting() or device.type != "cuda":
@@ -247,6 +248,12 @@ def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]
         splits = min(n, 2)
     tok = cdiv(n, splits)
     return cdiv(n, tok), tok
+
+
+def partial_sums(programs: int, cols: int, device: torch.device) -> Tensor:
+    """A buffer of per-program fp32 partial sums for sum_rows: [programs, cols rounded up to a multiple of 16] (its
+    rows then load 16 bytes a thread; the padding columns are never read back)."""
+    return torch.empty((programs, cdiv(cols, 16) * 16), dtype=F32, device=device)
 
 
 def sum_rows(parts: Tensor, cols: Optional[int] = None) -> Tensor:

@@ -18,7 +18,7 @@ from typing import List
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import F32, cdiv, jit, launch, register_fake, sum_rows, tl, uses_triton
+from mega_depth.kernels.common import F32, jit, launch, partial_sums, register_fake, sum_rows, tl, uses_triton
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.sinkhorn import _half_step, _start, launch_args, logits_grad
 from mega_depth.kernels.sinkhorn import _torch_bwd as _torch_sinkhorn_bwd
@@ -146,7 +146,7 @@ def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, e
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
     # the bias's, then the alphas' partials; rows padded to 16 values, so that their sum loads 16 bytes a thread
-    parts = torch.empty((grid[0], cdiv(m + 3, 16) * 16), dtype=F32, device=proj.device)
+    parts = partial_sums(grid[0], m + 3, proj.device)
     if tokens:
         # 8 warps, two threads a token: on 4 (one a token) it took 141-148 registers and spilled at the default 128
         launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts,
