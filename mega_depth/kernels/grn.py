@@ -9,20 +9,22 @@ recomputes the v3 gates (clamp's subgradient 1 at 0, as the reference). The op i
 The Triton kernels walk a token's sources in chunks of channels, so registers do not grow with d: the v3 gates
 (full-row dot products) come from a first pass, the weighted sums from a second one, whose reads of the token's
 sources hit the cache. In backward, the parameter gradients (sums over tokens) are one more kernel, one program
-per channel chunk and token split, which reads the sources and the output gradients once more.
+per channel chunk, block of sources and token split, which reads the sources once more and the output gradients
+once a block of sources; its per-program partial sums are added in order (common.sum_rows): deterministic.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
-                                       gradient_at, gradient_table, jit, launch, nothing, pointer_at, pointer_table,
-                                       pow2, programs, reduction_grid, register_fake, rows, tl, token, uses_triton)
+                                       gradient_at, gradient_table, interpreting, jit, launch, nothing, partial_sums,
+                                       pointer_at, pointer_table, pointers_at, pow2, programs, reduction_grid,
+                                       register_fake, rows, sum_rows, tl, token, uses_triton)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -117,7 +119,8 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
                 BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
     (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 stores each source's
-    gradient chunk by chunk, or adds it to what the buffer holds (gtable: common.gradient_table). The parameter gradients are _params_kernel's."""
+    gradient chunk by chunk, or adds it to what the buffer holds (gtable: common.gradient_table). The parameter
+    gradients are _params_kernel's."""
     ok, og, gmask = _lanes(G, BK, BG)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
@@ -148,33 +151,51 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
 
 
 @jit
-def _params_kernel(table, like_ptr, go_ptr, w_ptr, dbias_ptr, dproj_ptr, K, N, D, G, TOK, BG: tl.constexpr,
-                   BCH: tl.constexpr, VERSION: tl.constexpr):
-    """dbias[g, c, k] = sum_n go[g, n, c] v_k[n, c] (v1: summed over c too) and (v3) dproj[g, c] =
-    sum_{n, k} dgate[n, k, g] v_k[n, c]: one program per (channel chunk, token split), sums in registers, one
-    atomic add per program and source."""
+def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr, K, N, D, G, TOK, BIAS_ROW,
+                   PROJ_ROW, BK: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
+    """Program (channel chunk, block of BK sources, token split), over its split's tokens: dbias[g, c, k] =
+    sum_n go[g, n, c] v_k[n, c] for its BK sources (v1: summed over its channels too) and (v3) dproj[g, c] =
+    sum_n sum_k dgate[n, k, g] v_k[n, c] over its sources. Each token's output gradient [BG, BCH] is read once for
+    BK sources ([BK, BCH] in 16-byte loads), not once a source; the sums stay in [BK, BG, BCH] registers and go to
+    the program's rows of the partial buffers, which common.sum_rows adds in order (the same bits every run):
+    bias_part [splits (v1: x chunks), G x K (v2/v3: x d)] as [G, K, d] (whole rows of channels, contiguous),
+    proj_part [splits x source blocks, G x d]."""
+    chunk_id, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ok = block * BK + tl.arange(0, BK)
+    kmask = ok < K
     og = tl.arange(0, BG)
-    od = tl.program_id(0) * BCH + tl.arange(0, BCH)
     gmask = og < G
-    mask2 = gmask[:, None] & (od < D)[None, :]
-    dproj = tl.zeros([BG, BCH], dtype=tl.float32)
-    for k in range(K):
-        dbias = tl.zeros([BG, BCH], dtype=tl.float32)
-        for t in range(TOK):
-            n = token(tl.program_id(1), t, TOK)
-            valid = n < N
-            v = tl.load(pointer_at(table, k, like_ptr) + n * D + od, mask=(od < D) & valid, other=0.).to(tl.float32)
-            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & valid,
-                         other=0.).to(tl.float32)
-            dbias += go * v[None, :]
-            if VERSION == 3:
-                dproj += tl.load(w_ptr + (n * K + k) * G + og, mask=gmask & valid, other=0.)[:, None] * v[None, :]
-        if VERSION == 1:
-            tl.atomic_add(dbias_ptr + og * K + k, tl.sum(dbias, axis=1), mask=gmask)
-        else:
-            tl.atomic_add(dbias_ptr + og[:, None] * D * K + od[None, :] * K + k, dbias, mask=mask2)
+    od = chunk_id * BCH + tl.arange(0, BCH)
+    cmask = od < D
+    rows_at = pointers_at(table, ok, kmask, like_ptr)  # [BK]
+    dbias = tl.zeros([BK, BG, BCH], dtype=tl.float32)
+    dproj = tl.zeros([BK, BG, BCH], dtype=tl.float32)  # summed over the sources once, at the end (v3)
+    for t in range(TOK):
+        n = token(split, t, TOK)
+        valid = n < N
+        # loaded as [BK, 1, BCH] and [1, BG, BCH], not as 2-D tiles broadcast after: the loads then land in the
+        # accumulator's layout (2-D tiles took 10-30 more registers a thread and a layout change through shared memory)
+        v = tl.load(rows_at[:, None, None] + n * D + od[None, None, :],
+                    mask=kmask[:, None, None] & cmask[None, None, :] & valid, other=0.).to(tl.float32)
+        go = tl.load(go_ptr + og[None, :, None].to(tl.int64) * N * D + n * D + od[None, None, :],
+                     mask=gmask[None, :, None] & cmask[None, None, :] & valid, other=0.).to(tl.float32)
+        dbias += v * go
+        if VERSION == 3:
+            dgate = tl.load(w_ptr + (n * K + ok[:, None, None]) * G + og[None, :, None],
+                            mask=kmask[:, None, None] & gmask[None, :, None] & valid, other=0.)  # [BK, BG, 1]
+            dproj += dgate * v
+    kg = kmask[:, None] & gmask[None, :]  # [BK, BG]
+    if VERSION == 1:
+        row = split.to(tl.int64) * tl.num_programs(0) + chunk_id
+        tl.store(bias_part_ptr + row * BIAS_ROW + og[None, :] * K + ok[:, None], tl.sum(dbias, axis=2), mask=kg)
+    else:
+        at = (og[None, :, None] * K + ok[:, None, None]) * D + od[None, None, :]
+        tl.store(bias_part_ptr + split.to(tl.int64) * BIAS_ROW + at, dbias,
+                 mask=kg[:, :, None] & cmask[None, None, :])
     if VERSION == 3:
-        tl.atomic_add(dproj_ptr + og[:, None] * D + od[None, :], dproj, mask=mask2)
+        row = split.to(tl.int64) * tl.num_programs(1) + block
+        tl.store(proj_part_ptr + row * PROJ_ROW + og[:, None] * D + od[None, :], tl.sum(dproj, axis=0),
+                 mask=gmask[:, None] & cmask[None, :])
 
 
 def _bias_rows(bias: Tensor, version: int) -> Tensor:
@@ -204,28 +225,51 @@ def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], versio
     return out
 
 
+def _param_blocks(k: int, g_block: int, d: int, version: int, element_size: int) -> Tuple[int, int]:
+    """(sources, channels) of a _params_kernel program. Triton spreads a load over every thread, so a small tile
+    loads narrow (a lone gradient row of 128 bf16 channels on 4 warps: 2 bytes a thread). So: a [g_block,
+    channels] tile of output gradients that 4 warps load 8 bytes a thread or more, and rows of 128 bytes at least;
+    then as many sources (up to 16; 8 for v3, which keeps two sums) as keep each [sources, g_block, channels] fp32
+    sum within 4k values (32 registers a thread); then channels enough for the [sources, channels] tile of rows to
+    load 16 bytes a thread. 2 sources and 4 channels under the interpreter, so that the tests walk several
+    blocks of each and their masked tails."""
+    if interpreting():
+        return min(pow2(k), 2), chunk(d)
+    wide = 4 * 32 * 16 // element_size  # values that 4 warps load at 16 bytes a thread (1,024 bf16)
+    channels = min(pow2(d), max(wide // 2 // g_block, 128 // element_size))
+    sources = min(pow2(k), 8 if version == 3 else 16, max(1, 4096 // (g_block * channels)))
+    return sources, min(pow2(d), max(channels, wide // sources))
+
+
 def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int,
                 grads: List[Tensor], adding: List[bool]):
     """Source gradients into `grads` (rows; added to those with `adding` set) -> (dbias fp32, dproj fp32 or None)."""
     n, d = srcs[0].shape
-    g = bias.shape[0]
-    dbias = torch.zeros(bias.shape, dtype=F32, device=go.device)
-    dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
+    g, k = bias.shape[0], len(srcs)
     if n == 0:
-        return dbias, dproj
+        dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
+        return torch.zeros(bias.shape, dtype=F32, device=go.device), dproj
     bk, bg, bch = _blocks(srcs, bias)
-    w = torch.empty((n, len(srcs), g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
+    w = torch.empty((n, k, g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
     table = pointer_table(srcs)
     count, tok = programs(n, go.device, reduces=False)
     launch(_bwd_kernel, (count,), (table, gradient_table(grads, adding), _bias_rows(bias, version),
-                                   bias if proj is None else proj, go, w, len(srcs), n, d, g, tok),
+                                   bias if proj is None else proj, go, w, k, n, d, g, tok),
            4, BK=bk, BG=bg, BCH=bch, VERSION=version)
-    chunks = cdiv(d, bch)
-    splits, tok = reduction_grid(n, chunks, go.device)
-    launch(_params_kernel, (chunks, splits), (table, srcs[0], go, w, dbias, dbias if dproj is None else dproj, len(srcs),
-                                              n, d, g, tok),
-           4, BG=bg, BCH=bch, VERSION=version)
-    return dbias, dproj
+    sources, channels = _param_blocks(k, bg, d, version, go.element_size())
+    chunks, blocks = cdiv(d, channels), cdiv(k, sources)
+    splits, tok = reduction_grid(n, chunks * blocks, go.device)
+    bias_cols = g * k if version == 1 else g * k * d
+    bias_parts = partial_sums(splits * chunks if version == 1 else splits, bias_cols, go.device)
+    proj_parts = partial_sums(splits * blocks, g * d, go.device) if version == 3 else bias_parts
+    launch(_params_kernel, (chunks, blocks, splits),
+           (table, srcs[0], go, w, bias_parts, proj_parts, k, n, d, g, tok, bias_parts.stride(0),
+            proj_parts.stride(0)),
+           4, BK=sources, BG=bg, BCH=channels, VERSION=version)
+    dbias = sum_rows(bias_parts, bias_cols)
+    # v2/v3: summed as [G, K, d] (rows of channels), the parameter's [G, d, K] a copy of G x d x K values away
+    dbias = dbias.view(g, k) if version == 1 else dbias.view(g, k, d).transpose(1, 2).contiguous()
+    return dbias, sum_rows(proj_parts, g * d).view(g, d) if version == 3 else None
 
 
 # --------------------------------------------------------------------------------------------------------------
