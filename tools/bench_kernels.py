@@ -13,7 +13,8 @@ a copy of the same bytes (read + write), and a sum of 8 sources into one (a mix 
 on our kernels (mega_depth/kernels), on `torch.compile` of the eager math (mega_depth/model/mixing.py: the floor a
 user gets for free), and on every peer that computes the same function (tools/kernel_peers.py): a peer's output
 and gradients are checked equal to ours before it is timed; one that differs is reported so, not timed; one that
-cannot run here is skipped with the reason. The torch.compile rows come last, after every op's own and peer
+cannot run here is skipped with the reason. Ours runs once more, untimed: its row says whether it gave the same
+bits again (deterministic: no parameter gradient summed by atomics). The torch.compile rows come last, after every op's own and peer
 rows: compiling is the slow part, and a run cut short by its time box keeps the rest (--out is written after
 every case).
 
@@ -228,6 +229,20 @@ def forward_backward(run, inputs, device, repeats):
     return out.detach(), [g.detach() for g in grads], fwd, bwd
 
 
+def run_twice_equal(run, inputs, out, grads) -> bool:
+    """Whether one more untimed forward and backward of run gives the same bits as (out, grads): the parameter
+    gradients are summed in order (per-program partial sums, common.sum_rows), never by atomics whose order, and
+    so whose fp32 rounding, varies from run to run. A GPU is where that can fail; on a CPU it checks the code path."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    again = run(*leaves)
+    go = torch.randn(again.shape, generator=torch.Generator(device=again.device).manual_seed(7),
+                     device=again.device, dtype=again.dtype)
+    grads_again = torch.autograd.grad(again, [t for t in leaves if t.requires_grad], go)
+    return torch.equal(again, out) and all(torch.equal(a, b) for a, b in zip(grads_again, grads))
+
+
 def agree(a, b, tol: float) -> Optional[str]:
     """None when a equals b to tol (relative to b's scale), else what differs."""
     scale = b.float().abs().max().item() or 1.0
@@ -239,7 +254,9 @@ def measure(case: Case, device, repeats: int, tol: float) -> List[dict]:
     """One row per implementation of the case: ours, then each peer."""
     inputs = case.make()
     out, grads, fwd, bwd = forward_backward(case.run, inputs, device, repeats)
-    rows = [dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, status="ok")]
+    same = run_twice_equal(case.run, inputs, out, grads)
+    rows = [dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, deterministic=same,
+                 status="ok" if same else "ok, but a second run differs in its bits (not deterministic)")]
     ref_out, ref_grads, _, _ = forward_backward(reference(case.op), inputs, device, 1)
     problem = agree(out, ref_out, tol) or next((p for p in (agree(g, r, tol) for g, r in zip(grads, ref_grads))
                                                 if p), None)

@@ -20,6 +20,7 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path):
     status = {(r["op"], r["impl"]): r["status"] for r in found["rows"]}
     assert {op for op, impl in status if impl == "mega_depth"} == set(bench_kernels.OPS)
     assert all(s == "ok" for (op, impl), s in status.items() if impl == "mega_depth")
+    assert all(r["deterministic"] for r in found["rows"] if r["impl"] == "mega_depth")
     # the peers that run under the interpreter compute our function; fla's kernels need CUDA tensors
     for peer in (("attnres_mix", "liger attn_res"), ("phase1", "flash-attn-res phase 1"),
                  ("phase2", "flash-attn-res phase 2"), ("streams_out", "liger mhc_post_res"),
@@ -36,6 +37,21 @@ def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
     case.peers = {"off by 1 %": Peer(lambda *a: case.run(*a) * 1.01)}
     rows = bench_kernels.measure(case, torch.device("cpu"), 1, 1e-4)
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("differs"), rows
+
+
+def test_an_op_whose_second_run_gives_other_bits_is_reported_not_deterministic():
+    """What an atomic sum does on a GPU (its order, and fp32 rounding, changes from run to run), here as a last-bit
+    change a call: the row says so."""
+    case = next(c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True)
+                if c.op == "grn")
+    run, calls = case.run, [0]
+
+    def drifting(*inputs):
+        calls[0] += 1
+        return run(*inputs) * (1 + 1e-6 * calls[0])
+    case.run, case.peers = drifting, {}
+    rows = bench_kernels.measure(case, torch.device("cpu"), 1, 1e-4)
+    assert rows[0]["deterministic"] is False and "not deterministic" in rows[0]["status"], rows
 
 
 def test_the_tuner_launches_every_candidate_setting_and_checks_it(tmp_path):
