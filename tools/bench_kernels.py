@@ -14,9 +14,9 @@ on our kernels (mega_depth/kernels), on `torch.compile` of the eager math (mega_
 user gets for free), and on every peer that computes the same function (tools/kernel_peers.py): a peer's output
 and gradients are checked equal to ours before it is timed; one that differs is reported so, not timed; one that
 cannot run here is skipped with the reason. Ours runs once more, untimed: its row says whether it gave the same
-bits again (deterministic: no parameter gradient summed by atomics). The torch.compile rows come last, after every op's own and peer
-rows: compiling is the slow part, and a run cut short by its time box keeps the rest (--out is written after
-every case).
+bits again (deterministic: no parameter gradient summed by atomics). The torch.compile rows come last, after every
+op's own and peer rows: compiling is the slow part, and a run cut short by its time box keeps the rest (--out is
+written after every case).
 
 --toy runs the same code at toy sizes in fp32 on the CPU under Triton's interpreter: every op and every peer that
 can run there is run and checked, nothing is timed (timings on a CPU say nothing of a GPU).
@@ -214,6 +214,14 @@ def timed(fn, device, repeats: int) -> Optional[float]:
     return statistics.median(times)
 
 
+def output_gradient(out):
+    """The gradient fed to an op's output: the same draw for every implementation and run."""
+    import torch
+
+    return torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device,
+                       dtype=out.dtype)
+
+
 def forward_backward(run, inputs, device, repeats):
     """(output, gradients, forward seconds, backward seconds) of run on leaves made from inputs."""
     import torch
@@ -221,8 +229,7 @@ def forward_backward(run, inputs, device, repeats):
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fwd = timed(lambda: run(*leaves), device, repeats)
     out = run(*leaves)
-    go = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device,
-                     dtype=out.dtype)  # the same for every implementation
+    go = output_gradient(out)
     wanted = [t for t in leaves if t.requires_grad]
     bwd = timed(lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), device, repeats)
     grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
@@ -232,14 +239,13 @@ def forward_backward(run, inputs, device, repeats):
 def run_twice_equal(run, inputs, out, grads) -> bool:
     """Whether one more untimed forward and backward of run gives the same bits as (out, grads): the parameter
     gradients are summed in order (per-program partial sums, common.sum_rows), never by atomics whose order, and
-    so whose fp32 rounding, varies from run to run. A GPU is where that can fail; on a CPU it checks the code path."""
+    so whose fp32 rounding, varies from run to run. A GPU is where that can fail; on a CPU it checks the code
+    path."""
     import torch
 
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     again = run(*leaves)
-    go = torch.randn(again.shape, generator=torch.Generator(device=again.device).manual_seed(7),
-                     device=again.device, dtype=again.dtype)
-    grads_again = torch.autograd.grad(again, [t for t in leaves if t.requires_grad], go)
+    grads_again = torch.autograd.grad(again, [t for t in leaves if t.requires_grad], output_gradient(again))
     return torch.equal(again, out) and all(torch.equal(a, b) for a, b in zip(grads_again, grads))
 
 
@@ -314,8 +320,7 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
     wanted = [t for t in leaves if t.requires_grad]
     with tuning.observing() as fwd_seen:
         out = case.run(*leaves)
-    go = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device,
-                     dtype=out.dtype)
+    go = output_gradient(out)
     with tuning.observing() as bwd_seen:
         ref_grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
     phases = {"fwd": (lambda: case.run(*leaves), lambda got: [got], [out.detach()]),

@@ -43,7 +43,7 @@ def test_an_op_whose_second_run_gives_other_bits_is_reported_not_deterministic()
     """What an atomic sum does on a GPU (its order, and fp32 rounding, changes from run to run), here as a last-bit
     change a call: the row says so."""
     case = next(c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True)
-                if c.op == "grn")
+                if c.op == "attnres_mix")  # the cheapest toy case under the interpreter (grn's takes ~25 s)
     run, calls = case.run, [0]
 
     def drifting(*inputs):
