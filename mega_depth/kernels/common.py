@@ -470,6 +470,15 @@ def pointers_at(table, ok, kmask, like_ptr):
     return tl.multiple_of(tl.load(table + ok, mask=kmask, other=0).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16)
 
 
+@jit
+def gradients_at(table, ok, kmask, like_ptr):
+    """(pointers [BK], adding [BK]) of a gradient table's entries ok (masked ones null, never written): gradient_at
+    for a [BK, chunk] tile of gradient rows, stored or added in 16-byte vectors."""
+    raw = tl.load(table + ok, mask=kmask, other=0)
+    adding = (raw & 1) == 1
+    return tl.multiple_of((raw - (raw & 1)).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16), adding
+
+
 # Whether tl.dot takes bf16/fp16 operands as they are (on the tensor cores: exact products, fp32 sums). Compiled
 # it does; the interpreter misreads bf16 in a dot, so there both operands go in as fp32 (the same products).
 NATIVE_DOT = tl.constexpr(not interpreting()) if tl is not None else None

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
-                                       gradient_at, gradient_table, interpreting, jit, launch, nothing, partial_sums,
-                                       pointer_at, pointer_table, pointers_at, pow2, programs, reduction_grid,
+                                       gradient_table, gradients_at, interpreting, jit, launch, nothing, partial_sums,
+                                       pick, pointer_table, pointers_at, pow2, programs, reduction_grid,
                                        register_fake, rows, sum_rows, tl, token, uses_triton)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
@@ -40,114 +40,134 @@ def _rounded(x, like_ptr):
 
 
 @jit
-def _bias(bias_ptr, og, od, gmask, mask2, k, K, D, like_ptr, VERSION: tl.constexpr):
-    """The bias of source k for every instance: [BG, 1] (v1: a scalar, bias_ptr [G, K]) or [BG, BCH] (a chunk of
-    channels; bias_ptr [G, K, d], the parameter's [G, d, K] transposed so that a chunk is contiguous)."""
+def _source_tile(table, b, K, n, od, valid, D, like_ptr, KB: tl.constexpr, POLICY: tl.constexpr):
+    """Sources b * KB .. b * KB + KB - 1 of token n at channels od: ([KB, 1, BCH] fp32, their indices [KB], mask
+    [KB]). One 16-byte-a-thread load for KB rows: a lone row of 256 bf16 channels on 4 warps loads 4 bytes a
+    thread, one after another. POLICY: the cache eviction hint (evict_last where a second pass reads them again)."""
+    ok = b * KB + tl.arange(0, KB)
+    kmask = ok < K
+    at = pointers_at(table, ok, kmask, like_ptr)
+    v = tl.load(at[:, None, None] + n * D + od[None, None, :],
+                mask=kmask[:, None, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
+    return v.to(tl.float32), ok, kmask
+
+
+@jit
+def _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, like_ptr, VERSION: tl.constexpr):
+    """The bias of sources ok for every instance: [KB, BG, 1] (v1: scalars, bias_ptr [G, K] fp32) or [KB, BG, BCH]
+    (v2/v3: a chunk of channels; bias_ptr [G, K, d], the parameter's [G, d, K] transposed so that it is
+    contiguous)."""
+    kg = kmask[:, None, None] & gmask[None, :, None]
     if VERSION == 1:
-        b = tl.load(bias_ptr + og * K + k, mask=gmask, other=0.)[:, None]
+        b = tl.load(bias_ptr + og[None, :, None] * K + ok[:, None, None], mask=kg, other=0.)
     else:
-        b = tl.load(bias_ptr + (og[:, None] * K + k) * D + od[None, :], mask=mask2, other=0.)
+        b = tl.load(bias_ptr + (og[None, :, None] * K + ok[:, None, None]) * D + od[None, None, :],
+                    mask=kg & (od < D)[None, None, :], other=0.)
     return _rounded(b, like_ptr)
 
 
 @jit
-def _lanes(G, BK: tl.constexpr, BG: tl.constexpr):
-    """(sources [BK], instances [BG], the instances' mask)."""
-    og = tl.arange(0, BG)
-    return tl.arange(0, BK), og, og < G
+def _instance_tile(ptr, og, gmask, od, rows, row, D, valid, POLICY: tl.constexpr):
+    """Row `row` of every instance of a [G, rows, d] tensor at channels od: [1, BG, BCH] fp32."""
+    at = ptr + (og[None, :, None].to(tl.int64) * rows + row) * D + od[None, None, :]
+    return tl.load(at, mask=gmask[None, :, None] & (od < D)[None, None, :] & valid, other=0.,
+                   eviction_policy=POLICY).to(tl.float32)
 
 
 @jit
-def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, BK: tl.constexpr, BG: tl.constexpr,
-           BCH: tl.constexpr, GO: tl.constexpr):
-    """v3, pass 1 over a token's K sources in chunks: proj_g . v_k [BK, BG] and, with GO, go_g . v_k [BK, BG]
-    (go_ptr: [G, N, d])."""
-    ok, og, gmask = _lanes(G, BK, BG)
-    pre = tl.zeros([BK, BG], dtype=tl.float32)
-    gsum = tl.zeros([BK, BG], dtype=tl.float32)
+def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.constexpr, KB: tl.constexpr,
+           BG: tl.constexpr, BCH: tl.constexpr, GO: tl.constexpr):
+    """v3, pass 1 over a token's K sources, chunk by chunk and KB sources a load: proj_g . v_k [NB, KB, BG]
+    (source b * KB + i at [b, i]) and, with GO, go_g . v_k (go_ptr: [G, N, d]). Its reads ask the cache to keep
+    their lines (evict_last): pass 2 reads them again."""
+    ob = tl.arange(0, NB)
+    og = tl.arange(0, BG)
+    gmask = og < G
+    pre = tl.zeros([NB, KB, BG], dtype=tl.float32)
+    gsum = tl.zeros([NB, KB, BG], dtype=tl.float32)
     for c0 in range(0, D, BCH):
         od = c0 + tl.arange(0, BCH)
-        mask2 = gmask[:, None] & (od < D)[None, :]
-        proj = _rounded(tl.load(proj_ptr + og[:, None] * D + od[None, :], mask=mask2, other=0.), like_ptr)
+        proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), like_ptr)  # [1, BG, BCH]
         if GO:
-            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & valid,
-                         other=0.).to(tl.float32)
-        for k in range(K):
-            v = tl.load(pointer_at(table, k, like_ptr) + n * D + od, mask=(od < D) & valid, other=0.).to(tl.float32)
-            sel = (ok == k)[:, None]
-            pre = tl.where(sel, pre + tl.sum(proj * v[None, :], axis=1)[None, :], pre)
+            go = _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_last")
+        for b in range(0, tl.cdiv(K, KB)):
+            v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_last")
+            sel = (ob == b)[:, None, None]
+            pre = tl.where(sel, pre + tl.sum(v * proj, axis=2)[None, :, :], pre)
             if GO:
-                gsum = tl.where(sel, gsum + tl.sum(go * v[None, :], axis=1)[None, :], gsum)
+                gsum = tl.where(sel, gsum + tl.sum(v * go, axis=2)[None, :, :], gsum)
     return pre, gsum
 
 
 @jit
-def _at(tile, ok, k):
-    """Row k of a [BK, BG] tile as [BG]."""
-    return tl.sum(tl.where((ok == k)[:, None], tile, 0.), axis=0)
-
-
-@jit
-def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl.constexpr, BG: tl.constexpr,
-                BCH: tl.constexpr, VERSION: tl.constexpr):
-    """Per token: (v3) pass 1 finds the K x G gates, pass 2 sums the sources weighted by bias + gate, chunk by
-    chunk, for all G instances at once (the second read of a token's sources comes from cache)."""
-    ok, og, gmask = _lanes(G, BK, BG)
-    for t in range(TOK):
-        n = token(tl.program_id(0), t, TOK)
-        valid = n < N
-        if VERSION == 3:
-            pre, _ = _gates(table, proj_ptr, out_ptr, n, valid, K, N, D, G, out_ptr, BK, BG, BCH, False)
-            gate = tl.maximum(pre, 0.)
-        for c0 in range(0, D, BCH):
-            od = c0 + tl.arange(0, BCH)
-            mask2 = gmask[:, None] & (od < D)[None, :]
-            acc = tl.zeros([BG, BCH], dtype=tl.float32)
-            for k in range(K):
-                v = tl.load(pointer_at(table, k, out_ptr) + n * D + od, mask=(od < D) & valid,
-                            other=0.).to(tl.float32)
-                coef = _bias(bias_ptr, og, od, gmask, mask2, k, K, D, out_ptr, VERSION)
-                if VERSION == 3:
-                    coef = coef + _at(gate, ok, k)[:, None]
-                acc += coef * v[None, :]
-            tl.store(out_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=mask2 & valid)
-
-
-@jit
-def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, BK: tl.constexpr,
+def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, NB: tl.constexpr, KB: tl.constexpr,
                 BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
-    """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
-    (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 stores each source's
-    gradient chunk by chunk, or adds it to what the buffer holds (gtable: common.gradient_table). The parameter
-    gradients are _params_kernel's."""
-    ok, og, gmask = _lanes(G, BK, BG)
+    """Per token: (v3) pass 1 finds the K x G gates, pass 2 sums the sources weighted by bias + gate, chunk by
+    chunk and KB sources a load, for all G instances at once. Pass 2 walks the chunks last to first: the ones
+    pass 1 read last are the likeliest still in cache."""
+    ob = tl.arange(0, NB)
+    og = tl.arange(0, BG)
+    gmask = og < G
+    chunks = tl.cdiv(D, BCH)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
         if VERSION == 3:
-            pre, gsum = _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, go_ptr, BK, BG, BCH, True)
+            pre, _ = _gates(table, proj_ptr, out_ptr, n, valid, K, N, D, G, out_ptr, NB, KB, BG, BCH, False)
+            gate = tl.maximum(pre, 0.)
+        for i in range(chunks):
+            od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
+            acc = tl.zeros([BG, BCH], dtype=tl.float32)
+            for b in range(0, tl.cdiv(K, KB)):
+                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first")
+                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION)
+                if VERSION == 3:
+                    coef = coef + pick(gate, ob, b)[:, :, None]
+                acc += tl.sum(coef * v, axis=0)
+            tl.store(out_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=gmask[:, None] & (od < D)[None, :] & valid)
+
+
+@jit
+def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, NB: tl.constexpr,
+                KB: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
+    """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
+    (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 (chunks last to
+    first, as the forward's) stores the gradients of KB sources a step as one [KB, BCH] tile, or adds them to what
+    the buffers hold (gtable: common.gradient_table). The parameter gradients are _params_kernel's."""
+    ob = tl.arange(0, NB)
+    oi = tl.arange(0, KB)
+    og = tl.arange(0, BG)
+    gmask = og < G
+    chunks = tl.cdiv(D, BCH)
+    for t in range(TOK):
+        n = token(tl.program_id(0), t, TOK)
+        valid = n < N
+        if VERSION == 3:
+            pre, gsum = _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, go_ptr, NB, KB, BG, BCH, True)
             gate = tl.maximum(pre, 0.)
             dgate = tl.where(pre >= 0., gsum, 0.)  # clamp(min=0): subgradient 1 at 0
-            tl.store(w_ptr + (n * K + ok[:, None]) * G + og[None, :], dgate,
-                     mask=(ok < K)[:, None] & gmask[None, :] & valid)
-        for c0 in range(0, D, BCH):
-            od = c0 + tl.arange(0, BCH)
-            mask2 = gmask[:, None] & (od < D)[None, :]
-            go = tl.load(go_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], mask=mask2 & valid,
-                         other=0.).to(tl.float32)
+            k3 = ob[:, None, None] * KB + oi[None, :, None]
+            tl.store(w_ptr + (n * K + k3) * G + og[None, None, :], dgate, mask=(k3 < K) & gmask[None, None, :] & valid)
+        for i in range(chunks):
+            od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
+            go = _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_first")  # [1, BG, BCH]
             if VERSION == 3:
-                proj = _rounded(tl.load(proj_ptr + og[:, None] * D + od[None, :], mask=mask2, other=0.), go_ptr)
-            for k in range(K):
-                coef = _bias(bias_ptr, og, od, gmask, mask2, k, K, D, go_ptr, VERSION)
+                proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), go_ptr)
+            for b in range(0, tl.cdiv(K, KB)):
+                ok = b * KB + oi
+                kmask = ok < K
+                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, go_ptr, VERSION)
                 if VERSION == 3:
-                    coef = coef + _at(gate, ok, k)[:, None]
-                    dv = tl.sum(coef * go + _at(dgate, ok, k)[:, None] * proj, axis=0)
+                    coef = coef + pick(gate, ob, b)[:, :, None]
+                    dv = tl.sum(coef * go + pick(dgate, ob, b)[:, :, None] * proj, axis=1)  # [KB, BCH]
                 else:
-                    dv = tl.sum(coef * go, axis=0)
-                into, adding = gradient_at(gtable, k, go_ptr)
-                dv += tl.load(into + n * D + od, mask=(od < D) & valid & adding, other=0.).to(tl.float32)
-                tl.store(into + n * D + od, dv.to(go_ptr.dtype.element_ty), mask=(od < D) & valid)
+                    dv = tl.sum(coef * go, axis=1)
+                into, adding = gradients_at(gtable, ok, kmask, go_ptr)
+                at = into[:, None] + n * D + od[None, :]
+                tile = kmask[:, None] & (od < D)[None, :] & valid
+                dv += tl.load(at, mask=tile & adding[:, None], other=0.).to(tl.float32)
+                tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile)
 
 
 @jit
@@ -206,10 +226,18 @@ def _bias_rows(bias: Tensor, version: int) -> Tensor:
     return bias.float() if version == 1 else bias.transpose(1, 2).contiguous()
 
 
-def _blocks(srcs: List[Tensor], bias: Tensor):
-    """(BK, BG, BCH) for K sources and G instances."""
+def _blocks(srcs: List[Tensor], bias: Tensor, backward: bool = False) -> Tuple[int, int, int, int]:
+    """(NB, KB, BG, BCH) of the forward and backward kernels for K sources and G instances: chunks of BCH channels
+    (a [BG, BCH] tile of about 1k values), KB sources a load, enough for the forward's [KB, BCH] tile of rows to
+    load 16 bytes a thread on 4 warps (half as many in backward, whose [KB, BG, BCH] tiles of bias and gradient
+    terms spilled at 4 on sm_80 and sm_100), and NB blocks of KB to cover K. 2 sources a load under the
+    interpreter, so that the tests walk several blocks and a masked tail."""
+    k, d = len(srcs), srcs[0].shape[1]
     bg = pow2(bias.shape[0])
-    return pow2(len(srcs)), bg, chunk(srcs[0].shape[1], bg)
+    bch = chunk(d, bg)
+    wide = 4 * 32 * 16 // srcs[0].element_size()  # values that 4 warps load at 16 bytes a thread (1,024 bf16)
+    kb = min(pow2(k), 2 if interpreting() else max(1, wide // bch // (2 if backward else 1)))
+    return pow2(k) // kb, kb, bg, bch
 
 
 def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int) -> Tensor:
@@ -217,11 +245,11 @@ def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], versio
     out = torch.empty((bias.shape[0], n, d), dtype=srcs[0].dtype, device=srcs[0].device)
     if n == 0:
         return out
-    bk, bg, bch = _blocks(srcs, bias)
+    nb, kb, bg, bch = _blocks(srcs, bias)
     count, tok = programs(n, out.device, reduces=False)
     launch(_fwd_kernel, (count,), (pointer_table(srcs), _bias_rows(bias, version), bias if proj is None else proj,
                                    out, len(srcs), n, d, bias.shape[0], tok),
-           4, BK=bk, BG=bg, BCH=bch, VERSION=version)
+           4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
     return out
 
 
@@ -249,13 +277,13 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
     if n == 0:
         dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
         return torch.zeros(bias.shape, dtype=F32, device=go.device), dproj
-    bk, bg, bch = _blocks(srcs, bias)
+    nb, kb, bg, bch = _blocks(srcs, bias, backward=True)
     w = torch.empty((n, k, g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
     table = pointer_table(srcs)
     count, tok = programs(n, go.device, reduces=False)
     launch(_bwd_kernel, (count,), (table, gradient_table(grads, adding), _bias_rows(bias, version),
                                    bias if proj is None else proj, go, w, k, n, d, g, tok),
-           4, BK=bk, BG=bg, BCH=bch, VERSION=version)
+           4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
     sources, channels = _param_blocks(k, bg, d, version, go.element_size())
     chunks, blocks = cdiv(d, channels), cdiv(k, sources)
     splits, tok = reduction_grid(n, chunks * blocks, go.device)
