@@ -205,8 +205,8 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
     "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds), "narrow_loads" (global loads of
     2 bytes or less a thread), "widest_load" (bytes a thread), "load_wave" (bytes the resident threads of an SM
     ask for with one widest load each: what one load instruction puts in flight), "atomics" (global atomic
-    instructions: a reduction whose order, and so whose fp32 rounding, varies from run to run)} of a compiled
-    kernel: the
+    instructions: a reduction whose order, and so whose fp32 rounding, varies from run to run), "load_widths" ({bytes
+    a thread, as a string: global loads of that width})} of a compiled kernel: the
     cubin's resource usage as cuobjdump --dump-resource-usage reads it, and the spills ptxas -v reports for its
     PTX (Triton runs ptxas with -v but keeps the report to itself; a spill goes to the stack frame, which cuobjdump
     shows as STACK, not LOCAL)."""
@@ -232,7 +232,8 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
     return {"registers": regs, "stack": int(found["STACK"]), "shared": shared, "local": int(found["LOCAL"]),
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)), "occupancy": resident,
             "narrow_loads": sum(count for size, count in widths.items() if size <= 2), "widest_load": widest,
-            "load_wave": resident * 64 * 32 // 100 * widest, "atomics": global_atomics(compiled.ptx)}
+            "load_wave": resident * 64 * 32 // 100 * widest, "atomics": global_atomics(compiled.ptx),
+            "load_widths": {str(size): count for size, count in sorted(widths.items())}}
 
 
 # A global load in PTX: ld.global[.nc][.L1::...].[v2|v4].<type> (predicated or not), or an asynchronous copy to
