@@ -86,9 +86,10 @@ def _head(tile, oh, h):
 def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, H, eps, TOK,
                        BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr):
-    """Per token: pass 1 finds the logits of every (block, query, head), pass 2 walks the chunks again and sums
-    the blocks weighted by exp(l - m) (or sigmoid(l)), one dot [BS, BK] x [BK, BCH] a chunk; the second read of a
-    token's blocks comes from cache."""
+    """Per token: pass 1 finds the logits of every (block, query, head), pass 2 walks the chunks again, last to
+    first, and sums the blocks weighted by exp(l - m) (or sigmoid(l)), one dot [BS, BK] x [BK, BCH] a chunk; the
+    second read of a token's blocks then starts with the lines pass 1 read last. (An eviction hint would not reach
+    the loads: Triton pipelines them into cp.async copies, which drop it.)"""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
@@ -97,6 +98,7 @@ def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, 
     kmask = ok < K
     live = kmask[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
     blocks = pointers_at(table, ok, kmask, o_ptr)
+    chunks = tl.cdiv(C, BCH)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -112,9 +114,11 @@ def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, 
             smask2 = smask[:, None] & (oh < H)[None, :] & valid
             tl.store(m_ptr + soffs, m, mask=smask2)
             tl.store(z_ptr + soffs, tl.sum(p, axis=0), mask=smask2)
-        for h in range(H):
+        for i in range(H):  # last head and chunk first: the lines pass 1 read last are the likeliest still cached
+            h = H - 1 - i
             weights = tl.trans(_head(p, oh, h))  # [BS, BK]
-            for c0 in range(0, C, BCH):
+            for j in range(chunks):
+                c0 = (chunks - 1 - j) * BCH
                 offs = h * C + c0 + oc
                 cmask = (c0 + oc < C) & valid
                 v = tl.load(blocks[:, None] + n * D + offs[None, :], mask=kmask[:, None] & cmask[None, :], other=0.)
@@ -128,9 +132,9 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
                        BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
     """Per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its gradient are local
-    to block j. Pass 1: logits and go . v of every block; pass 2: the block gradients, chunk by chunk, as
-    p^T go + dl^T f (two dots [BK, BS] x [BS, BCH]) less the key norm's term. The logit gradients (times 1 / RMS)
-    go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
+    to block j. Pass 1: logits and go . v of every block; pass 2 (last chunk first, as the forward's): the block
+    gradients, chunk by chunk, as p^T go + dl^T f (two dots [BK, BS] x [BS, BCH]) less the key norm's term. The
+    logit gradients (times 1 / RMS) go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
@@ -140,6 +144,7 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
     live = kmask[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
     blocks = pointers_at(table, ok, kmask, go_ptr)
     block_grads = pointers_at(gtable, ok, kmask, go_ptr)
+    chunks = tl.cdiv(C, BCH)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -163,10 +168,12 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
         woffs = ((n * K + ok[:, None, None]) * S + os_[None, :, None]) * H + oh[None, None, :]
         tl.store(w_ptr + woffs, dl, mask=live & valid)
         shrink = dr * rinv * rinv * rinv / D  # the key norm's term: dv -= shrink * v
-        for h in range(H):
+        for i in range(H):  # last head and chunk first, as the forward's pass 2
+            h = H - 1 - i
             p_h = _head(p, oh, h)
             dl_h = _head(dl, oh, h)
-            for c0 in range(0, C, BCH):
+            for j in range(chunks):
+                c0 = (chunks - 1 - j) * BCH
                 offs = h * C + c0 + oc
                 cmask = (c0 + oc < C) & valid
                 qmask = smask[:, None] & cmask[None, :]
