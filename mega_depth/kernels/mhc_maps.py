@@ -145,7 +145,7 @@ def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, e
     grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
-    # the bias's, then the alphas' partials; rows padded to 16 values, so that their sum loads 16 bytes a thread
+    # the bias's, then the alphas' partials
     parts = partial_sums(grid[0], m + 3, proj.device)
     if tokens:
         # 8 warps, two threads a token: on 4 (one a token) it took 141-148 registers and spilled at the default 128

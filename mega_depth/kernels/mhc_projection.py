@@ -26,8 +26,8 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim,
-                                       dot_t, interpreting, jit, launch, reduction_grid, register_fake, store_or_add,
-                                       store_or_add_torch, sum_rows, tl, uses_triton)
+                                       dot_t, interpreting, jit, launch, partial_sums, reduction_grid, register_fake,
+                                       store_or_add, store_or_add_torch, sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
 
@@ -101,10 +101,10 @@ def _bwd_streams_kernel(s_ptr, phi_ptr, gp_ptr, gms_ptr, ds_ptr, N, D, M, SN, ST
 
 
 @jit
-def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, NS: tl.constexpr, BT: tl.constexpr,
+def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, ROW, NS: tl.constexpr, BT: tl.constexpr,
                     BM: tl.constexpr, BC: tl.constexpr):
     """Program (chunk, split): phi's gradient at one channel chunk of one stream, summed over the split's tokens:
-    part[split, :, i * D + chunk] = g_proj[tokens]^T @ x_i[tokens, chunk]."""
+    part[split, m * NS * D + i * D + chunk] = (g_proj[tokens]^T @ x_i[tokens, chunk])[m] (ROW: part's row stride)."""
     chunks = tl.cdiv(D, BC)
     pid, split = tl.program_id(0), tl.program_id(1)
     i = pid // chunks
@@ -120,7 +120,7 @@ def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, NS: tl.conste
         g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
         x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
         acc += dot32(tl.trans(g), x)
-    dst = part_ptr + split.to(tl.int64) * M * NS * D + om[:, None] * (NS * D) + i * D + oc[None, :]
+    dst = part_ptr + split.to(tl.int64) * ROW + om[:, None] * (NS * D) + i * D + oc[None, :]
     tl.store(dst, acc, mask=mmask[:, None] & cmask[None, :])
 
 
@@ -159,10 +159,10 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
            adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
-    parts = torch.empty((splits, m, ns * d), dtype=F32, device=s.device)
-    launch(_bwd_phi_kernel, (chunks, splits), (s, g_proj, parts, n, d, m, s.stride(0), s.stride(1), tok), 4, NS=ns,
-           BT=bt, BM=bm, BC=bc)
-    return sum_rows(parts.view(splits, -1)).view(m, ns * d)
+    parts = partial_sums(splits, m * ns * d, s.device)
+    launch(_bwd_phi_kernel, (chunks, splits),
+           (s, g_proj, parts, n, d, m, s.stride(0), s.stride(1), tok, parts.stride(0)), 4, NS=ns, BT=bt, BM=bm, BC=bc)
+    return sum_rows(parts, m * ns * d).view(m, ns * d)
 
 
 # --------------------------------------------------------------------------------------------------------------
