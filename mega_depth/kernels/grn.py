@@ -9,9 +9,10 @@ recomputes the v3 gates (clamp's subgradient 1 at 0, as the reference). The op i
 The Triton kernels walk a token's sources in chunks of channels, so registers do not grow with d, and load a block
 of sources a step as one tile (16-byte loads where a lone row would load 4): the v3 gates (full-row dot products)
 come from a first pass, the weighted sums from a second one, which walks the chunks last to first so that its
-reads of the token's sources meet the lines the first pass read last (kept with evict_last). In backward, the parameter gradients (sums over tokens) are one more kernel, one program
-per channel chunk, block of sources and token split, which reads the sources once more and the output gradients
-once a block of sources; its per-program partial sums are added in order (common.sum_rows): deterministic.
+reads of the token's sources meet the lines the first pass read last (kept with evict_last). In backward, the
+parameter gradients (sums over tokens) are one more kernel, one program per channel chunk, block of sources and
+token split, which reads the sources once more and the output gradients once a block of sources; its per-program
+partial sums are added in order (common.sum_rows): deterministic.
 """
 
 from __future__ import annotations
@@ -40,30 +41,47 @@ def _rounded(x, like_ptr):
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
+# The 3-D tiles below are [kept, summed, channels]: Triton spreads the warps of a [A, B, C] tile (C contiguous) over
+# A and a warp's threads over C, so a sum over B stays in each thread (no barrier, no copy of the sum on every warp)
+# and one over C in each warp. The forward keeps the instances and sums over sources ([BG, KB, BCH]: BY_INSTANCE),
+# the backward keeps the sources and sums over instances ([KB, BG, BCH]); with the other order the forward's
+# sources took 128 registers, not 109-115 (sm_90, bf16, 3 instances).
+
+
 @jit
-def _source_tile(table, b, K, n, od, valid, D, like_ptr, KB: tl.constexpr, POLICY: tl.constexpr):
-    """Sources b * KB .. b * KB + KB - 1 of token n at channels od: ([KB, 1, BCH] fp32, their indices [KB], mask
-    [KB]). One 16-byte-a-thread load for KB rows: a lone row of 256 bf16 channels on 4 warps loads 4 bytes a
-    thread, one after another. POLICY: the cache eviction hint (evict_last where a second pass reads them again)."""
+def _source_tile(table, b, K, n, od, valid, D, like_ptr, KB: tl.constexpr, POLICY: tl.constexpr,
+                 BY_INSTANCE: tl.constexpr):
+    """Sources b * KB .. b * KB + KB - 1 of token n at channels od: ([1, KB, BCH] with BY_INSTANCE, else
+    [KB, 1, BCH], fp32; their indices [KB]; mask [KB]). One 16-byte-a-thread load for KB rows: a lone row of 256
+    bf16 channels on 4 warps loads 4 bytes a thread, one after another. POLICY: the cache eviction hint
+    (evict_last where a second pass reads them again)."""
     ok = b * KB + tl.arange(0, KB)
     kmask = ok < K
     at = pointers_at(table, ok, kmask, like_ptr)
-    v = tl.load(at[:, None, None] + n * D + od[None, None, :],
-                mask=kmask[:, None, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
+    if BY_INSTANCE:
+        v = tl.load(at[None, :, None] + n * D + od[None, None, :],
+                    mask=kmask[None, :, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
+    else:
+        v = tl.load(at[:, None, None] + n * D + od[None, None, :],
+                    mask=kmask[:, None, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
     return v.to(tl.float32), ok, kmask
 
 
 @jit
-def _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, like_ptr, VERSION: tl.constexpr):
-    """The bias of sources ok for every instance: [KB, BG, 1] (v1: scalars, bias_ptr [G, K] fp32) or [KB, BG, BCH]
-    (v2/v3: a chunk of channels; bias_ptr [G, K, d], the parameter's [G, d, K] transposed so that it is
-    contiguous)."""
-    kg = kmask[:, None, None] & gmask[None, :, None]
-    if VERSION == 1:
-        b = tl.load(bias_ptr + og[None, :, None] * K + ok[:, None, None], mask=kg, other=0.)
+def _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, like_ptr, VERSION: tl.constexpr, BY_INSTANCE: tl.constexpr):
+    """The bias of sources ok for every instance: [BG, KB, *] with BY_INSTANCE, else [KB, BG, *], where * is 1 (v1:
+    scalars, bias_ptr [G, K] fp32) or BCH (v2/v3: a chunk of channels; bias_ptr [G, K, d], the parameter's
+    [G, d, K] transposed so that it is contiguous)."""
+    if BY_INSTANCE:
+        g3, k3 = og[:, None, None], ok[None, :, None]
+        kg = gmask[:, None, None] & kmask[None, :, None]
     else:
-        b = tl.load(bias_ptr + (og[None, :, None] * K + ok[:, None, None]) * D + od[None, None, :],
-                    mask=kg & (od < D)[None, None, :], other=0.)
+        g3, k3 = og[None, :, None], ok[:, None, None]
+        kg = kmask[:, None, None] & gmask[None, :, None]
+    if VERSION == 1:
+        b = tl.load(bias_ptr + g3 * K + k3, mask=kg, other=0.)
+    else:
+        b = tl.load(bias_ptr + (g3 * K + k3) * D + od[None, None, :], mask=kg & (od < D)[None, None, :], other=0.)
     return _rounded(b, like_ptr)
 
 
@@ -92,7 +110,7 @@ def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.const
         if GO:
             go = _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_last")
         for b in range(0, tl.cdiv(K, KB)):
-            v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_last")
+            v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_last", False)
             sel = (ob == b)[:, None, None]
             pre = tl.where(sel, pre + tl.sum(v * proj, axis=2)[None, :, :], pre)
             if GO:
@@ -120,11 +138,11 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, NB: tl.cons
             od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
             acc = tl.zeros([BG, BCH], dtype=tl.float32)
             for b in range(0, tl.cdiv(K, KB)):
-                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first")
-                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION)
+                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first", True)
+                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION, True)  # [BG, KB, *]
                 if VERSION == 3:
-                    coef = coef + pick(gate, ob, b)[:, :, None]
-                acc += tl.sum(coef * v, axis=0)
+                    coef = coef + tl.trans(pick(gate, ob, b))[:, :, None]
+                acc += tl.sum(coef * v, axis=1)
             tl.store(out_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=gmask[:, None] & (od < D)[None, :] & valid)
 
@@ -158,7 +176,7 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
             for b in range(0, tl.cdiv(K, KB)):
                 ok = b * KB + oi
                 kmask = ok < K
-                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, go_ptr, VERSION)
+                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, go_ptr, VERSION, False)  # [KB, BG, *]
                 if VERSION == 3:
                     coef = coef + pick(gate, ob, b)[:, :, None]
                     dv = tl.sum(coef * go + pick(dgate, ob, b)[:, :, None] * proj, axis=1)  # [KB, BCH]
