@@ -96,25 +96,29 @@ def _instance_tile(ptr, og, gmask, od, rows, row, D, valid, POLICY: tl.constexpr
 @jit
 def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.constexpr, KB: tl.constexpr,
            BG: tl.constexpr, BCH: tl.constexpr, GO: tl.constexpr):
-    """v3, pass 1 over a token's K sources, chunk by chunk and KB sources a load: proj_g . v_k [NB, KB, BG]
-    (source b * KB + i at [b, i]) and, with GO, go_g . v_k (go_ptr: [G, N, d]). Its reads ask the cache to keep
-    their lines (evict_last): pass 2 reads them again."""
+    """v3, pass 1 over a token's K sources, KB sources a load, chunk by chunk: proj_g . v_k [NB, KB, BG] (source
+    b * KB + i at [b, i]) and, with GO, go_g . v_k (go_ptr: [G, N, d]). A block's products are summed over the
+    channels once, after its last chunk (a sum across a warp's threads and a change of layout), not once a chunk.
+    Its reads ask the cache to keep their lines (evict_last): pass 2 reads them again."""
     ob = tl.arange(0, NB)
     og = tl.arange(0, BG)
     gmask = og < G
     pre = tl.zeros([NB, KB, BG], dtype=tl.float32)
     gsum = tl.zeros([NB, KB, BG], dtype=tl.float32)
-    for c0 in range(0, D, BCH):
-        od = c0 + tl.arange(0, BCH)
-        proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), like_ptr)  # [1, BG, BCH]
-        if GO:
-            go = _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_last")
-        for b in range(0, tl.cdiv(K, KB)):
+    for b in range(0, tl.cdiv(K, KB)):
+        dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
+        go_dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
+        for c0 in range(0, D, BCH):
+            od = c0 + tl.arange(0, BCH)
             v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_last", False)
-            sel = (ob == b)[:, None, None]
-            pre = tl.where(sel, pre + tl.sum(v * proj, axis=2)[None, :, :], pre)
+            proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), like_ptr)  # [1, BG, BCH]
+            dots += v * proj
             if GO:
-                gsum = tl.where(sel, gsum + tl.sum(v * go, axis=2)[None, :, :], gsum)
+                go_dots += v * _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_last")
+        sel = (ob == b)[:, None, None]
+        pre = tl.where(sel, tl.sum(dots, axis=2)[None, :, :], pre)
+        if GO:
+            gsum = tl.where(sel, tl.sum(go_dots, axis=2)[None, :, :], gsum)
     return pre, gsum
 
 
