@@ -132,9 +132,9 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
                        BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
     """Per token: m is a saved constant of the forward, so every p_sj = exp(l_sj - m_s) and its gradient are local
-    to block j. Pass 1: logits and go . v of every block; pass 2 (last chunk first, as the forward's): the block
-    gradients, chunk by chunk, as p^T go + dl^T f (two dots [BK, BS] x [BS, BCH]) less the key norm's term. The
-    logit gradients (times 1 / RMS) go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
+    to block j. Pass 1: logits and go . v of every block; pass 2: the block gradients, chunk by chunk, as
+    p^T go + dl^T f (two dots [BK, BS] x [BS, BCH]) less the key norm's term. The logit gradients (times 1 / RMS)
+    go to w_ptr [N, K, S, H] for the queries' gradient (_phase1_dq_kernel)."""
     ok = tl.arange(0, BK)
     os_ = tl.arange(0, BS)
     oh = tl.arange(0, BH)
@@ -144,7 +144,6 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
     live = kmask[:, None, None] & smask[None, :, None] & (oh < H)[None, None, :]
     blocks = pointers_at(table, ok, kmask, go_ptr)
     block_grads = pointers_at(gtable, ok, kmask, go_ptr)
-    chunks = tl.cdiv(C, BCH)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -168,12 +167,10 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
         woffs = ((n * K + ok[:, None, None]) * S + os_[None, :, None]) * H + oh[None, None, :]
         tl.store(w_ptr + woffs, dl, mask=live & valid)
         shrink = dr * rinv * rinv * rinv / D  # the key norm's term: dv -= shrink * v
-        for i in range(H):  # last head and chunk first, as the forward's pass 2
-            h = H - 1 - i
+        for h in range(H):  # first to last (last to first, as the forward, spilled in fp32 at 248 registers)
             p_h = _head(p, oh, h)
             dl_h = _head(dl, oh, h)
-            for j in range(chunks):
-                c0 = (chunks - 1 - j) * BCH
+            for c0 in range(0, C, BCH):
                 offs = h * C + c0 + oc
                 cmask = (c0 + oc < C) & valid
                 qmask = smask[:, None] & cmask[None, :]
