@@ -24,7 +24,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -200,7 +200,7 @@ def _nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def resources(compiled: Compiled, capability: int) -> Dict[str, int]:
+def resources(compiled: Compiled, capability: int) -> Dict[str, Any]:
     """{"registers", "stack" (bytes a thread), "shared" (bytes a block), "local" (bytes a thread), "spill_stores" /
     "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds), "narrow_loads" (global loads of
     2 bytes or less a thread), "widest_load" (bytes a thread), "load_wave" (bytes the resident threads of an SM

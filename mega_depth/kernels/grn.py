@@ -41,11 +41,12 @@ def _rounded(x, like_ptr):
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
-# The 3-D tiles below are [kept, summed, channels]: Triton spreads the warps of a [A, B, C] tile (C contiguous) over
-# A and a warp's threads over C, so a sum over B stays in each thread (no barrier, no copy of the sum on every warp)
-# and one over C in each warp. The forward keeps the instances and sums over sources ([BG, KB, BCH]: BY_INSTANCE),
-# the backward keeps the sources and sums over instances ([KB, BG, BCH]). In the other order the forward took 128
-# registers on sm_90 in bf16 at 3 instances, not 109-114.
+# The 3-D tiles below are [kept, summed, channels]. Triton spread the warps of these [A, B, C] tiles (C contiguous)
+# over A and a warp's threads over C (their TTGIR layouts: warpsPerCTA [4, 1, 1], threadsPerWarp [1, 1, 32]), so a
+# sum over B stays in each thread (no barrier, no copy of the sum on every warp) and one over C in each warp. The
+# forward keeps the instances and sums over sources ([BG, KB, BCH]: BY_INSTANCE), the backward keeps the sources
+# and sums over instances ([KB, BG, BCH]). In the other order the forward took 128 registers on sm_90 in bf16 at
+# 3 instances, not 109-114.
 
 
 @jit
@@ -99,7 +100,8 @@ def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.const
     """v3, pass 1 over a token's K sources, KB sources a load, chunk by chunk: proj_g . v_k [NB, KB, BG] (source
     b * KB + i at [b, i]) and, with GO, go_g . v_k (go_ptr: [G, N, d]). A block's products are summed over the
     channels once, after its last chunk (a sum across a warp's threads and a change of layout), not once a chunk.
-    Its reads ask the cache to keep their lines (evict_last): pass 2 reads them again."""
+    The forward's reads of the sources and the backward's of the output gradients ask the cache to keep their lines
+    (evict_last): pass 2 reads them again (it does not read the sources in backward: evict_first)."""
     ob = tl.arange(0, NB)
     og = tl.arange(0, BG)
     gmask = og < G
@@ -110,7 +112,8 @@ def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.const
         go_dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
         for c0 in range(0, D, BCH):
             od = c0 + tl.arange(0, BCH)
-            v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_last", False)
+            v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_first" if GO else "evict_last",
+                                   False)
             proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), like_ptr)  # [1, BG, BCH]
             dots += v * proj
             if GO:
@@ -301,6 +304,10 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
         dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
         return torch.zeros(bias.shape, dtype=F32, device=go.device), dproj
     nb, kb, bg, bch = _blocks(srcs, bias, backward=True)
+    if go.device.type != "meta" and len({t.data_ptr() for t in grads}) < k:
+        # one buffer for two sources: a [KB, chunk] tile would read it twice and store it twice, losing one
+        # source's gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
+        nb, kb = pow2(k), 1
     w = torch.empty((n, k, g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
     table = pointer_table(srcs)
     count, tok = programs(n, go.device, reduces=False)

@@ -102,6 +102,23 @@ def test_readers_of_one_source_add_into_one_buffer(path, version):
     assert adds.count == 0 or path == "torch", f"{adds.count} adds of a source's gradient"
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_two_sources_with_one_gradient_buffer_both_arrive(path, version):
+    """The kernel stores or adds a block of sources' gradients as one tile; two sources of one block that share a
+    buffer would each read it before the other's store, and one gradient would be lost. The second one's must add
+    to the first's, as one source at a time does."""
+    sources = detached(sources_of(3, 2, 3, 8))
+    bias = torch.randn(3, 3) if version == 1 else torch.randn(3, 8, 3)
+    proj = torch.randn(3, 8) if version == 3 else None
+    grad = torch.randn(3, 2, 3, 8)
+    apart = [torch.zeros(2, 3, 8) for _ in sources]
+    grn_backward_into_op(grad, sources, apart, [False] * 3, bias, proj, version)
+    shared, last = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8)
+    grn_backward_into_op(grad, sources, [shared, shared, last], [False, True, False], bias, proj, version)
+    torch.testing.assert_close(shared, apart[0] + apart[1])
+    torch.testing.assert_close(last, apart[2])
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_dwa_is_a_grn_v1_of_one_instance(path, k):
     """DenseFormer's depth-weighted average through the GRN kernels equals mixing.dwa, values and gradients (alpha

@@ -47,7 +47,8 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     # DCA's q/k/v GRN (3 instances, chunks of 256 channels) reads a block of sources as one tile: a lone row of 256
     # bf16 channels loaded 4 bytes a thread (ld.global.b32), one source after another
     grn = [(r["kernel"], r["load_widths"]) for r in step
-           if r["kernel"].startswith(("grn._fwd_kernel", "grn._bwd_kernel")) and "KB=1," not in r["kernel"]]
+           if r["kernel"].startswith(("grn._fwd_kernel", "grn._bwd_kernel")) and "BG=4," in r["kernel"]
+           and "KB=1," not in r["kernel"]]
     assert grn and all(min(map(int, widths)) >= 8 for _, widths in grn), grn
     # loads in flight come from resident warps: every kernel of the 1B step keeps at least 16 an SM (4 blocks of 4,
     # 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept 8 (12 %).
