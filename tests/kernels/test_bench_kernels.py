@@ -39,6 +39,15 @@ def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("differs"), rows
 
 
+def test_our_op_that_differs_from_the_eager_math_is_reported_and_the_table_goes_on():
+    case = next(c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True)
+                if c.op == "attnres_mix")
+    run = case.run
+    case.run, case.peers = (lambda *a: run(*a) * 1.01), {}
+    rows = bench_kernels.measure(case, torch.device("cpu"), 1, 1e-4)
+    assert rows[0]["status"].startswith("differs from the fp32 eager math: output"), rows
+
+
 def test_an_op_whose_second_run_gives_other_bits_is_reported_not_deterministic():
     """What an atomic sum does on a GPU (its order, and fp32 rounding, changes from run to run), here as a last-bit
     change a call: the row says so."""
