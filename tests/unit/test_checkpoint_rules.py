@@ -274,7 +274,6 @@ def test_a_holder_finds_its_lock_deleted_overwritten_or_taken(tmp_path, fast_loc
 
 def test_two_takers_of_one_stale_lock_never_both_win(tmp_path, fast_lock):
     """The taker that judged a lock stale but moves aside the other taker's fresh lock puts it back."""
-    import multiprocessing
     import subprocess
     import sys
     import threading
@@ -315,29 +314,28 @@ def test_two_takers_of_one_stale_lock_never_both_win(tmp_path, fast_lock):
     assert fast.verify() is None
     fast.release()
 
-    # and in a loop of real races between two processes
-    ctx = multiprocessing.get_context("fork")
-    for trial in range(10):
-        plant()
-        barrier, wins = ctx.Barrier(2), ctx.Queue()
+    # and in a loop of real races between two processes, each started fresh (tests/scripts/race_for_a_lock.py)
+    from fixtures import ENV, SCRIPTS
 
-        def take(name):
-            barrier.wait()
-            try:
-                lock = SaveLock(str(tmp_path), name, "training", lambda msg: None).acquire()
-            except SaveFolderLocked:
-                wins.put(0)
-                return
-            wins.put(1)
-            time.sleep(0.3)  # hold it while the other taker decides
-            lock.release()
-
-        procs = [ctx.Process(target=take, args=(f"taker-{i}",)) for i in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(20)
-        assert sum(wins.get(timeout=5) for _ in procs) == 1, f"trial {trial}: both takers won"
+    trials, env = 10, dict(ENV, MEGA_DEPTH_LOCK_HEARTBEAT_S="0.2", MEGA_DEPTH_LOCK_STALE_S="3")
+    takers = [subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "race_for_a_lock.py"), str(tmp_path),
+                                f"taker-{i}", str(trials)], env=env) for i in range(2)]
+    try:
+        for trial in range(trials):
+            plant()
+            (tmp_path / f"go-{trial}").touch()
+            results = [tmp_path / f"won-{trial}-taker-{i}" for i in range(2)]
+            deadline = time.monotonic() + 60  # the first trial waits for the takers' imports
+            while not all(r.exists() for r in results):
+                assert all(t.poll() in (None, 0) for t in takers), f"trial {trial}: a taker failed"
+                assert time.monotonic() < deadline, f"trial {trial}: no result within 60 s"
+                time.sleep(0.01)
+            assert sum(int(r.read_text()) for r in results) == 1, f"trial {trial}: both or neither taker won"
+    finally:
+        for t in takers:
+            if t.poll() is None:
+                t.kill()
+            t.wait()
 
 
 def test_bad_lock_settings_and_a_failed_create_are_one_line_each(tmp_path, monkeypatch):
