@@ -100,8 +100,9 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
     def rows_of(count):  # `count` token rows [n, d]
         return [rand(n, d, seed=i) for i in range(count)]
 
-    def query_and_gain(*lead):
-        return [rand(*lead, d, seed=100), rand(*lead, d, scale=0.1, shift=1.0, seed=101)]
+    def query_and_gain(*lead):  # logits of about unit spread, as a trained query gives (one of std sqrt(d) = 45
+        # makes the softmax a near-argmax that a bf16 rounding of the folded query flips at near-ties)
+        return [rand(*lead, d, scale=d ** -0.5, seed=100), rand(*lead, d, scale=0.1, shift=1.0, seed=101)]
 
     k, b, q, gk, ns = s["full_sources"], s["blocks"], s["queries"], s["grn_sources"], s["streams"]
     full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources",
@@ -269,17 +270,31 @@ def _fp32(t):
 
 def measure(case: Case, device, repeats: int, tol: float) -> List[dict]:
     """One row per implementation of the case: ours, then each peer."""
+    return [measure_ours(case, device, repeats, tol)] + measure_peers(case, device, repeats, tol)
+
+
+def measure_ours(case: Case, device, repeats: int, tol: float) -> dict:
+    """Our row of the case: timed, run twice for its bits, and checked against the eager math in fp32."""
     inputs = case.make()
     out, grads, fwd, bwd = forward_backward(case.run, inputs, device, repeats)
     same = run_twice_equal(case.run, inputs, out, grads)
-    rows = [dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, deterministic=same,
-                 status="ok" if same else "ok, but a second run differs in its bits (not deterministic)")]
+    row = dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, deterministic=same,
+               status="ok" if same else "ok, but a second run differs in its bits (not deterministic)")
     # the reference is the eager math in fp32: in bf16 its own reductions (a gain's gradient summed over 8,192
     # tokens) round further from the truth than our fp32-accumulating kernels do
     ref_out, ref_grads, _, _ = forward_backward(reference(case.op), [_fp32(t) for t in inputs], device, 1)
     problem = first_difference(out, grads, ref_out, ref_grads, tol)
     if problem:  # said in the row (and the exit status), and the table goes on: GPU time is scarce
-        rows[0]["status"] = f"differs from the fp32 eager math: {problem}"
+        row["status"] = f"differs from the fp32 eager math: {problem}"
+    return _of_case(row, case)
+
+
+def measure_peers(case: Case, device, repeats: int, tol: float) -> List[dict]:
+    """One row per peer: checked against our output and gradients, then timed; a peer that cannot run here, or
+    computes another function, is said and not timed."""
+    inputs = case.make()
+    out, grads, _, _ = forward_backward(case.run, inputs, device, 1) if case.peers else (None, None, None, None)
+    rows = []
     for name, peer in case.peers.items():
         row = dict(impl=name, fwd_s=None, bwd_s=None)
         peer_inputs = peer.prepare(inputs) if peer.prepare else inputs
@@ -391,6 +406,12 @@ def with_rates(rows: List[dict], copy_gbps: Optional[float]) -> List[dict]:
     return rows
 
 
+def _table_order(row: dict):
+    """Each op's rows together: ours, the peers, then the torch.compile floor."""
+    impl = {"mega_depth": 0, "torch.compile(eager)": 2}.get(row["impl"], 1)
+    return row["shape"], OPS.index(row["op"]), impl
+
+
 def markdown(rows: List[dict]) -> str:
     lines = ["| op | shape | implementation | fwd ms | fwd GB/s (% copy) | bwd ms | bwd GB/s (% copy) | status |",
              "|---|---|---|---:|---:|---:|---:|---|"]
@@ -455,21 +476,23 @@ def main(argv=None) -> int:
         found_sizes = sizes(shape, args.toy)
         refs[shape] = bandwidth_references(device, dtype, found_sizes["tokens"] * found_sizes["d"] * dtype.itemsize,
                                            args.repeats)
-        for case in chosen[shape]:
-            found = measure(case, device, args.repeats, tol)
-            rows += with_rates(found, refs[shape]["copy_GBps"])
-            print(f"{shape} {case.op}: " + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
-            save()
-    # the torch.compile floor last: compiling every op's eager math takes longer than timing ours and the peers,
-    # so a run cut short by its box has the table's main columns
+    # three passes, each over every op: ours, the peers, then the torch.compile floor (compiling every op's eager
+    # math takes longest), so that a run cut short by its time box has every op's own row first
+    passes = [("ours", lambda c: [measure_ours(c, device, args.repeats, tol)]),
+              ("peers", lambda c: measure_peers(c, device, args.repeats, tol))]
     if not args.no_compile_floor and not args.toy:
+        passes.append(("torch.compile", lambda c: [compile_floor(c, device, args.repeats)]))
+    for label, run_pass in passes:
         for shape, shape_cases in chosen.items():
             for case in shape_cases:
-                rows += with_rates([compile_floor(case, device, args.repeats)], refs[shape]["copy_GBps"])
-                print(f"{shape} {case.op}: torch.compile(eager) timed", flush=True)
+                began = time.time()
+                found = run_pass(case)
+                rows += with_rates(found, refs[shape]["copy_GBps"])
+                print(f"{shape} {case.op} ({label}, {time.time() - began:.1f} s): "
+                      + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
                 save()
     if args.markdown:
-        print(markdown(rows))
+        print(markdown(sorted(rows, key=_table_order)))
     print(f"{len(rows)} rows in {time.time() - start:.0f} s")
     wrong = [f"{r['op']} {r['shape']}" for r in rows if r["impl"] == "mega_depth" and r["status"].startswith("differs")]
     if wrong:
