@@ -111,9 +111,12 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, add
         _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps,
                                          tuple(adds_into), resident_warps))
         return
-    if tuning.active():  # a GPU-measured setting for this kernel and GPU (kernels/tuned.json)
-        num_warps, resident_warps = tuning.setting(kernel, args, constexprs, (num_warps, resident_warps))
-    kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps))
+    if not tuning.active():
+        kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps))
+        return
+    # a GPU-measured setting for this kernel and GPU (kernels/tuned.json), or the tuner's candidate
+    num_warps, resident_warps = tuning.setting(kernel, args, constexprs, (num_warps, resident_warps))
+    tuning.launched(kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps)))
 
 
 def launch_bytes(launch: Launch) -> int:

@@ -53,6 +53,8 @@ TABLE: Dict[str, Dict[str, Setting]] = load()
 _FORCED: Dict[str, Setting] = {}  # bench_kernels --tune: a candidate setting, on any device
 _OBSERVERS: List[List[Tuple[str, Setting]]] = []
 _CAPABILITY: Dict[int, str] = {}
+_LAST_OBSERVED: List[str] = []  # the key of the launch in progress, while observing
+_SPILLED: Dict[str, int] = {}  # key -> spilled bytes of a launch made while observing (a GPU's compile)
 
 
 def kernel_name(kernel) -> str:
@@ -98,7 +100,26 @@ def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: S
     chosen = _FORCED.get(k) or TABLE.get(target_name or _running_target(args) or "", {}).get(k) or guess
     for seen in _OBSERVERS:
         seen.append((k, chosen))
+    if _OBSERVERS:
+        _LAST_OBSERVED[:] = [k]
     return chosen
+
+
+def launched(compiled) -> None:
+    """After a launch made while observing: the spills of its compile (Triton's n_spills on a GPU; nothing under
+    the interpreter), which the tuner holds against a candidate: a faster setting that spills is not taken."""
+    spills = getattr(compiled, "n_spills", 0) or 0
+    if _OBSERVERS and _LAST_OBSERVED and spills:
+        _SPILLED[_LAST_OBSERVED[0]] = max(spills, _SPILLED.get(_LAST_OBSERVED[0], 0))
+
+
+def spilled() -> Dict[str, int]:
+    """{key: spilled bytes} of the launches made while observing, since the last clear_spilled()."""
+    return dict(_SPILLED)
+
+
+def clear_spilled() -> None:
+    _SPILLED.clear()
 
 
 @contextlib.contextmanager

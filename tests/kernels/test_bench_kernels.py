@@ -83,3 +83,25 @@ def test_the_tuner_launches_every_candidate_setting_and_checks_it(tmp_path):
         assert len(r["tried"]) >= 4 and all(t is None for t in r["tried"].values()), r  # ran, untimed
         assert "best" not in r
     assert not table.exists()
+
+
+def test_the_tuner_passes_over_a_candidate_whose_compile_spills(tmp_path, monkeypatch):
+    """A GPU's compile reports its spills (Triton's n_spills); the tuner names a spilling candidate and never times
+    or picks it. Here the compiles at a register cap for 32 resident warps report 240 B."""
+    from types import SimpleNamespace
+
+    from mega_depth.kernels import tuning
+
+    report = tuning.launched
+
+    def spilling_at_32_resident(compiled):
+        forced = next(iter(tuning._FORCED.values()), None)
+        report(SimpleNamespace(n_spills=240) if forced and forced[1] >= 32 else compiled)
+    monkeypatch.setattr(tuning, "launched", spilling_at_32_resident)
+    table = tmp_path / "tuned.json"
+    assert bench_kernels.main(["--toy", "--tune", str(table), "--ops", "streams_out"]) == 0
+    rows = json.loads((tmp_path / "tuned.json.rows.json").read_text())["rows"]
+    assert any(result == "spills 240 B" for r in rows for result in r["tried"].values()), rows
+    for r in rows:
+        for candidate, result in r["tried"].items():
+            assert result == ("spills 240 B" if int(candidate.strip("()").split(",")[1]) >= 32 else None), r
