@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
-# important first, so that the first 150 s give the kernel table and the next 230 s the 1B step ratios:
+# important first, so that the first 165 s give the kernel table and the next 250 s the 1B step ratios:
 #   1. environment;
 #   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes and
 #      the published peers, then torch.compile of the eager math (tools/bench_kernels.py): the kernel table;
@@ -19,13 +19,14 @@
 #   GPU so far), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
 #   and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU quality
 #   run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the
-#   525 s box). The boxes are sized from the last GPU run (H100, docs/benchmarks.md): a 1B pair takes ~55 s.
+#   580 s box). The boxes are sized from the last GPU run (H200, 2026-11-29, docs/benchmarks.md): a 1B pair takes
+#   ~38 s, our kernels' rows of the table ~60-120 s (most of it Triton's first compiles).
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
 #                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
 #   SCALE=tiny OUT=/tmp/dc bash tools/device_check.sh   # the same steps at toy sizes, as a dry run on CPU
 # Every step runs under its own timeout and the script goes on after a failure; the summary lists each step's exit
-# status; the timeouts add up to 525 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
+# status; the timeouts add up to 580 s (one 600 s device command). Results: $OUT/device_check.tar.gz (JSON, markdown,
 # logs, summary.txt) and $OUT/device_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,24 +105,24 @@ else
   BOX_SCALE=1
 fi
 
-# the environment took 19 s on the last GPU machine (imports of torch, megatron-core and transformers)
-step environment 20 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
-  $PY -c 'import sys, torch, megatron.core, transformers; print(sys.version.split()[0], torch.__version__,
-  megatron.core.__version__, transformers.__version__, torch.cuda.is_available())';
-  $PY -c 'import triton; print(\"triton\", triton.__version__)'"
-# (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op, the
-# torch.compile floor last)
-step bench_kernels 130 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+# the carried packages' versions from their metadata: importing megatron-core and transformers took past 20 s
+step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null;
+  $PY -c 'import sys, torch, triton; from importlib.metadata import version as v; print(sys.version.split()[0],
+  torch.__version__, torch.cuda.is_available(), \"triton\", triton.__version__, *(p + \" \" + v(p) for p in
+  (\"megatron-core\", \"transformers\", \"liger-kernel\", \"fla-core\", \"flash-attn-res\")))'"
+# (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op: ours for every
+# op first, then the peers, the torch.compile floor last)
+step bench_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --out "$WORK/kernels.json" --markdown
-step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
+step throughput_1b 250 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
-step kernels 40 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
+step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
   "${KERNEL_TESTS[@]}"
 step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
   --out-dir "$WORK"
-step sync_check 45 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
+step sync_check 70 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
 if [ "${FULL:-0}" = 1 ]; then
-  step tune_kernels 180 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+  step tune_kernels 90 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
     "$PY" tools/bench_kernels.py "${KERNELS[@]}" --tune "$WORK/tuned.json"
   step throughput_d512 80 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
     --out "$WORK/throughput_d512.json"

@@ -41,11 +41,13 @@ def is_mixing(name: str, kernels) -> bool:
 
 
 def intervals(events, gpu: bool):
-    """[(start_us, end_us, name)] of the device's kernels (GPU) or of the top-level CPU operators (CPU)."""
+    """[(start_us, end_us, name)] of the device's kernels (GPU) or of the top-level CPU operators (CPU). On a GPU the
+    ranges of record_function (the mixing's custom ops, the optimizer step) are mirrored onto the device's timeline
+    as user annotations: they span kernels (and the gaps between them), so they are left out."""
     out = []
     for e in events:
         on_device = getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
-        if gpu and on_device and e.time_range.elapsed_us() > 0:
+        if gpu and on_device and e.time_range.elapsed_us() > 0 and not getattr(e, "is_user_annotation", False):
             out.append((e.time_range.start, e.time_range.end, e.name))
         elif not gpu and not on_device and e.cpu_parent is None:
             out.append((e.time_range.start, e.time_range.end, e.name))
