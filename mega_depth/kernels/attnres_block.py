@@ -128,6 +128,43 @@ def _phase1_fwd_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, 
 
 
 @jit
+def _phase1_fwd_rows_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D, C, H, eps, TOK,
+                            BK: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
+                            SIGMOID: tl.constexpr):
+    """Per token, where a token's K whole block rows fit in registers (_rows_fit): the rows [BK, BH, BC] are read
+    once, as one tile of 16-byte loads, and every query's logits, weights and weighted sum come from that tile (the
+    chunked kernel above reads them twice, a [BK, chunk] tile at a time)."""
+    ok = tl.arange(0, BK)
+    kmask = ok < K
+    oh, offs, cmask = channel_block(C, H, BH, BC)  # [BH], [BH, BC], [BH, BC]
+    hmask = oh < H
+    blocks = pointers_at(table, ok, kmask, o_ptr)
+    for t in range(TOK):
+        n = token(tl.program_id(0), t, TOK)
+        valid = n < N
+        v = tl.load(blocks[:, None, None] + n * D + offs[None, :, :], mask=kmask[:, None, None] & cmask[None, :, :]
+                    & valid, other=0.).to(tl.float32)  # [BK, BH, BC]
+        if NORM:
+            rinv = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [BK]
+        else:
+            rinv = tl.full([BK], 1., tl.float32)
+        for s in range(S):
+            f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, o_ptr, NORM)  # [BH, BC]
+            logit = tl.sum(v * f[None, :, :], axis=2) * rinv[:, None]  # [BK, BH]
+            live = kmask[:, None] & hmask[None, :]
+            if SIGMOID:
+                p = tl.where(live, tl.sigmoid(logit), 0.)
+            else:
+                m = tl.max(tl.where(kmask[:, None], logit, float("-inf")), axis=0)  # [BH]
+                p = tl.where(live, tl.exp(logit - m[None, :]), 0.)
+                soffs = (s * N + n) * H + oh
+                tl.store(m_ptr + soffs, m, mask=hmask & valid)
+                tl.store(z_ptr + soffs, tl.sum(p, axis=0), mask=hmask & valid)
+            o = tl.sum(p[:, :, None] * v, axis=0)  # [BH, BC]
+            tl.store(o_ptr + (s * N + n) * D + offs, o.to(o_ptr.dtype.element_ty), mask=cmask & valid)
+
+
+@jit
 def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr, K, N, S, D, C, H, eps, TOK,
                        BK: tl.constexpr, BS: tl.constexpr, BH: tl.constexpr, BCH: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
@@ -340,6 +377,25 @@ def _phase1_resident(x: Tensor) -> int:
     return RESIDENT_WARPS if x.element_size() == 2 else 1
 
 
+ROWS_IN_REGISTERS = 32768  # fp32 values of a program's whole-row tiles (64 a thread at 16 warps): _rows_fit
+
+
+def _rows_fit(k: int, d: int, heads: int) -> bool:
+    """Whether a token's k block rows, with a query row and an output row, fit one program's registers (the 1B and
+    7B configs' Block AttnRes at 4 blocks; tests/unit/test_kernels_aot.py compiles them without a spill): then
+    phase 1 reads each row once (_phase1_fwd_rows_kernel), else a chunk at a time."""
+    return (pow2(k) + 2) * pow2(heads) * pow2(d // heads) <= ROWS_IN_REGISTERS
+
+
+def _rows_warps(k: int, row: int) -> Tuple[int, int]:
+    """(warps, resident warps) of a whole-row phase-1 program: the k block rows and two more, about 32 values a
+    thread; where that is 24 or fewer, a 64-register cap keeps two 16-warp programs an SM (the 1B config's 4 blocks:
+    64 registers, no spill, for sm_90; 72 and one program an SM left to ptxas)."""
+    values = (pow2(k) + 2) * row
+    num_warps = warps(row, pow2(k) + 2)
+    return num_warps, 2 * RESIDENT_WARPS if values <= 24 * 32 * num_warps else RESIDENT_WARPS
+
+
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
     """Block dims of the phase-1 kernels: (BK, BS, BCH) for K blocks, S queries and a head's channels (compiled, at
     least 16 each: the dots' smallest tile)."""
@@ -355,8 +411,16 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
     z = (torch.ones if sigmoid else torch.empty)((s, n, heads), dtype=F32, device=o.device)  # and z = 1
     if n == 0:
         return m, z, o
-    bk, bs, bch = _phase1_blocks(srcs, s, heads)
     count, tok = programs(n, o.device, reduces=False)
+    if _rows_fit(len(srcs), d, heads):
+        bh, bc = pow2(heads), pow2(d // heads)
+        num_warps, resident = _rows_warps(len(srcs), bh * bc)
+        launch(_phase1_fwd_rows_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs),
+                                                   n, s, d, d // heads, heads, eps, tok),
+               num_warps, resident_warps=resident, BK=pow2(len(srcs)), BH=bh, BC=bc, NORM=g is not None,
+               SIGMOID=sigmoid)
+        return m, z, o
+    bk, bs, bch = _phase1_blocks(srcs, s, heads)
     launch(_phase1_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs), n, s,
                                           d, d // heads, heads, eps, tok),
            _phase1_warps(bs), resident_warps=_phase1_resident(o), BK=bk, BS=bs, BH=pow2(heads), BCH=bch,

@@ -37,6 +37,17 @@ def test_phases(path, completed, heads, weight, norm):
               [mi, zi, oi, partial, query, gain], f"phase2 {label} query={i} partial={partial is not None}")
 
 
+@pytest.mark.parametrize("heads, weight, norm", [(2, "softmax", True), (1, "sigmoid", True), (1, "softmax", False)])
+def test_phase1_in_chunks_where_whole_rows_do_not_fit(path, monkeypatch, heads, weight, norm):
+    """The phase-1 kernels that walk a token's blocks a chunk at a time (wide rows, many blocks), forced here: the
+    sizes above fit in registers and take the whole-row kernels."""
+    from mega_depth.kernels import attnres_block
+
+    assert attnres_block._rows_fit(3, 12, heads)
+    monkeypatch.setattr(attnres_block, "ROWS_IN_REGISTERS", 0)
+    test_phases(path, 3, heads, weight, norm)
+
+
 @pytest.mark.parametrize("weight", ["softmax", "sigmoid"])
 def test_phases_chained(path, weight):
     """Phase 1 then phase 2 (its m detached), end to end: the values and gradients of the reference chain, for
