@@ -223,6 +223,59 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
 
 
 @jit
+def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr, K, N, S, D, C, H, eps, TOK,
+                            BK: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
+                            SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
+    """_phase1_bwd_kernel where a token's whole block rows and their gradients fit in registers (_rows_fit): the
+    rows [BK, BH, BC] are read once, each query's output gradient once, and the block gradients p^T go + dl^T f
+    (less the key norm's term) are summed over the queries in registers and stored once. The logit gradients (times
+    1 / RMS) go to w_ptr [N, K, S, H] for _phase1_dq_kernel, as there."""
+    ok = tl.arange(0, BK)
+    kmask = ok < K
+    oh, offs, cmask = channel_block(C, H, BH, BC)  # [BH], [BH, BC], [BH, BC]
+    hmask = oh < H
+    live = kmask[:, None] & hmask[None, :]
+    tile = kmask[:, None, None] & cmask[None, :, :]
+    blocks = pointers_at(table, ok, kmask, go_ptr)
+    block_grads = pointers_at(gtable, ok, kmask, go_ptr)
+    for t in range(TOK):
+        n = token(tl.program_id(0), t, TOK)
+        valid = n < N
+        v = tl.load(blocks[:, None, None] + n * D + offs[None, :, :], mask=tile & valid, other=0.).to(tl.float32)
+        if NORM:
+            rinv = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [BK]
+        else:
+            rinv = tl.full([BK], 1., tl.float32)
+        dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
+        dr = tl.zeros([BK], dtype=tl.float32)  # dL/d(1 / RMS) per block (0 without a key norm)
+        for s in range(S):
+            f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)  # [BH, BC]
+            go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+            dots = tl.sum(v * f[None, :, :], axis=2)  # [BK, BH]
+            gov = tl.sum(v * go[None, :, :], axis=2)
+            logit = dots * rinv[:, None]
+            if SIGMOID:
+                p = tl.sigmoid(logit)
+                dl = gov * p * (1. - p)
+            else:
+                soffs = (s * N + n) * H + oh
+                p = tl.exp(logit - tl.load(m_ptr + soffs, mask=hmask & valid, other=0.)[None, :])
+                if HAS_GZ:
+                    gov = gov + tl.load(gz_ptr + soffs, mask=hmask & valid, other=0.)[None, :]
+                dl = gov * p
+            p = tl.where(live, p, 0.)
+            dl = tl.where(live, dl, 0.)
+            dr += tl.sum(dl * dots, axis=1)
+            dl = dl * rinv[:, None]
+            tl.store(w_ptr + ((n * K + ok[:, None]) * S + s) * H + oh[None, :], dl, mask=live & valid)
+            dv += p[:, :, None] * go[None, :, :] + dl[:, :, None] * f[None, :, :]
+        if NORM:
+            dv -= (dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
+        tl.store(block_grads[:, None, None] + n * D + offs[None, :, :], dv.to(go_ptr.dtype.element_ty),
+                 mask=tile & valid)
+
+
+@jit
 def _phase1_dq_kernel(table, like_ptr, w_ptr, part_ptr, PW, K, N, S, D, C, H, TOK, BS: tl.constexpr,
                       BT: tl.constexpr, BCH: tl.constexpr):
     """dL/d(folded queries) [S, d] = sum over tokens and blocks of w[n, k, s, h] v_k[n, h-th channels]: one
@@ -380,20 +433,25 @@ def _phase1_resident(x: Tensor) -> int:
 ROWS_IN_REGISTERS = 32768  # fp32 values of a program's whole-row tiles (64 a thread at 16 warps): _rows_fit
 
 
-def _rows_fit(k: int, d: int, heads: int) -> bool:
-    """Whether a token's k block rows, with a query row and an output row, fit one program's registers (the 1B and
-    7B configs' Block AttnRes at 4 blocks; tests/unit/test_kernels_aot.py compiles them without a spill): then
-    phase 1 reads each row once (_phase1_fwd_rows_kernel), else a chunk at a time."""
-    return (pow2(k) + 2) * pow2(heads) * pow2(d // heads) <= ROWS_IN_REGISTERS
+def _rows_fit(k: int, d: int, heads: int, backward: bool = False) -> bool:
+    """Whether a token's k block rows (and in backward their gradients), with a query row and an output (gradient)
+    row, fit one program's registers (the 1B config's Block AttnRes at 4 blocks, and the 7B's forward;
+    tests/unit/test_kernels_aot.py compiles them without a spill): then phase 1 reads each row once
+    (_phase1_fwd_rows_kernel, _phase1_bwd_rows_kernel), else a chunk at a time."""
+    return _rows_live(k, backward) * pow2(heads) * pow2(d // heads) <= ROWS_IN_REGISTERS
 
 
-def _rows_warps(k: int, row: int) -> Tuple[int, int]:
-    """(warps, resident warps) of a whole-row phase-1 program: the k block rows and two more, about 32 values a
-    thread; where that is 24 or fewer, a 64-register cap keeps two 16-warp programs an SM (the 1B config's 4 blocks:
-    64 registers, no spill, for sm_90; 72 and one program an SM left to ptxas)."""
-    values = (pow2(k) + 2) * row
-    num_warps = warps(row, pow2(k) + 2)
-    return num_warps, 2 * RESIDENT_WARPS if values <= 24 * 32 * num_warps else RESIDENT_WARPS
+def _rows_live(k: int, backward: bool) -> int:
+    """The rows a whole-row phase-1 program holds: the blocks (and their gradients), a query and an output."""
+    return pow2(k) * (2 if backward else 1) + 2
+
+
+def _rows_warps(k: int, row: int, backward: bool = False) -> Tuple[int, int]:
+    """(warps, resident warps) of a whole-row phase-1 program: about 32 values a thread; where that is 24 or fewer,
+    a 64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no
+    spill, for sm_90; 72 and one program an SM left to ptxas)."""
+    num_warps = warps(row, _rows_live(k, backward))
+    return num_warps, 2 * RESIDENT_WARPS if _rows_live(k, backward) * row <= 24 * 32 * num_warps else RESIDENT_WARPS
 
 
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
@@ -439,11 +497,16 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
         w = torch.empty((n, len(srcs), s, heads), dtype=F32, device=go.device)  # the logits' gradients
         table = pointer_table(srcs)
         count, tok = programs(n, go.device, reduces=False)
-        launch(_phase1_bwd_kernel, (count,), (table, pointer_table(grads), q, q if g is None else g, m, go,
-                                              m if gz is None else gz, w, len(srcs), n, s, d, d // heads, heads, eps,
-                                              tok),
-               _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk, BS=bs, BH=pow2(heads), BCH=bch,
-               NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+        args = (table, pointer_table(grads), q, q if g is None else g, m, go, m if gz is None else gz, w, len(srcs), n,
+                s, d, d // heads, heads, eps, tok)
+        if _rows_fit(len(srcs), d, heads, backward=True):
+            bh, bc = pow2(heads), pow2(d // heads)
+            num_warps, resident = _rows_warps(len(srcs), bh * bc, backward=True)
+            launch(_phase1_bwd_rows_kernel, (count,), args, num_warps, resident_warps=resident, BK=pow2(len(srcs)),
+                   BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+        else:
+            launch(_phase1_bwd_kernel, (count,), args, _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk,
+                   BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
         chunks = cdiv(d // heads, bch)
         splits, tok = reduction_grid(n, heads * chunks, go.device)
         bt, dq_warps = _dq_tiles(bs, go.element_size())
