@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, channel_block,
-                                       check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
-                                       gradient_at, gradient_table, jit, launch, nothing, partial_sums, pointer_at,
-                                       pointer_table, pow2, programs, register_fake, rms_inverse, rms_inverse_torch,
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad,
+                                       channel_block, check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
+                                       gradient_table, gradients_at, jit, launch, nothing, partial_sums,
+                                       pointer_table, pointers_at, pow2, programs, register_fake, rms_inverse_torch,
                                        rows, sum_rows, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
@@ -44,10 +44,22 @@ def _row(q_ptr, g_ptr, f, n, offs, cmask, N, D, like_ptr, PER_TOKEN: tl.constexp
 
 
 @jit
+def _source_block(table, k0, K, row, mask, like_ptr, KB: tl.constexpr):
+    """Sources k0 .. k0 + KB - 1 of a token row: ([KB, BH, BC] fp32, their mask [KB]). KB rows a load, so that KB
+    times the bytes are in flight and the chain of dependent loads and reductions is KB times shorter."""
+    ok = k0 + tl.arange(0, KB)
+    kmask = ok < K
+    v = tl.load(pointers_at(table, ok, kmask, like_ptr)[:, None, None] + row[None, :, :],
+                mask=kmask[:, None, None] & mask[None, :, :], other=0.).to(tl.float32)
+    return v, kmask
+
+
+@jit
 def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
-                BH: tl.constexpr, BC: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
+                BH: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
                 SIGMOID: tl.constexpr):
-    """h [N, d] and, for softmax weights, lse [N, H] (fp32 log-normaliser, for backward)."""
+    """h [N, d] and, for softmax weights, lse [N, H] (fp32 log-normaliser, for backward). An online softmax over
+    the sources, KB a step ([KB, BH, BC] tiles): each source read once."""
     oh, offs, cmask = channel_block(C, H, BH, BC)
     static = folded_query(q_ptr, g_ptr, offs, cmask, out_ptr, NORM)  # per-token queries replace it
     for t in range(TOK):
@@ -56,19 +68,20 @@ def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
         acc = tl.zeros([BH, BC], dtype=tl.float32)
         m = tl.full([BH], float("-inf"), tl.float32)
         z = tl.zeros([BH], dtype=tl.float32)
-        for k in range(K):  # each source read once: an online softmax over the sources
-            v = tl.load(pointer_at(table, k, out_ptr) + row, mask=mask, other=0.).to(tl.float32)
-            s = tl.sum(v * f, axis=1)
+        for k0 in range(0, K, KB):
+            v, kmask = _source_block(table, k0, K, row, mask, out_ptr, KB)
+            s = tl.sum(v * f[None, :, :], axis=2)  # [KB, BH]
             if NORM:
-                s = s * rms_inverse(v, D, eps)
+                s = s * tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)[:, None]
             if SIGMOID:
-                acc += tl.sigmoid(s)[:, None] * v
+                acc += tl.sum(tl.where(kmask[:, None], tl.sigmoid(s), 0.)[:, :, None] * v, axis=0)
             else:
-                m_new = tl.maximum(m, s)
+                s = tl.where(kmask[:, None], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=0))
                 scale = tl.exp(m - m_new)
-                p = tl.exp(s - m_new)
-                z = z * scale + p
-                acc = acc * scale[:, None] + p[:, None] * v
+                p = tl.exp(s - m_new[None, :])  # 0 for the masked sources
+                z = z * scale + tl.sum(p, axis=0)
+                acc = acc * scale[:, None] + tl.sum(p[:, :, None] * v, axis=0)
                 m = m_new
         if not SIGMOID:
             acc = acc / z[:, None]
@@ -78,13 +91,13 @@ def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
 
 @jit
 def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, part_ptr, PW, K, N, D, C, H, eps, TOK,
-                BH: tl.constexpr, BC: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
+                BH: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
                 SIGMOID: tl.constexpr):
-    """One pass over the sources per token: source k's weight from its logit and the saved lse, the softmax
-    gradient's normaliser go . h from the saved output h. The source gradients are stored, or added to what a buffer
-    holds (gtable: common.gradient_table). Per-token query: dL/dq per token goes to dq_ptr [N, d]. The parameter
-    gradient summed over the program's tokens (fp32; the folded query's with a static query, the gain's with a
-    per-token one) goes to its row of part_ptr [programs, PW], which common.sum_rows reduces in order."""
+    """One pass over the sources per token, KB a step: source k's weight from its logit and the saved lse, the
+    softmax gradient's normaliser go . h from the saved output h. The source gradients are stored, or added to what
+    a buffer holds (gtable: common.gradient_table). Per-token query: dL/dq per token goes to dq_ptr [N, d]. The
+    parameter gradient summed over the program's tokens (fp32; the folded query's with a static query, the gain's
+    with a per-token one) goes to its row of part_ptr [programs, PW], which common.sum_rows reduces in order."""
     oh, offs, cmask = channel_block(C, H, BH, BC)
     if NORM:
         gain = tl.load(g_ptr + offs, mask=cmask, other=0.).to(tl.float32)
@@ -98,31 +111,35 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
             lse = tl.load(lse_ptr + n * H + oh, mask=(oh < H) & (n < N), other=0.)  # [BH]
             go_h = tl.sum(go * tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32), axis=1)  # [BH]
         df = tl.zeros([BH, BC], dtype=tl.float32)
-        for k in range(K):
-            v = tl.load(pointer_at(table, k, go_ptr) + row, mask=mask, other=0.).to(tl.float32)
-            dot = tl.sum(v * f, axis=1)
-            gv = tl.sum(go * v, axis=1)
+        for k0 in range(0, K, KB):
+            v, kmask = _source_block(table, k0, K, row, mask, go_ptr, KB)
+            dot = tl.sum(v * f[None, :, :], axis=2)  # [KB, BH]
+            gv = tl.sum(go[None, :, :] * v, axis=2)
             if NORM:
-                r = rms_inverse(v, D, eps)
-                logit = dot * r
+                r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [KB]
+                logit = dot * r[:, None]
             else:
                 logit = dot
             if SIGMOID:
                 a = tl.sigmoid(logit)
                 ds = gv * a * (1. - a)
             else:
-                a = tl.exp(logit - lse)
-                ds = a * (gv - go_h)
+                a = tl.exp(logit - lse[None, :])
+                ds = a * (gv - go_h[None, :])
+            a = tl.where(kmask[:, None], a, 0.)
+            ds = tl.where(kmask[:, None], ds, 0.)
+            dv = a[:, :, None] * go[None, :, :]
             if NORM:
-                dr = tl.sum(ds * dot, axis=0)  # dL/dr
-                ds = ds * r
-                dv = a[:, None] * go + ds[:, None] * f - (dr * r * r * r / D) * v
-            else:
-                dv = a[:, None] * go + ds[:, None] * f
-            df += ds[:, None] * v
-            into, adding = gradient_at(gtable, k, go_ptr)
-            dv += tl.load(into + row, mask=mask & adding, other=0.).to(tl.float32)
-            tl.store(into + row, dv.to(go_ptr.dtype.element_ty), mask=mask)
+                dr = tl.sum(ds * dot, axis=1)  # dL/dr [KB]
+                ds = ds * r[:, None]
+                dv -= (dr * r * r * r / D)[:, None, None] * v
+            dv += ds[:, :, None] * f[None, :, :]
+            df += tl.sum(ds[:, :, None] * v, axis=0)
+            into, adding = gradients_at(gtable, k0 + tl.arange(0, KB), kmask, go_ptr)
+            tile = kmask[:, None, None] & mask[None, :, :]
+            dv += tl.load(into[:, None, None] + row[None, :, :], mask=tile & adding[:, None, None],
+                          other=0.).to(tl.float32)
+            tl.store(into[:, None, None] + row[None, :, :], dv.to(go_ptr.dtype.element_ty), mask=tile)
         if PER_TOKEN:
             if NORM:
                 tl.store(dq_ptr + row, df * gain, mask=mask)
@@ -149,11 +166,35 @@ def _triton_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, 
     if n == 0:
         return out, lse
     bh, bc = pow2(heads), pow2(d // heads)
+    kb = _sources_a_step(len(srcs), bh * bc, FWD_SOURCES_A_STEP)
+    num_warps = warps(bh * bc, kb + 2)
+    # a 64-register cap where the tile and two rows are at most 24 values a thread (d = 2048: 2 programs of 16
+    # warps an SM; at 48 values a thread, on 8 warps, 64 registers spilled 8-40 bytes)
+    resident = 2 * RESIDENT_WARPS if (kb + 2) * bh * bc <= 24 * 32 * num_warps else RESIDENT_WARPS
     count, tok = programs(n, out.device, reduces=False)
     launch(_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, out, out if sigmoid else lse,
                                    len(srcs), n, d, d // heads, heads, eps, tok),
-           warps(bh * bc, 3), BH=bh, BC=bc, PER_TOKEN=q.dim() == 2, NORM=g is not None, SIGMOID=sigmoid)
+           num_warps, resident_warps=resident, BH=bh, BC=bc, KB=kb, PER_TOKEN=q.dim() == 2, NORM=g is not None,
+           SIGMOID=sigmoid)
     return out, lse
+
+
+# Sources a step. The forward's [4, d] tile, on 16 warps at d = 2048, compiles to 64 registers (sm_90, bf16, no
+# spill), so a 64-register cap keeps 2 programs an SM: 32 KiB of rows in flight and 7 dependent steps a token of
+# 25 sources, where one source a step had 16 KiB and 25 steps. The backward's [2, d] tile and its gradients take
+# 115 registers on 8 warps (a 64-register cap spills): 2 programs an SM, as before, each with 2 sources in flight.
+FWD_SOURCES_A_STEP = 4
+BWD_SOURCES_A_STEP = 2
+ROW_VALUES_A_STEP = 8192  # at most KB x the row's values a step (d = 4096 halves KB)
+
+
+def _sources_a_step(k: int, row: int, most: int) -> int:
+    """KB: the sources a kernel step loads as one tile, up to `most`, fewer for a wide row (registers) or few
+    sources."""
+    kb = min(most, pow2(k))
+    while kb > 1 and kb * row > ROW_VALUES_A_STEP:
+        kb //= 2
+    return kb
 
 
 def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], out: Tensor, lse: Tensor, eps: float,
@@ -170,10 +211,15 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     count, tok = programs(n, go.device, reduces=True)
     # per-program partial sums of the parameter gradient (a per-token query without a key norm has none)
     parts = partial_sums(count, d, go.device) if g is not None or not per_token else dq
+    kb = _sources_a_step(len(srcs), bh * bc, BWD_SOURCES_A_STEP)
+    if go.device.type != "meta" and len({t.data_ptr() for t in grads}) < len(grads):
+        # one buffer for two sources: a [KB, d] tile would read it twice and store it twice, losing one source's
+        # gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
+        kb = 1
     launch(_bwd_kernel, (count,), (pointer_table(srcs), gradient_table(grads, adding), q, q if g is None else g, go,
                                    go if sigmoid else out, go if sigmoid else lse, parts if dq is None else dq, parts,
                                    parts.shape[1], len(srcs), n, d, d // heads, heads, eps, tok),
-           warps(bh * bc, 4), BH=bh, BC=bc, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid)
+           warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid)
     if per_token:  # the gain's gradient, summed over tokens
         return dq, None if g is None else sum_rows(parts, d)
     df = sum_rows(parts, d)  # the folded query's, summed over tokens

@@ -154,3 +154,21 @@ def test_an_aliased_source_is_freed_with_its_graph(path):
     out.sum().backward()
     del out, sources
     assert [torch._C._storage_Use_Count(s._cdata) for s in storages] == [1, 1, 1]
+
+
+def test_two_sources_with_one_gradient_buffer_both_arrive(path):
+    """The backward stores or adds a block of sources' gradients as one tile; two sources of one block that share
+    a buffer would each read it before the other's store, and one gradient would be lost. The second one's must
+    add to the first's, as one source at a time does."""
+    d = 8
+    sources = detached(sources_of(3, 2, 3, d))
+    query, gain = torch.randn(d), torch.randn(d) * 0.3 + 1.0
+    out, lse = attnres_mix_op(sources, query, gain, EPS, False, 1)
+    grad = torch.randn_like(out)
+    apart = [torch.zeros(2, 3, d) for _ in sources]
+    attnres_mix_backward_into_op(grad, sources, apart, [False] * 3, query, gain, out, lse, EPS, False, 1)
+    shared, last = torch.zeros(2, 3, d), torch.zeros(2, 3, d)
+    attnres_mix_backward_into_op(grad, sources, [shared, shared, last], [False, True, False], query, gain, out, lse,
+                                 EPS, False, 1)
+    torch.testing.assert_close(shared, apart[0] + apart[1])
+    torch.testing.assert_close(last, apart[2])
