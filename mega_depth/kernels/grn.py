@@ -26,7 +26,7 @@ from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        gradient_table, gradients_at, interpreting, jit, launch, nothing, partial_sums,
                                        pick, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, rows, sum_rows, tl, token, uses_triton)
+                                       register_fake, rows, sum_rows, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -197,6 +197,76 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
 
 
 @jit
+def _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, like_ptr, VERSION: tl.constexpr):
+    """bias[g] of the sources ok, rounded to the sources' dtype, as [BK, BD] (v1: scalars, bias_ptr [G, K] fp32,
+    broadcast over the channels: both branches must return one type; v2/v3: bias_ptr [G, K, d])."""
+    if VERSION == 1:
+        return tl.where(tile, _rounded(tl.load(bias_ptr + g * K + ok, mask=kmask, other=0.), like_ptr)[:, None], 0.)
+    return _rounded(tl.load(bias_ptr + (g * K + ok[:, None]) * D + od[None, :], mask=tile, other=0.), like_ptr)
+
+
+@jit
+def _fwd_rows_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl.constexpr, BD: tl.constexpr,
+                     VERSION: tl.constexpr):
+    """Per token, where its K whole source rows fit in registers (_rows_fit): the rows [BK, BD] read once, as one
+    tile of 16-byte loads; each instance's gates (v3) and weighted sum come from that tile, one instance after
+    another, so that an instance's bias rows are the only other tile held."""
+    ok = tl.arange(0, BK)
+    kmask = ok < K
+    od = tl.arange(0, BD)
+    dmask = od < D
+    tile = kmask[:, None] & dmask[None, :]
+    rows_at = pointers_at(table, ok, kmask, out_ptr)
+    for t in range(TOK):
+        n = token(tl.program_id(0), t, TOK)
+        valid = n < N
+        v = tl.load(rows_at[:, None] + n * D + od[None, :], mask=tile & valid, other=0.).to(tl.float32)
+        for g in range(G):
+            coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, out_ptr, VERSION)
+            if VERSION == 3:
+                proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), out_ptr)
+                coef = coef + tl.maximum(tl.sum(v * proj[None, :], axis=1), 0.)[:, None]
+            out = tl.sum(coef * v, axis=0)
+            tl.store(out_ptr + (g * N + n) * D + od, out.to(out_ptr.dtype.element_ty), mask=dmask & valid)
+
+
+@jit
+def _bwd_rows_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, BK: tl.constexpr,
+                     BD: tl.constexpr, VERSION: tl.constexpr):
+    """_bwd_kernel where a token's whole source rows (v3) and their gradients fit in registers (_rows_fit): each
+    instance's output gradient read once, the sources once (v3), the source gradients summed over the instances
+    in registers and stored (or added) once. The gate gradients go to w_ptr [N, K, G], as there."""
+    ok = tl.arange(0, BK)
+    kmask = ok < K
+    od = tl.arange(0, BD)
+    dmask = od < D
+    tile = kmask[:, None] & dmask[None, :]
+    into, adding = gradients_at(gtable, ok, kmask, go_ptr)
+    if VERSION == 3:
+        rows_at = pointers_at(table, ok, kmask, go_ptr)
+    for t in range(TOK):
+        n = token(tl.program_id(0), t, TOK)
+        valid = n < N
+        if VERSION == 3:
+            v = tl.load(rows_at[:, None] + n * D + od[None, :], mask=tile & valid, other=0.).to(tl.float32)
+        dv = tl.zeros([BK, BD], dtype=tl.float32)
+        for g in range(G):
+            go = tl.load(go_ptr + (g * N + n) * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+            coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, go_ptr, VERSION)
+            if VERSION == 3:
+                proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), go_ptr)
+                pre = tl.sum(v * proj[None, :], axis=1)  # [BK]
+                dgate = tl.where(pre >= 0., tl.sum(v * go[None, :], axis=1), 0.)  # clamp's subgradient 1 at 0
+                tl.store(w_ptr + (n * K + ok) * G + g, dgate, mask=kmask & valid)
+                dv += (coef + tl.maximum(pre, 0.)[:, None]) * go[None, :] + dgate[:, None] * proj[None, :]
+            else:
+                dv += coef * go[None, :]
+        at = into[:, None] + n * D + od[None, :]
+        dv += tl.load(at, mask=tile & valid & adding[:, None], other=0.).to(tl.float32)
+        tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile & valid)
+
+
+@jit
 def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr, K, N, D, G, TOK, BIAS_ROW,
                    PROJ_ROW, BK: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """Program (channel chunk, block of BK sources, token split), over its split's tokens: dbias[g, c, k] =
@@ -266,13 +336,35 @@ def _blocks(srcs: List[Tensor], bias: Tensor, backward: bool = False) -> Tuple[i
     return pow2(k) // kb, kb, bg, bch
 
 
+ROWS_IN_REGISTERS = 32768  # fp32 values of a program's whole-row tiles (64 a thread at 16 warps): _rows_fit
+
+
+def _rows_live(k: int, backward: bool) -> int:
+    """The rows a whole-row GRN program holds: the sources and an instance's bias rows (and in backward the
+    sources' gradients), an output (gradient) row and a projection row."""
+    return pow2(k) * (3 if backward else 2) + 2
+
+
+def _rows_fit(k: int, d: int, backward: bool) -> bool:
+    """Whether a token's k source rows, and what _rows_live adds, fit one program's registers (2-DCA's q/k/v and
+    final GRNs at the 1B config's d = 2048 and up to 4 sources; tests/unit/test_kernels_aot.py compiles them
+    without a spill): then the GRN reads each row once (_fwd_rows_kernel, _bwd_rows_kernel), else it walks the
+    rows in chunks of channels."""
+    return _rows_live(k, backward) * pow2(d) <= ROWS_IN_REGISTERS
+
+
 def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int) -> Tensor:
     n, d = srcs[0].shape
     out = torch.empty((bias.shape[0], n, d), dtype=srcs[0].dtype, device=srcs[0].device)
     if n == 0:
         return out
-    nb, kb, bg, bch = _blocks(srcs, bias)
     count, tok = programs(n, out.device, reduces=False)
+    if _rows_fit(len(srcs), d, backward=False):
+        launch(_fwd_rows_kernel, (count,), (pointer_table(srcs), _bias_rows(bias, version),
+                                            bias if proj is None else proj, out, len(srcs), n, d, bias.shape[0], tok),
+               warps(pow2(d), _rows_live(len(srcs), False)), BK=pow2(len(srcs)), BD=pow2(d), VERSION=version)
+        return out
+    nb, kb, bg, bch = _blocks(srcs, bias)
     launch(_fwd_kernel, (count,), (pointer_table(srcs), _bias_rows(bias, version), bias if proj is None else proj,
                                    out, len(srcs), n, d, bias.shape[0], tok),
            4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
@@ -304,16 +396,21 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
         dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
         return torch.zeros(bias.shape, dtype=F32, device=go.device), dproj
     nb, kb, bg, bch = _blocks(srcs, bias, backward=True)
-    if go.device.type != "meta" and len({t.data_ptr() for t in grads}) < k:
+    shared = go.device.type != "meta" and len({t.data_ptr() for t in grads}) < k
+    if shared:
         # one buffer for two sources: a [KB, chunk] tile would read it twice and store it twice, losing one
         # source's gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
         nb, kb = pow2(k), 1
     w = torch.empty((n, k, g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
     table = pointer_table(srcs)
     count, tok = programs(n, go.device, reduces=False)
-    launch(_bwd_kernel, (count,), (table, gradient_table(grads, adding), _bias_rows(bias, version),
-                                   bias if proj is None else proj, go, w, k, n, d, g, tok),
-           4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
+    args = (table, gradient_table(grads, adding), _bias_rows(bias, version), bias if proj is None else proj, go, w, k,
+            n, d, g, tok)
+    if not shared and _rows_fit(k, d, backward=True):
+        launch(_bwd_rows_kernel, (count,), args, warps(pow2(d), _rows_live(k, True)), BK=pow2(k), BD=pow2(d),
+               VERSION=version)
+    else:
+        launch(_bwd_kernel, (count,), args, 4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
     sources, channels = _param_blocks(k, bg, d, version, go.element_size())
     chunks, blocks = cdiv(d, channels), cdiv(k, sources)
     splits, tok = reduction_grid(n, chunks * blocks, go.device)

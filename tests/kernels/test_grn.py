@@ -22,6 +22,17 @@ def test_values_and_gradients(path, version, k):
           [bias, proj, *sources], f"grn {version} k={k}")
 
 
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_in_chunks_where_whole_rows_do_not_fit(path, monkeypatch, version):
+    """The kernels that walk a token's sources in chunks of channels (wide rows, many sources), forced here: the
+    sizes above fit in registers and take the whole-row kernels."""
+    from mega_depth.kernels import grn
+
+    assert grn._rows_fit(4, 12, backward=True)
+    monkeypatch.setattr(grn, "ROWS_IN_REGISTERS", 0)
+    test_values_and_gradients(path, version, 3)
+
+
 def test_v3_gate_has_subgradient_one_at_zero(path):
     """proj starts at exactly zero: every gate sits on the kink, where clamp's subgradient (1) must be kept."""
     sources = sources_of(3, 2, 3, 12)
