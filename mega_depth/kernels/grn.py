@@ -6,10 +6,12 @@ for the g GRN instances of one call (DCA: 3 for q/k/v, 1 for the final mix). Con
 read in place; forward reads each once for all instances; saves bias, proj and the entries (references); backward
 recomputes the v3 gates (clamp's subgradient 1 at 0, as the reference). The op is `mega_depth::dca_grn`.
 
-The Triton kernels walk a token's sources in chunks of channels, so registers do not grow with d, and load a block
-of sources a step as one tile (16-byte loads where a lone row would load 4): the v3 gates (full-row dot products)
-come from a first pass, the weighted sums from a second one, which walks the chunks last to first so that its
-reads of the token's sources meet the lines the first pass read last (kept with evict_last). In backward, the
+Where a token's source rows fit in registers (_rows_fit), the Triton kernels read each row once as one tile
+(_fwd_rows_kernel, _bwd_rows_kernel). Elsewhere they walk a token's sources in chunks of channels, so registers do
+not grow with d, and load a block of sources a step as one tile (16-byte loads where a lone row would load 4): the
+v3 gates (full-row dot products) come from a first pass, the weighted sums from a second one, which walks the
+chunks last to first so that its reads of the token's sources meet the lines the first pass read last (kept with
+evict_last). In backward, the
 parameter gradients (sums over tokens) are one more kernel, one program per channel chunk, block of sources and
 token split, which reads the sources once more and the output gradients once a block of sources; its per-program
 partial sums are added in order (common.sum_rows): deterministic.
