@@ -11,10 +11,9 @@ Where a token's source rows fit in registers (_rows_fit), the Triton kernels rea
 not grow with d, and load a block of sources a step as one tile (16-byte loads where a lone row would load 4): the
 v3 gates (full-row dot products) come from a first pass, the weighted sums from a second one, which walks the
 chunks last to first so that its reads of the token's sources meet the lines the first pass read last (kept with
-evict_last). In backward, the
-parameter gradients (sums over tokens) are one more kernel, one program per channel chunk, block of sources and
-token split, which reads the sources once more and the output gradients once a block of sources; its per-program
-partial sums are added in order (common.sum_rows): deterministic.
+evict_last). In backward, the parameter gradients (sums over tokens) are one more kernel, one program per channel
+chunk, block of sources and token split, which reads the sources once more and the output gradients once a block
+of sources; its per-program partial sums are added in order (common.sum_rows): deterministic.
 """
 
 from __future__ import annotations
