@@ -4,10 +4,12 @@
 
 Contract: query, key and value are read in place (a key and value split off a fused QKV projection are strided
 views); the C candidate keys and values are a list, never stacked. Forward saves references to its inputs;
-backward recomputes the scores and the depth softmax (two passes over the candidates). GQA: "query" mode mixes per
-query head (R = hq / hkv heads per key-value group), "group" mode once per group with the group's mean query.
-C = 0 returns the value expanded, without an op. A candidate read by several layers' mixes gets its gradients summed
-in the backward kernel (kernels/grad_sink.py). The op is `mega_depth::depth_attention_mix`.
+backward recomputes the scores and the depth softmax. Up to TILED_CANDIDATES candidates are read as one tile of
+keys and one of values, each candidate once a token (_fwd_tiles_kernel, _bwd_tiles_kernel); past that, or where two
+candidates share a gradient buffer, the kernels walk the entries one at a time (backward: two passes). GQA:
+"query" mode mixes per query head (R = hq / hkv heads per key-value group), "group" mode once per group with the
+group's mean query. C = 0 returns the value expanded, without an op. A candidate read by several layers' mixes gets
+its gradients summed in the backward kernel (kernels/grad_sink.py). The op is `mega_depth::depth_attention_mix`.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (Sources, accumulation_dtype, aligned, gradient_at, gradient_table, jit, launch,
-                                       pointer_at, pointer_table, pow2, programs, register_fake, store_or_add_torch,
-                                       tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (RESIDENT_WARPS, Sources, accumulation_dtype, aligned, gradient_at,
+                                       gradient_table, gradients_at, jit, launch, pointer_at, pointer_table,
+                                       pointers_at, pow2, programs, register_fake, store_or_add_torch, tl, token,
+                                       uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -196,6 +199,139 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
                      dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
 
 
+@jit
+def _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask):
+    """This layer's own key [BKV, BN] and value [BKV, 1, BN] (fp32; strided views read in place)."""
+    key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid, other=0.)
+    val = tl.load(v_ptr + n * sv_n + okv[:, None, None] * sv_h + on[None, None, :], mask=kvmask[:, None, :] & valid,
+                  other=0.)
+    return key.to(tl.float32), val.to(tl.float32)
+
+
+@jit
+def _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask, k_ptr, v_ptr,
+                BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+    """Every candidate's key [BJ, BKV, BN] and value [BJ, BKV, BR, BN] (fp32), each set in one load (the C loads
+    of one layer's candidates are all in flight), and the candidates' mask [BJ]."""
+    jmask = oj < C
+    kv_rows = n * HKV * HN + okv[None, :, None] * HN + on[None, None, :]  # [1, BKV, BN]
+    keys = tl.load(pointers_at(ktab, oj, jmask, k_ptr)[:, None, None] + kv_rows,
+                   mask=jmask[:, None, None] & kvmask[None, :, :] & valid, other=0.).to(tl.float32)
+    values_at = pointers_at(vtab, oj, jmask, v_ptr)[:, None, None, None]
+    full = tl.zeros([BJ, BKV, BR, BN], dtype=tl.float32)
+    if CV_PER_HEAD:
+        head_rows = n * HKV * R * HN + heads[None, :, :, None] * HN + on[None, None, None, :]
+        values = tl.load(values_at + head_rows, mask=jmask[:, None, None, None]
+                         & (hmask[:, :, None] & nmask[None, None, :])[None, :, :, :] & valid, other=0.)
+    else:  # one value per group, shared by its R heads
+        values = tl.load(values_at + kv_rows[:, :, None, :], mask=jmask[:, None, None, None]
+                         & kvmask[None, :, None, :] & valid, other=0.)
+    return keys, values.to(tl.float32) + full, jmask
+
+
+@jit
+def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, scale, TOK,
+                      sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+                      BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
+                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+    """_fwd_kernel with every candidate's key and value loaded as one tile before any score is reduced: one
+    softmax over [candidates..., self] instead of an online one, entry after entry, each a dependent load."""
+    pid = tl.program_id(0)
+    okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
+    oj = tl.arange(0, BJ)
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
+                                          kvmask, k_ptr, v_ptr, BJ, BKV, BR, BN, CV_PER_HEAD)
+        key, val = _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask)
+        s_c = tl.where(jmask[:, None, None], tl.sum(q[None, :, :, :] * keys[:, :, None, :], axis=3) * scale,
+                       float("-inf"))  # [BJ, BKV, BR]
+        s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
+        m = tl.maximum(tl.max(s_c, axis=0), s)
+        p_c = tl.exp(s_c - m[None, :, :])
+        p = tl.exp(s - m)
+        acc = tl.sum(p_c[:, :, :, None] * values, axis=0) + p[:, :, None] * val
+        out = acc / (tl.sum(p_c, axis=0) + p)[:, :, None]
+        tl.store(out_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hmask[:, :, None] & nmask[None, None, :] & valid)
+
+
+@jit
+def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab,
+                      N, C, HKV, R, RQ, HN, scale, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+                      BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
+                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+    """_bwd_kernel with every candidate's key and value read once, as one tile each, and their gradients stored (or
+    added, gradient tables) as one tile each: one pass per token instead of two over the entries."""
+    pid = tl.program_id(0)
+    kdt = k_ptr.dtype.element_ty
+    vdt = v_ptr.dtype.element_ty
+    okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
+    oj = tl.arange(0, BJ)
+    m3 = hmask[:, :, None] & nmask[None, None, :]
+    for t in range(TOK):
+        n = token(pid, t, TOK)
+        valid = n < N
+        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        go = tl.load(go_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], mask=m3 & valid,
+                     other=0.).to(tl.float32)
+        keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
+                                          kvmask, k_ptr, v_ptr, BJ, BKV, BR, BN, CV_PER_HEAD)
+        key, val = _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask)
+        s_c = tl.where(jmask[:, None, None], tl.sum(q[None, :, :, :] * keys[:, :, None, :], axis=3) * scale,
+                       float("-inf"))  # [BJ, BKV, BR]
+        s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
+        m = tl.maximum(tl.max(s_c, axis=0), s)
+        e_c = tl.exp(s_c - m[None, :, :])
+        e = tl.exp(s - m)
+        z = tl.sum(e_c, axis=0) + e
+        a_c = e_c / z[None, :, :]
+        a = e / z
+        gv_c = tl.sum(go[None, :, :, :] * values, axis=3)  # [BJ, BKV, BR]
+        gv = tl.sum(go * val, axis=2)
+        mean = tl.sum(a_c * gv_c, axis=0) + a * gv
+        ds_c = a_c * (gv_c - mean[None, :, :]) * scale  # 0 for the masked candidates (a_c = 0)
+        ds = a * (gv - mean) * scale
+        # the candidates' gradients: stored, or added where a buffer holds other readers' (sinks)
+        kv_rows = n * HKV * HN + okv[None, :, None] * HN + on[None, None, :]
+        ktile = jmask[:, None, None] & kvmask[None, :, :] & valid
+        dkp, kadd = gradients_at(dktab, oj, jmask, k_ptr)
+        dkeys = tl.sum(ds_c[:, :, :, None] * q[None, :, :, :], axis=2)  # [BJ, BKV, BN]
+        dkeys += tl.load(dkp[:, None, None] + kv_rows, mask=ktile & kadd[:, None, None], other=0.).to(tl.float32)
+        tl.store(dkp[:, None, None] + kv_rows, dkeys.to(kdt), mask=ktile)
+        dvp, vadd = gradients_at(dvtab, oj, jmask, v_ptr)
+        dvals = a_c[:, :, :, None] * go[None, :, :, :]  # [BJ, BKV, BR, BN]
+        if CV_PER_HEAD:
+            head_rows = n * HKV * R * HN + heads[None, :, :, None] * HN + on[None, None, None, :]
+            vtile = jmask[:, None, None, None] & m3[None, :, :, :] & valid
+            dvals += tl.load(dvp[:, None, None, None] + head_rows, mask=vtile & vadd[:, None, None, None],
+                             other=0.).to(tl.float32)
+            tl.store(dvp[:, None, None, None] + head_rows, dvals.to(vdt), mask=vtile)
+        else:  # a value shared by the R heads of its group: their sum
+            dsum = tl.sum(dvals, axis=2) + tl.load(dvp[:, None, None] + kv_rows, mask=ktile & vadd[:, None, None],
+                                                   other=0.).to(tl.float32)
+            tl.store(dvp[:, None, None] + kv_rows, dsum.to(vdt), mask=ktile)
+        own = n * HKV * HN + okv[:, None] * HN + on[None, :]
+        tl.store(dk_ptr + own, tl.sum(ds[:, :, None] * q, axis=1).to(kdt), mask=kvmask & valid)
+        tl.store(dv_ptr + own, tl.sum(a[:, :, None] * go, axis=1).to(vdt), mask=kvmask & valid)
+        dq = tl.sum(ds_c[:, :, :, None] * keys[:, :, None, :], axis=0) + ds[:, :, None] * key[:, None, :]
+        if GROUP:  # the mean query: each of the RQ query heads of a group gets 1 / RQ of its gradient
+            oq = tl.arange(0, BRQ)
+            qh = okv[:, None] * RQ + oq[None, :]
+            qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
+            grad = tl.sum(dq, axis=1)[:, None, :] / RQ + tl.zeros([BKV, BRQ, BN], dtype=tl.float32)
+            tl.store(dq_ptr + n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :],
+                     grad.to(dq_ptr.dtype.element_ty), mask=qmask)
+        else:
+            tl.store(dq_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
+                     dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
+
+
+TILED_CANDIDATES = 4  # at most this many candidates are read as one tile (registers grow with it)
+
+
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, cv: List[Tensor], group: bool):
     hq, hkv, hn = q.shape[1], k.shape[1], k.shape[2]
     r = 1 if group else hq // hkv
@@ -214,9 +350,16 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tens
     if n == 0:
         return out
     count, tok = programs(n, v.device, reduces=False)
-    launch(_fwd_kernel, (count,), (q, k, v, pointer_table(ck), pointer_table(cv), out, n, len(ck), hkv, r, rq, hn,
-                                   hn ** -0.5, tok, *strides),
-           warps(consts["BKV"] * consts["BR"] * consts["BN"], 3), **consts)
+    args = (q, k, v, pointer_table(ck), pointer_table(cv), out, n, len(ck), hkv, r, rq, hn, hn ** -0.5, tok, *strides)
+    if len(ck) <= TILED_CANDIDATES:
+        # 16-bit rows: a 64-register cap (32 resident warps); the H200's tuner found the entry-by-entry forward
+        # 1.69x faster there than at the default 128 (docs/benchmarks.md), and the tiles compile to 63 registers at
+        # 2 candidates (fp32 tiles spill under it)
+        resident = 2 * RESIDENT_WARPS if v.element_size() == 2 else RESIDENT_WARPS
+        launch(_fwd_tiles_kernel, (count,), args, warps(consts["BKV"] * consts["BR"] * consts["BN"], 3),
+               resident_warps=resident, BJ=pow2(len(ck)), **consts)
+    else:
+        launch(_fwd_kernel, (count,), args, warps(consts["BKV"] * consts["BR"] * consts["BN"], 3), **consts)
     return out
 
 
@@ -233,10 +376,20 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
         return dq, dk, dv
     c = len(ck)
     count, tok = programs(n, go.device, reduces=False)
-    launch(_bwd_kernel, (count,), (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv,
-                                   gradient_table(dck, adding[:c]), gradient_table(dcv, adding[c:]), n, c, hkv, r, rq,
-                                   hn, hn ** -0.5, tok, *strides),
-           warps(consts["BKV"] * consts["BR"] * consts["BN"], 4), BJ=pow2(c + 1), **consts)
+    args = (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv, gradient_table(dck, adding[:c]),
+            gradient_table(dcv, adding[c:]), n, c, hkv, r, rq, hn, hn ** -0.5, tok, *strides)
+    # a tile of gradients reads all its rows before it stores any: two candidates sharing one buffer would lose one's
+    # gradient, so they go entry by entry (meta tensors, recorded launches, share no memory)
+    shared = go.device.type != "meta" and any(len({t.data_ptr() for t in grads}) < c for grads in (dck, dcv))
+    # the candidates' keys, values and their gradients beside the rows: on 4 warps 2 candidates spilled (1B, 7B)
+    tile_warps = warps(consts["BKV"] * consts["BR"] * consts["BN"], 4 + 2 * pow2(c))
+    # ... and a key row [hkv, hn] spread over more threads than 4 bytes each loads narrow (7B at TP 4: 2 x 128)
+    narrow = consts["BKV"] * consts["BN"] * 2 // (32 * tile_warps) < 4
+    if c <= TILED_CANDIDATES and not shared and not narrow:
+        launch(_bwd_tiles_kernel, (count,), args, tile_warps, BJ=pow2(c), **consts)
+    else:
+        launch(_bwd_kernel, (count,), args, warps(consts["BKV"] * consts["BR"] * consts["BN"], 4), BJ=pow2(c + 1),
+               **consts)
     return dq, dk, dv
 
 

@@ -114,3 +114,30 @@ def test_candidates_read_by_several_layers_add_into_one_buffer(path, mode, hv):
         out = layers(reference)(*inputs)
         torch.autograd.grad(out.sum(), values)
     assert adds.count >= 2
+
+
+@pytest.mark.parametrize("mode, hv", [("query", 4), ("group", 2)])
+def test_entry_by_entry_where_the_candidates_are_not_read_as_one_tile(path, monkeypatch, mode, hv):
+    """The kernels that walk [candidates..., self] one entry at a time (more candidates than a tile holds), forced
+    here: the sizes above read every candidate as one tile."""
+    from mega_depth.kernels import depth_attention
+
+    monkeypatch.setattr(depth_attention, "TILED_CANDIDATES", 0)
+    test_values_and_gradients(path, mode, hv, 2)
+
+
+def test_two_candidates_with_one_gradient_buffer_both_arrive(path):
+    """The backward stores or adds the candidates' gradients as one tile; two candidates sharing a buffer would each
+    read it before the other's store, and one gradient would be lost. The second one's must add to the first's."""
+    lead, hq, hkv, hn = (2, 3), 4, 2, 6
+    q, k, v = torch.randn(*lead, hq, hn), torch.randn(*lead, hkv, hn), torch.randn(*lead, hkv, hn)
+    ck = [torch.randn(*lead, hkv, hn) for _ in range(2)]
+    cv = [torch.randn(*lead, hq, hn) for _ in range(2)]
+    grad = torch.randn(*lead, hq, hn)
+    apart = [torch.zeros(*lead, hkv, hn) for _ in ck] + [torch.zeros(*lead, hq, hn) for _ in cv]
+    depth_attention_backward_into_op(grad, q, k, v, ck, cv, apart, [False] * 4, False)
+    shared_k, shared_v = torch.zeros(*lead, hkv, hn), torch.zeros(*lead, hq, hn)
+    depth_attention_backward_into_op(grad, q, k, v, ck, cv, [shared_k, shared_k, shared_v, shared_v],
+                                     [False, True, False, True], False)
+    torch.testing.assert_close(shared_k, apart[0] + apart[1])
+    torch.testing.assert_close(shared_v, apart[2] + apart[3])
