@@ -15,6 +15,6 @@ master_port() {
     echo "set MASTER_PORT (the same value on every node) or run under a scheduler that sets a job id" >&2
     return 2
   else
-    "$PY" -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])'
+    "$PY" -m mega_depth.ports  # below the ephemeral range: no outgoing connection takes it before torchrun binds
   fi
 }

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mega_depth.ports import free_port
 
 
 def device() -> torch.device:
