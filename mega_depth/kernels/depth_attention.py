@@ -99,6 +99,23 @@ def _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, 
 
 
 @jit
+def _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV: tl.constexpr,
+                          BRQ: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """A token's query gradient dq [BKV, BR, BN]; group mode: each of the RQ query heads of a group gets 1 / RQ of
+    its mean query's."""
+    if GROUP:
+        oq = tl.arange(0, BRQ)
+        qh = okv[:, None] * RQ + oq[None, :]
+        qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
+        grad = tl.sum(dq, axis=1)[:, None, :] / RQ + tl.zeros([BKV, BRQ, BN], dtype=tl.float32)
+        tl.store(dq_ptr + n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :],
+                 grad.to(dq_ptr.dtype.element_ty), mask=qmask)
+    else:
+        tl.store(dq_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
+                 dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
+
+
+@jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, scale, TOK,
                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                 BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
@@ -187,16 +204,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
                 tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
                          mask=kvmask & valid)
             dq += dsj[:, :, None] * key[:, None, :]
-        if GROUP:  # the mean query: each of the RQ query heads of a group gets 1 / RQ of its gradient
-            oq = tl.arange(0, BRQ)
-            qh = okv[:, None] * RQ + oq[None, :]
-            qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
-            grad = tl.sum(dq, axis=1)[:, None, :] / RQ + tl.zeros([BKV, BRQ, BN], dtype=tl.float32)
-            tl.store(dq_ptr + n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :],
-                     grad.to(dq_ptr.dtype.element_ty), mask=qmask)
-        else:
-            tl.store(dq_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
-                     dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
+        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
 
 
 @jit
@@ -317,16 +325,7 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, d
         tl.store(dk_ptr + own, tl.sum(ds[:, :, None] * q, axis=1).to(kdt), mask=kvmask & valid)
         tl.store(dv_ptr + own, tl.sum(a[:, :, None] * go, axis=1).to(vdt), mask=kvmask & valid)
         dq = tl.sum(ds_c[:, :, :, None] * keys[:, :, None, :], axis=0) + ds[:, :, None] * key[:, None, :]
-        if GROUP:  # the mean query: each of the RQ query heads of a group gets 1 / RQ of its gradient
-            oq = tl.arange(0, BRQ)
-            qh = okv[:, None] * RQ + oq[None, :]
-            qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
-            grad = tl.sum(dq, axis=1)[:, None, :] / RQ + tl.zeros([BKV, BRQ, BN], dtype=tl.float32)
-            tl.store(dq_ptr + n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :],
-                     grad.to(dq_ptr.dtype.element_ty), mask=qmask)
-        else:
-            tl.store(dq_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
-                     dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
+        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
 
 
 TILED_CANDIDATES = 4  # at most this many candidates are read as one tile (registers grow with it)
