@@ -16,7 +16,8 @@ and gradients are checked equal to ours before it is timed; one that differs is 
 cannot run here is skipped with the reason. Ours runs once more, untimed: its row says whether it gave the same
 bits again (deterministic: no parameter gradient summed by atomics). The torch.compile rows come last, after every
 op's own and peer rows: compiling is the slow part, and a run cut short by its time box keeps the rest (--out is
-written after every case).
+written after every case). A time is a call's within a series of back-to-back calls (timed()), and "host ms" is the
+host's time to issue one: where the two are close, the host set the pace, not the kernels.
 
 --toy runs the same code at toy sizes in fp32 on the CPU under Triton's interpreter: every op and every peer that
 can run there is run and checked, nothing is timed (timings on a CPU say nothing of a GPU).
@@ -31,11 +32,10 @@ tests/unit/test_kernels_aot.py: it compiles every entry for its target and fails
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -195,8 +195,22 @@ def reference(op: str):
     }[op]
 
 
-def timed(fn, device, repeats: int) -> Optional[float]:
-    """Median seconds of fn() on a GPU (CUDA events, after warm-up); None on a CPU (not timed)."""
+class Timing(NamedTuple):
+    seconds: float  # a call's time within a series of back-to-back calls
+    host_seconds: float  # the host's time to issue one call (Python, autograd, the launches)
+
+
+SERIES = 3  # timed series per measurement; the median series counts
+
+
+def timed(fn, device, repeats: int) -> Optional[Timing]:
+    """A call's time on a GPU, and the host's time to issue one; None on a CPU (not timed).
+
+    Each of SERIES series runs fn `repeats` times back to back between two CUDA events, with no sync between the
+    calls, after a warm-up: the host queues ahead of the device as it does in a training step, so a call's time is
+    the device's where the host keeps ahead, and the host's where it cannot (then host_seconds is about seconds).
+    A sync after every call would add the host's launch time to every kernel's: on the H200 (2026-11-30) the same
+    kernels measured up to 2x slower that way than in the tuner's runs."""
     import torch
 
     if device.type != "cuda":
@@ -204,15 +218,28 @@ def timed(fn, device, repeats: int) -> Optional[float]:
         return None
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
+    torch.cuda.synchronize()
+    series = []
+    for _ in range(SERIES):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
         start.record()
-        fn()
+        for _ in range(repeats):
+            fn()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        host = (time.perf_counter() - began) / repeats
+        end.synchronize()
+        series.append(Timing(start.elapsed_time(end) / 1e3 / repeats, host))
+    return sorted(series)[len(series) // 2]
+
+
+def timing_fields(fwd: Optional[Timing], bwd: Optional[Timing]) -> dict:
+    """A row's times: fwd_s / bwd_s (None where untimed) and the host's share, fwd_host_s / bwd_host_s."""
+    fields = {}
+    for phase, t in (("fwd", fwd), ("bwd", bwd)):
+        fields[f"{phase}_s"] = None if t is None else t.seconds
+        fields[f"{phase}_host_s"] = None if t is None else t.host_seconds
+    return fields
 
 
 def output_gradient(out):
@@ -278,7 +305,7 @@ def measure_ours(case: Case, device, repeats: int, tol: float) -> dict:
     inputs = case.make()
     out, grads, fwd, bwd = forward_backward(case.run, inputs, device, repeats)
     same = run_twice_equal(case.run, inputs, out, grads)
-    row = dict(impl="mega_depth", fwd_s=fwd, bwd_s=bwd, deterministic=same,
+    row = dict(impl="mega_depth", **timing_fields(fwd, bwd), deterministic=same,
                status="ok" if same else "ok, but a second run differs in its bits (not deterministic)")
     # the reference is the eager math in fp32: in bf16 its own reductions (a gain's gradient summed over 8,192
     # tokens) round further from the truth than our fp32-accumulating kernels do
@@ -296,7 +323,7 @@ def measure_peers(case: Case, device, repeats: int, tol: float) -> List[dict]:
     out, grads, _, _ = forward_backward(case.run, inputs, device, 1) if case.peers else (None, None, None, None)
     rows = []
     for name, peer in case.peers.items():
-        row = dict(impl=name, fwd_s=None, bwd_s=None)
+        row = dict(impl=name, **timing_fields(None, None))
         peer_inputs = peer.prepare(inputs) if peer.prepare else inputs
         try:
             p_out, p_grads, _, _ = forward_backward(peer.run, peer_inputs, device, 1)
@@ -312,7 +339,8 @@ def measure_peers(case: Case, device, repeats: int, tol: float) -> List[dict]:
             rows.append(dict(row, status=f"differs: {problem}"))
             continue
         _, _, p_fwd, p_bwd = forward_backward(peer.run, peer_inputs, device, repeats)
-        rows.append(dict(row, fwd_s=p_fwd, bwd_s=p_bwd, status="equal" + (f" ({peer.note})" if peer.note else "")))
+        note = f" ({peer.note})" if peer.note else ""
+        rows.append(dict(row, **timing_fields(p_fwd, p_bwd), status="equal" + note))
     return [_of_case(r, case) for r in rows]
 
 
@@ -321,7 +349,7 @@ def compile_floor(case: Case, device, repeats: int) -> dict:
     import torch
 
     _, _, fwd, bwd = forward_backward(torch.compile(reference(case.op)), case.make(), device, repeats)
-    return _of_case(dict(impl="torch.compile(eager)", fwd_s=fwd, bwd_s=bwd, status="ok"), case)
+    return _of_case(dict(impl="torch.compile(eager)", **timing_fields(fwd, bwd), status="ok"), case)
 
 
 def _of_case(row: dict, case: Case) -> dict:
@@ -362,7 +390,8 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
                 with tuning.forcing({key: candidate}), tuning.observing() as launched:
                     try:
                         got = results(run())
-                        seconds = timed(run, device, repeats)
+                        timing = timed(run, device, repeats)
+                        seconds = None if timing is None else timing.seconds
                     except Exception as exc:  # e.g. out of shared memory at more warps: not a candidate here
                         why = str(exc).splitlines()[0][:100] if str(exc) else ""
                         row["tried"][f"{candidate}"] = f"failed: {type(exc).__name__}: {why}"
@@ -396,8 +425,8 @@ def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[st
     out = torch.empty(n, device=device, dtype=dtype)
     copy = timed(lambda: dst.copy_(src), device, repeats)
     add = timed(lambda: torch.sum(src.view(8, n), dim=0, out=out), device, repeats)
-    return {"copy_GBps": None if copy is None else 2 * 8 * row_bytes / copy / 1e9,
-            "sum8_GBps": None if add is None else 9 * row_bytes / add / 1e9}
+    return {"copy_GBps": None if copy is None else 2 * 8 * row_bytes / copy.seconds / 1e9,
+            "sum8_GBps": None if add is None else 9 * row_bytes / add.seconds / 1e9}
 
 
 def with_rates(rows: List[dict], copy_gbps: Optional[float]) -> List[dict]:
@@ -417,17 +446,21 @@ def _table_order(row: dict):
 
 
 def markdown(rows: List[dict]) -> str:
-    lines = ["| op | shape | implementation | fwd ms | fwd GB/s (% copy) | bwd ms | bwd GB/s (% copy) | status |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+    """The table; "host ms" is the host's time to issue a call, and a call's time near it means the host, not the
+    device, set the pace."""
+    lines = ["| op | shape | implementation | fwd ms | fwd GB/s (% copy) | fwd host ms | bwd ms | bwd GB/s (% copy) "
+             "| bwd host ms | status |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
 
-    def cell(r, phase):
+    def cells(r, phase):
         if r[f"{phase}_s"] is None:
-            return "", ""
-        return f"{r[f'{phase}_s'] * 1e3:.3f}", f"{r[f'{phase}_GBps']:.0f} ({r[f'{phase}_pct_copy']:.0f} %)"
+            return ["", "", ""]
+        host = r.get(f"{phase}_host_s")
+        return [f"{r[f'{phase}_s'] * 1e3:.3f}", f"{r[f'{phase}_GBps']:.0f} ({r[f'{phase}_pct_copy']:.0f} %)",
+                "" if host is None else f"{host * 1e3:.3f}"]
     for r in rows:
-        fm, fg = cell(r, "fwd")
-        bm, bg = cell(r, "bwd")
-        lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {fm} | {fg} | {bm} | {bg} | {r['status']} |")
+        lines.append("| " + " | ".join([r["op"], r["shape"], r["impl"], *cells(r, "fwd"), *cells(r, "bwd"),
+                                        r["status"]]) + " |")
     return "\n".join(lines)
 
 

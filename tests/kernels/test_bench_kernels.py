@@ -13,9 +13,11 @@ import bench_kernels  # noqa: E402
 from kernel_peers import Peer  # noqa: E402
 
 
-def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path):
+def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path, capsys):
     out = tmp_path / "kernels.json"
-    assert bench_kernels.main(["--toy", "--out", str(out)]) == 0
+    assert bench_kernels.main(["--toy", "--out", str(out), "--markdown"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| attnres_mix | toy |")]
+    assert table and all(line.count("|") == 11 for line in table), table
     found = json.loads(out.read_text())
     status = {(r["op"], r["impl"]): r["status"] for r in found["rows"]}
     assert {op for op, impl in status if impl == "mega_depth"} == set(bench_kernels.OPS)
@@ -29,6 +31,38 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path):
     assert status[("attnres_mix", "fla fused_attnres")].startswith("skipped") and "CUDA" in \
         status[("attnres_mix", "fla fused_attnres")]
     assert all(r["fwd_s"] is None for r in found["rows"])  # nothing is timed on a CPU
+
+
+def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
+    """timed() on a GPU, with a fake device clock: the calls of a series are queued back to back (a sync after
+    each would add the host's launch time to the device's), a call's time is the series' over its calls, and the
+    median series counts."""
+    clock, calls_since_sync, series_lengths = [0.0], [0], []
+    per_call = iter([1e-3] * 3 + [2e-3] * 4 + [9e-3] * 4 + [3e-3] * 4)  # warm-up, then three series
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            series_lengths.append(calls_since_sync[0])
+            calls_since_sync[0] = 0
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    def call():
+        clock[0] += next(per_call)
+        calls_since_sync[0] += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls_since_sync.__setitem__(0, 0))
+    timing = bench_kernels.timed(call, torch.device("cuda"), 4)
+    assert series_lengths == [4, 4, 4]
+    assert abs(timing.seconds - 3e-3) < 1e-12 and timing.host_seconds >= 0
 
 
 def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
