@@ -35,7 +35,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -78,7 +78,9 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
             "candidates": 2}  # the deepest layers' Depth-Attention candidates (layers 0 and L/2)
 
 
-def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
+def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List[Case]:
+    """The ops at `shape`'s sizes (toy: tiny); host_only: its counts of sources, heads and streams with few tokens
+    and a narrow width, for --host (the launchers' Python does not depend on those two)."""
     import torch
 
     from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2
@@ -90,6 +92,8 @@ def cases(shape: str, dtype, device, toy: bool) -> List[Case]:
     from mega_depth.kernels.streams import streams_out
 
     s = sizes(shape, toy)
+    if host_only:
+        s = dict(s, tokens=16, d=8 * s["heads"])
     n, d, item = s["tokens"], s["d"], torch.tensor([], dtype=dtype).element_size()
     row = n * d * item
 
@@ -415,6 +419,33 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
     return rows
 
 
+def host_seconds(case: Case, repeats: int) -> Tuple[float, float]:
+    """The host's time (median of `repeats`) to issue our op's forward and its backward, on the CPU: Python,
+    autograd, the dispatcher and the launchers, with the Triton launches recorded instead of run
+    (kernels/common.recording). A GPU adds the driver's few microseconds a launch. Where this is close to an op's
+    time on the GPU, the host, not the kernel, sets the pace."""
+    import torch
+
+    from mega_depth.kernels import common
+
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in case.make()]
+    wanted = [t for t in leaves if t.requires_grad]
+    with common.recording(132):
+        out = case.run(*leaves)
+        go = torch.ones_like(out)
+        phases = (lambda: case.run(*leaves), lambda: torch.autograd.grad(out, wanted, go, retain_graph=True))
+        medians = []
+        for fn in phases:
+            fn()  # warm-up
+            times = []
+            for _ in range(repeats):
+                began = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - began)
+            medians.append(sorted(times)[len(times) // 2])
+    return medians[0], medians[1]
+
+
 def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[str, Optional[float]]:
     """GB/s of a copy and of an 8-source sum (bytes: 2 x 8 rows and 9 rows) of rows of row_bytes."""
     import torch
@@ -473,6 +504,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile-floor", action="store_true", help="skip torch.compile of the eager math")
     parser.add_argument("--out", default=None, help="write the rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table")
+    parser.add_argument("--host", action="store_true",
+                        help="instead of the table: the host's time to issue each op's forward and backward, on "
+                             "the CPU with the launches recorded (no GPU needed)")
     parser.add_argument("--tune", default=None, metavar="TABLE",
                         help="instead of the table: time each kernel's warps and resident warps around the "
                              "launcher's guess and write the winners for this GPU into TABLE (merged; the shipped "
@@ -489,6 +523,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from mega_depth.kernels import common
 
+    if args.host:
+        return _host_all(args)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
     if device.type != "cuda" and not args.toy:
         parser.error("no GPU: pass --toy (toy sizes on the CPU under TRITON_INTERPRET=1, checks only)")
@@ -535,6 +571,25 @@ def main(argv=None) -> int:
     if wrong:
         print(f"our kernels differ from the eager math in: {', '.join(wrong)}", file=sys.stderr)
     return 1 if wrong else 0
+
+
+def _host_all(args) -> int:
+    """--host: host_seconds of every chosen op at every chosen shape, as a table (and JSON with --out)."""
+    import torch
+
+    rows = []
+    print("| op | shape | fwd host us | bwd host us |\n|---|---|---:|---:|")
+    for shape in args.shapes.split(","):
+        for case in cases(shape, torch.bfloat16, torch.device("cpu"), toy=False, host_only=True):
+            if case.op not in args.ops.split(","):
+                continue
+            fwd, bwd = host_seconds(case, max(args.repeats, 5))
+            rows.append(dict(op=case.op, shape=shape, fwd_host_s=fwd, bwd_host_s=bwd))
+            print(f"| {case.op} | {shape} | {fwd * 1e6:.0f} | {bwd * 1e6:.0f} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": "cpu (host time, launches recorded)", "rows": rows}, f, indent=1)
+    return 0
 
 
 def _tune_all(args, dtype, device, tol, device_name, start) -> int:

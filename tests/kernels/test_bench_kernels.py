@@ -139,3 +139,13 @@ def test_the_tuner_passes_over_a_candidate_whose_compile_spills(tmp_path, monkey
     for r in rows:
         for candidate, result in r["tried"].items():
             assert result == ("spills 240 B" if int(candidate.strip("()").split(",")[1]) >= 32 else None), r
+
+
+def test_host_time_of_every_op_is_measured_with_the_launches_recorded(tmp_path):
+    """--host: the host's time to issue each op's forward and backward, on the CPU, at the 1B counts of sources,
+    heads and streams; the kernels are recorded, not run (under the interpreter they would take seconds)."""
+    out = tmp_path / "host.json"
+    assert bench_kernels.main(["--host", "--shapes", "1b", "--repeats", "5", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == list(bench_kernels.OPS)
+    assert all(0 < r["fwd_host_s"] < 0.1 and 0 < r["bwd_host_s"] < 0.1 for r in rows), rows
