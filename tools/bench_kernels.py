@@ -1,7 +1,7 @@
 """Every depth-mixing op alone, forward and backward, at the sizes the 1B and 7B steps launch it: time, bytes, GB/s
 and % of a copy of the same bytes, with the published peers side by side on the same function.
 
-    python tools/bench_kernels.py [--shapes 1b,7b] [--ops attnres_mix,phase1,...] [--out kernels.json] [--markdown]
+    python tools/bench_kernels.py [--shapes 1b,7b] [--ops attnres_mix,attnres_block,...] [--out kernels.json] [--markdown]
     TRITON_INTERPRET=1 MEGA_DEPTH_KERNELS_FORCE_TRITON=1 python tools/bench_kernels.py --toy     # CPU, checks only
     python tools/bench_kernels.py --shapes 1b --tune mega_depth/kernels/tuned.json   # a GPU: tune the launches
 
@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 EPS = 1e-6
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "phase1", "phase2", "grn", "streams_out", "depth_attention", "mhc_maps", "mhc_projection")
+OPS = ("attnres_mix", "attnres_block", "phase2", "grn", "streams_out", "depth_attention", "mhc_maps", "mhc_projection")
 
 
 @dataclass
@@ -112,10 +112,14 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources",
                 lambda: rows_of(k) + query_and_gain(),
                 lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
-    phase1 = Case("phase1", shape, f"Block AttnRes phase 1 and its normalisation, {b} blocks x {q} queries",
-                  lambda: rows_of(b) + query_and_gain(q),
-                  lambda *a: _normalised(attnres_phase2, attnres_phase1_sources(list(a[:-2]), a[-2], a[-1], EPS), a),
-                  (b + q) * row, (2 * b + q) * row)
+    # one block's whole Block AttnRes work, as the model does it: phase 1 of its q sublayers' queries over the b
+    # completed blocks, then each sublayer's phase-2 merge of its partial sum (the first sublayer has none). Phase 1
+    # alone is not one function across implementations: ours leaves (m, z, o) for the merges to normalise,
+    # flash-attn-res normalises in phase 1 and merges from (o / z, LSE).
+    block = Case("attnres_block", shape, f"Block AttnRes, one block: phase 1 over {b} blocks x {q} queries, then the "
+                 f"{q} merges", lambda: rows_of(b) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
+                 lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, b), (b + 2 * q - 1) * row,
+                 (2 * b + 3 * q - 2) * row)
     phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)",
                   lambda: ([rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float()] + rows_of(2)
                            + query_and_gain()),
@@ -150,7 +154,7 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                    lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 3 * ns * row)
     from kernel_peers import peers_for
 
-    out = [full, phase1, phase2, grn, streams, depth, maps, project]
+    out = [full, block, phase2, grn, streams, depth, maps, project]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
@@ -172,11 +176,16 @@ def _rms_applied(projection):
     return proj * torch.rsqrt(mean_square + EPS)
 
 
-def _normalised(phase2, phase1_out, args):
-    """o / z of every query: phase 2 without a partial sum (what a block's first sublayer reads), the output that
-    the phase-1 peers return."""
-    m, z, o = phase1_out
-    return phase2(m, z, o, None, args[-2][0], args[-1][0], EPS)
+def _merged(phase1, phase2, args, blocks: int):
+    """Each sublayer's input [N, d] within one block, a tuple: phase 1 over the blocks args[:blocks] with the
+    queries args[-2] and gains args[-1], then sublayer s's merge of its partial sum args[blocks + s - 1] (none for
+    s = 0)."""
+    queries, gains = args[-2], args[-1]
+    partials = [None, *args[blocks:-2]]
+    m, z, o = phase1(list(args[:blocks]), queries, gains, EPS)
+    # unbound, as the model does (model/attnres.py): an index's backward would zero-fill all S rows for each
+    return tuple(phase2(*state, x, qs, gs, EPS)
+                 for state, x, qs, gs in zip(zip(m.unbind(0), z.unbind(0), o.unbind(0)), partials, queries, gains))
 
 
 def reference(op: str):
@@ -187,8 +196,9 @@ def reference(op: str):
 
     return {
         "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
-        "phase1": lambda *a: _normalised(mixing.attnres_block_phase2,
-                                         mixing.attnres_block_phase1(torch.stack(a[:-2]), a[-2], a[-1], EPS), a),
+        "attnres_block": lambda *a: _merged(lambda blocks, *rest: mixing.attnres_block_phase1(torch.stack(blocks),
+                                                                                              *rest),
+                                            mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1),  # q - 1 partials
         "phase2": lambda m, z, o, x, q, g: mixing.attnres_block_phase2(m, z, o, x, q, g, EPS),
         "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
@@ -246,12 +256,17 @@ def timing_fields(fwd: Optional[Timing], bwd: Optional[Timing]) -> dict:
     return fields
 
 
-def output_gradient(out):
-    """The gradient fed to an op's output: the same draw for every implementation and run."""
+def outputs(out) -> list:
+    """An op's outputs as a list: one tensor, or a tuple of them (the Block AttnRes block: one per sublayer)."""
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def output_gradient(out) -> list:
+    """The gradients fed to an op's outputs: the same draws for every implementation and run."""
     import torch
 
-    return torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7),
-                       device=out.device).to(out.dtype)
+    return [torch.randn(o.shape, generator=torch.Generator(device=o.device).manual_seed(7 + i),
+                        device=o.device).to(o.dtype) for i, o in enumerate(outputs(out))]
 
 
 def forward_backward(run, inputs, device, repeats):
@@ -260,12 +275,12 @@ def forward_backward(run, inputs, device, repeats):
 
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     fwd = timed(lambda: run(*leaves), device, repeats)
-    out = run(*leaves)
+    out = outputs(run(*leaves))
     go = output_gradient(out)
     wanted = [t for t in leaves if t.requires_grad]
     bwd = timed(lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), device, repeats)
     grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
-    return out.detach(), [g.detach() for g in grads], fwd, bwd
+    return [o.detach() for o in out], [g.detach() for g in grads], fwd, bwd
 
 
 def run_twice_equal(run, inputs, out, grads) -> bool:
@@ -276,9 +291,9 @@ def run_twice_equal(run, inputs, out, grads) -> bool:
     import torch
 
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-    again = run(*leaves)
+    again = outputs(run(*leaves))
     grads_again = torch.autograd.grad(again, [t for t in leaves if t.requires_grad], output_gradient(again))
-    return torch.equal(again, out) and all(torch.equal(a, b) for a, b in zip(grads_again, grads))
+    return all(torch.equal(a, b) for a, b in zip(again + list(grads_again), out + list(grads)))
 
 
 def agree(a, b, tol: float) -> Optional[str]:
@@ -291,7 +306,10 @@ def agree(a, b, tol: float) -> Optional[str]:
 def first_difference(out, grads, ref_out, ref_grads, tol: float) -> Optional[str]:
     """None when the output and every gradient equal the reference's to tol, else which one differs and by how
     much."""
-    named = [("output", out, ref_out)] + [(f"gradient {i}", g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))]
+    if len(out) != len(ref_out):
+        return f"{len(out)} outputs, not {len(ref_out)}"
+    named = ([("output" if len(out) == 1 else f"output {i}", o, r) for i, (o, r) in enumerate(zip(out, ref_out))]
+             + [(f"gradient {i}", g, r) for i, (g, r) in enumerate(zip(grads, ref_grads))])
     return next((f"{name}: {p}" for name, a, b in named for p in [agree(a, b, tol)] if p), None)
 
 
@@ -377,11 +395,11 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in case.make()]
     wanted = [t for t in leaves if t.requires_grad]
     with tuning.observing() as fwd_seen:
-        out = case.run(*leaves)
+        out = outputs(case.run(*leaves))
     go = output_gradient(out)
     with tuning.observing() as bwd_seen:
         ref_grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
-    phases = {"fwd": (lambda: case.run(*leaves), lambda got: [got], [out.detach()]),
+    phases = {"fwd": (lambda: case.run(*leaves), outputs, [o.detach() for o in out]),
               "bwd": (lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), list, list(ref_grads))}
     rows = []
     for phase, seen in (("fwd", fwd_seen), ("bwd", bwd_seen)):
@@ -431,8 +449,8 @@ def host_seconds(case: Case, repeats: int) -> Tuple[float, float]:
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in case.make()]
     wanted = [t for t in leaves if t.requires_grad]
     with common.recording(132):
-        out = case.run(*leaves)
-        go = torch.ones_like(out)
+        out = outputs(case.run(*leaves))
+        go = [torch.ones_like(o) for o in out]
         phases = (lambda: case.run(*leaves), lambda: torch.autograd.grad(out, wanted, go, retain_graph=True))
         medians = []
         for fn in phases:

@@ -73,7 +73,7 @@ if [ "${SCALE:-full}" = tiny ]; then
   TP_MOE=(--hidden-size 64 --num-layers 4 --seq-length 64 --micro-batch-size 2 --steps 1 --rounds 1
           --mechanisms attnres-block --num-experts 4 --moe-layer-freq "([0]*1+[1]*3)")
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
-  KERNELS=(--toy --ops attnres_mix,phase1)
+  KERNELS=(--toy --ops attnres_mix,attnres_block)
   # the kernels' tests are collected, not run: the CPU suite runs all of them under the interpreter
   # (tests/unit/test_kernels.py); collecting checks the selection and imports (pytest exits 5 on an empty one)
   KERNEL_TESTS=(--collect-only)

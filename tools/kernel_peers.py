@@ -10,9 +10,10 @@ peer computes a narrower function (all three compute the softmax, one-head, stat
   streams laid out [*, n, d] (ours are [n, *, d]: transposed before the call, not timed); `mhc_mm_norm_fwd` / `_bwd`:
   mHC's coefficient projection with its RMS applied, (x~ phi) rsqrt(mean(x~^2) + eps) (the case's function), on
   tokens laid out [N, n*d] and phi [n*d, m] (both transposed before the call, not timed).
-- flash-attn-res: Block AttnRes's phase 1 (blocks stacked [K, 1, N, d]; no key-norm gain: ours is folded into its
-  queries, as our kernels fold it; it returns the normalised output o / z and the LSE, in bf16) and phase 2 (it
-  takes phase 1's normalised output and LSE: converted from our (m, z, o) inside the timed call).
+- flash-attn-res: one block of Block AttnRes, its phase 1 (blocks stacked [K, 1, N, d]; no key-norm gain: ours is
+  folded into its queries, as our kernels fold it; it returns the normalised output o / z and the LSE, in bf16) and
+  its phase-2 merges from them; and phase 2 alone (it takes phase 1's normalised output and LSE: converted from our
+  (m, z, o) inside the timed call).
 A peer that is not installed, or cannot run on this device, is skipped with the reason.
 """
 
@@ -30,7 +31,7 @@ class Peer:
 
 
 def peers_for(op: str, eps: float) -> Dict[str, Peer]:
-    return {"attnres_mix": _attnres_mix, "phase1": _phase1, "phase2": _phase2, "streams_out": _streams_out,
+    return {"attnres_mix": _attnres_mix, "attnres_block": _attnres_block, "phase2": _phase2, "streams_out": _streams_out,
             "mhc_projection": _mhc_projection}.get(
         op, lambda eps: {})(eps)
 
@@ -73,22 +74,26 @@ def _flash_attn_res():
     return far
 
 
-def _phase1(eps):
+def _attnres_block(eps):
     import torch
 
-    def normalised(stacked, q, g):  # [K, 1, N, d] -> o / z [S, N, d]
+    def block(*a):  # blocks [K, 1, N, d], q - 1 partials [N, d], queries [q, d], gains [q, d]
         far = _flash_attn_res()
-        out, _ = far.phase_1_batched_attention_triton_op(stacked, (g * q).to(stacked.dtype), eps)
-        return out[:, 0]
+        stacked, *partials, q, g = a
+        folded = (g * q).to(stacked.dtype)
+        normalised, lse = far.phase_1_batched_attention_triton_op(stacked, folded, eps)
+        merged = [far.phase_2_online_softmax_merge_triton_op(x.unsqueeze(0), folded[s + 1], normalised[s + 1],
+                                                             lse[s + 1], eps)[0] for s, x in enumerate(partials)]
+        return (normalised[0, 0], *merged)
 
     def stack(inputs):
-        *blocks, q, g = inputs
-        return [torch.stack(blocks).unsqueeze(1).detach(), q, g]
+        queries = len(inputs[-2])
+        blocks, partials = inputs[:-2 - (queries - 1)], inputs[-2 - (queries - 1):-2]
+        return [torch.stack(blocks).unsqueeze(1).detach(), *partials, *inputs[-2:]]
 
-    return {"flash-attn-res phase 1": Peer(normalised, prepare=stack,
-                                            grads_back=lambda g: [*g[0][:, 0].unbind(0), *g[1:]],
-                                            note="blocks stacked (untimed), gain folded into the queries, bf16 out",
-                                            rounds_to_bf16=True)}
+    return {"flash-attn-res": Peer(block, prepare=stack, grads_back=lambda g: [*g[0][:, 0].unbind(0), *g[1:]],
+                                   note="blocks stacked (untimed), gain folded into the queries, bf16 out",
+                                   rounds_to_bf16=True)}
 
 
 def _phase2(eps):

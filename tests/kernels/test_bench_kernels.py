@@ -24,7 +24,7 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path, c
     assert all(s == "ok" for (op, impl), s in status.items() if impl == "mega_depth")
     assert all(r["deterministic"] for r in found["rows"] if r["impl"] == "mega_depth")
     # the peers that run under the interpreter compute our function; fla's kernels need CUDA tensors
-    for peer in (("attnres_mix", "liger attn_res"), ("phase1", "flash-attn-res phase 1"),
+    for peer in (("attnres_mix", "liger attn_res"), ("attnres_block", "flash-attn-res"),
                  ("phase2", "flash-attn-res phase 2"), ("streams_out", "liger mhc_post_res"),
                  ("mhc_projection", "liger mhc_mm_norm")):
         assert status[peer].startswith("equal"), (peer, status[peer])
