@@ -517,7 +517,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--shapes", default="1b,7b", help="config sizes whose step sizes to run")
     parser.add_argument("--ops", default=",".join(OPS), help=f"ops, comma-separated ({', '.join(OPS)})")
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per implementation and phase")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="calls in each of the timed series per implementation and phase")
     parser.add_argument("--toy", action="store_true", help="toy sizes in fp32 on the CPU: run and check, no timing")
     parser.add_argument("--no-compile-floor", action="store_true", help="skip torch.compile of the eager math")
     parser.add_argument("--out", default=None, help="write the rows as JSON")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
-# important first, so that the first 165 s give the kernel table and the next 250 s the 1B step ratios:
+# important first, so that the first 165 s give the kernel table and the next 230 s the 1B step ratios:
 #   1. environment;
 #   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes and
 #      the published peers, then torch.compile of the eager math (tools/bench_kernels.py): the kernel table;
@@ -10,17 +10,22 @@
 #      saved-for-backward bytes, the analytic bound;
 #   4. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
 #      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
-#   5. a torch.profiler trace of one 1B-size step, baseline and Block AttnRes: top kernels, device idle time and the
-#      longest gaps (tools/profile_step.py), so a missed ratio says where its time went;
+#   5. a torch.profiler trace of one 1B-size step, baseline, Block AttnRes and Depth-Attention: top kernels, each
+#      mixing kernel's device time and launches in the step (free of the host time that the kernel table's
+#      one-call timings carried on 2026-11-30), device idle time and the longest gaps (tools/profile_step.py), so a
+#      missed ratio says where its time went;
 #   6. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
-#      excluded (tools/sync_check.py); the optimizer step's syncs counted (0 for every setting on the H100 last time).
+#      excluded (tools/sync_check.py); the optimizer step's syncs counted (0 for every setting in the last three
+#      GPU runs; the last box's 51 s covered all ten, and a cut-off run keeps the settings it finished).
 #   FULL=1 adds the kernels' launch settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in
-#   the results, to commit as mega_depth/kernels/tuned.json; ONLY=tune_kernels FULL=1 runs it alone, unmeasured on a
-#   GPU so far), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
+#   the results, to commit as mega_depth/kernels/tuned.json) and the kernel table again with them
+#   (ONLY=tune_kernels,kernels_tuned FULL=1 runs those two alone, ~270 s), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
 #   and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU quality
 #   run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the
-#   580 s box). The boxes are sized from the last GPU run (H200, 2026-11-29, docs/benchmarks.md): a 1B pair takes
-#   ~38 s, our kernels' rows of the table ~60-120 s (most of it Triton's first compiles).
+#   580 s box). The boxes are sized from the last GPU runs (H200, 2026-11-29 and -30, docs/benchmarks.md): a 1B pair
+#   takes 38-70 s (the machine of 2026-11-30 was slower), our kernels' rows of the table ~25 s and the peers' ~70 s
+#   (most of it Triton's first compiles and fla's autotuning), a profiled setting ~30 s, the tuner 54 s for its
+#   former 6 candidates a kernel (now up to 12: 150 s).
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
 #                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
@@ -114,16 +119,22 @@ step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
 # op first, then the peers, the torch.compile floor last)
 step bench_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --out "$WORK/kernels.json" --markdown
-step throughput_1b 250 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
+step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
 step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
   "${KERNEL_TESTS[@]}"
-step profile_1b 60 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block --mixing-impl triton \
-  --out-dir "$WORK"
-step sync_check 70 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
+step profile_1b 100 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block,depth-attention \
+  --mixing-impl triton --out-dir "$WORK"
+step sync_check 50 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
 if [ "${FULL:-0}" = 1 ]; then
-  step tune_kernels 90 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+  # the tuner starts from the shipped table (its entries are the settings it searches around) and merges its
+  # winners into a copy; kernels_tuned then measures the table with that copy, before anyone commits it
+  cp mega_depth/kernels/tuned.json "$WORK/tuned.json"
+  step tune_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
     "$PY" tools/bench_kernels.py "${KERNELS[@]}" --tune "$WORK/tuned.json"
+  step kernels_tuned 120 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+    MEGA_DEPTH_TUNED_TABLE="$WORK/tuned.json" "$PY" tools/bench_kernels.py "${KERNELS[@]}" --no-compile-floor \
+    --out "$WORK/kernels_tuned.json" --markdown
   step throughput_d512 80 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
     --out "$WORK/throughput_d512.json"
   step throughput_d512_compiled 50 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \

@@ -29,7 +29,8 @@ def mixing_kernel_names():
     import importlib
 
     names = set()
-    for op in ("attnres_mix", "attnres_block", "grn", "depth_attention", "streams", "sinkhorn"):
+    for op in ("attnres_mix", "attnres_block", "grn", "depth_attention", "streams", "sinkhorn", "mhc_maps",
+               "mhc_projection", "common"):
         module = importlib.import_module(f"mega_depth.kernels.{op}")
         names |= {n for n, v in vars(module).items() if n.endswith("_kernel") and hasattr(v, "fn")}
     return names
@@ -87,15 +88,20 @@ def profile(backend, sampler, step: int, gpu: bool) -> dict:
     spans = intervals(prof.events(), gpu)
     busy, gaps = busy_and_gaps(spans)
     span_us = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    totals = {}
+    totals, calls = {}, {}
     for start, stop, name in spans:
         totals[name] = totals.get(name, 0.0) + stop - start
+        calls[name] = calls.get(name, 0) + 1
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:15]
     kernels = mixing_kernel_names()
     mixing = sum(t for name, t in totals.items() if is_mixing(name, kernels))
     return {"wall_ms": wall_us / 1e3, "device_span_ms": span_us / 1e3, "busy_ms": busy / 1e3,
             "idle_ms": (span_us - busy) / 1e3, "idle_pct": 100 * (span_us - busy) / span_us if span_us else None,
             "mixing_kernels_ms": mixing / 1e3, "mixing_pct_of_busy": 100 * mixing / busy if busy else None,
+            # each mixing kernel's device time in the step and its launches: the kernels' cost where it counts,
+            # free of the host's launch time that a timing of one call around a sync includes
+            "mixing_kernels": [{"name": n, "ms": t / 1e3, "calls": calls[n], "us_per_call": t / calls[n]}
+                               for n, t in sorted(totals.items(), key=lambda kv: -kv[1]) if is_mixing(n, kernels)],
             "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps],
             "top_kernels": [{"name": n[:120], "ms": t / 1e3, "pct_of_busy": 100 * t / busy if busy else None}
                             for n, t in top]}
@@ -109,9 +115,27 @@ def markdown(results: dict, device: str, shape: str) -> str:
                   f"{r['mixing_kernels_ms']:.2f} ms ({r['mixing_pct_of_busy'] or 0:.1f} % of busy).", "",
                   "| kernel | ms | % of busy |", "|---|---:|---:|"]
         lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['pct_of_busy'] or 0:.1f} |" for k in r["top_kernels"]]
+        if r.get("mixing_kernels"):
+            lines += ["", "| mixing kernel | ms | launches | us a launch |", "|---|---:|---:|---:|"]
+            lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['us_per_call']:.1f} |"
+                      for k in r["mixing_kernels"]]
         gaps = ", ".join(f"{g['us']:.0f} us after `{g['after'][:40]}`" for g in r["longest_gaps"][:3])
         lines += ["", f"Longest idle gaps: {gaps or 'none'}.", ""]
     return "\n".join(lines)
+
+
+def save(results: dict, args) -> None:
+    """profile.json and profile.md in args.out_dir, of the settings profiled so far."""
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    shape = f"{args.num_layers} layers, d={args.hidden_size}, heads {args.num_attention_heads}/" \
+            f"{args.num_query_groups}, seq {args.seq_length}, mbs {args.micro_batch_size}"
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "profile.json"), "w") as f:
+        json.dump({"device": device, "shape": shape, "results": results}, f, indent=1)
+    with open(os.path.join(args.out_dir, "profile.md"), "w") as f:
+        f.write(markdown(results, device, shape) + "\n")
 
 
 def main(argv=None) -> int:
@@ -150,14 +174,7 @@ def main(argv=None) -> int:
         r = results[name]
         print(f"{name}: step {r['wall_ms']:.1f} ms, device idle {r['idle_ms']:.1f} ms, mixing kernels "
               f"{r['mixing_kernels_ms']:.2f} ms", flush=True)
-    device = torch.cuda.get_device_name() if gpu else "CPU"
-    shape = f"{L} layers, d={d}, heads {args.num_attention_heads}/{args.num_query_groups}, seq {args.seq_length}, " \
-            f"mbs {args.micro_batch_size}"
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "profile.json"), "w") as f:
-        json.dump({"device": device, "shape": shape, "results": results}, f, indent=1)
-    with open(os.path.join(args.out_dir, "profile.md"), "w") as f:
-        f.write(markdown(results, device, shape) + "\n")
+        save(results, args)  # after every setting: a run cut short by its time box keeps what it finished
     torch.distributed.destroy_process_group()
     return 0
 

@@ -91,9 +91,10 @@ def main(argv=None) -> int:
               f"{len(results[name]['optimizer_syncs'])} in the optimizer step", flush=True)
         for s in found:
             print("   ", s.splitlines()[0])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "results": results}, f, indent=1)
+        if args.out:  # after every setting: a run cut short by its time box keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "results": results}, f,
+                          indent=1)
     torch.distributed.destroy_process_group()
     return 1 if any(r["forward_backward_syncs"] for r in results.values()) else 0
 

@@ -23,7 +23,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
+SHIPPED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned.json")
+# MEGA_DEPTH_TUNED_TABLE: another table, e.g. the one a tuning run just wrote, measured before it is committed
+TABLE_PATH = os.environ.get("MEGA_DEPTH_TUNED_TABLE") or SHIPPED_PATH
+if not os.path.exists(TABLE_PATH) and TABLE_PATH != SHIPPED_PATH:
+    raise FileNotFoundError(f"MEGA_DEPTH_TUNED_TABLE={TABLE_PATH}: no such file; point it at a table that "
+                            "tools/bench_kernels.py --tune wrote, or unset it for the shipped one")
 Setting = Tuple[int, int]  # (num_warps, resident_warps)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -146,13 +151,14 @@ def forcing(settings: Mapping[str, Setting]) -> Iterator[None]:
 
 
 def candidates(guess: Setting) -> List[Setting]:
-    """The guess and its neighbours: half and twice the warps (1 to 16), and twice the resident warps (a register
-    cap half as high) for each."""
+    """The guess and its neighbours: half, a quarter and twice the warps (1 to 16), each at the guess's resident
+    warps, twice them and half them (a register cap half or twice as high; never under the block's own warps). The
+    H200's winners of 2026-11-30 lay at half the warps, the edge of the neighbourhood searched then."""
     warps, resident = guess
     out = []
-    for w in (warps, warps // 2, warps * 2):
-        for r in (resident, resident * 2):
-            if 1 <= w <= 16 and max(w, r) <= 64 and (w, r) not in out:
+    for w in (warps, warps // 2, warps // 4, warps * 2):
+        for r in (resident, resident * 2, resident // 2):
+            if 1 <= w <= 16 and w <= r <= 64 and (w, r) not in out:
                 out.append((w, r))
     return out
 

@@ -137,3 +137,20 @@ def test_a_malformed_tuning_table_names_the_fix(tmp_path):
     with pytest.raises(ValueError, match="not a target like 'sm_90'"):
         tuning.load(str(bad))
     assert tuning.load(str(tmp_path / "absent.json")) == {}
+
+
+def test_a_table_named_in_the_environment_replaces_the_shipped_one(tmp_path):
+    """MEGA_DEPTH_TUNED_TABLE: a table a tuning run just wrote is measured (device_check's kernels_tuned step)
+    before it is committed; a name that is no file stops the import with the fix, never falls back silently."""
+    import subprocess
+    import sys
+
+    table = tmp_path / "tuned.json"
+    table.write_text('{"sm_90": {"streams._out_fwd_kernel(BD=256) bf16": [2, 8]}}')
+    probe = "from mega_depth.kernels import tuning; print(tuning.TABLE)"
+    env = dict(os.environ, PYTHONPATH=ROOT, MEGA_DEPTH_TUNED_TABLE=str(table))
+    found = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert found.stdout.strip() == "{'sm_90': {'streams._out_fwd_kernel(BD=256) bf16': (2, 8)}}", found.stderr
+    env["MEGA_DEPTH_TUNED_TABLE"] = str(tmp_path / "absent.json")
+    missing = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "no such file" in missing.stderr and "unset it" in missing.stderr
