@@ -119,6 +119,9 @@ def markdown(results: dict, device: str, shape: str) -> str:
             lines += ["", "| mixing kernel | ms | launches | us a launch |", "|---|---:|---:|---:|"]
             lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['us_per_call']:.1f} |"
                       for k in r["mixing_kernels"]]
+            layers = r.get("layers") or 1
+            lines += ["", f"A layer's share: {r['mixing_kernels_ms'] / layers:.2f} ms of mixing kernels in "
+                          f"{r['busy_ms'] / layers:.2f} ms of device time a layer ({layers} layers)."]
         gaps = ", ".join(f"{g['us']:.0f} us after `{g['after'][:40]}`" for g in r["longest_gaps"][:3])
         lines += ["", f"Longest idle gaps: {gaps or 'none'}.", ""]
     return "\n".join(lines)
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         backend, sampler = megatron_run(flags, 256)
         for step in range(2):  # warm-up: allocations, compilation
             train_step(backend, sampler.microbatches(step))
-        results[name] = profile(backend, sampler, 2, gpu)
+        results[name] = dict(profile(backend, sampler, 2, gpu), layers=L)
         backend.close()
         if gpu:
             torch.cuda.empty_cache()
