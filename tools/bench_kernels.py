@@ -1,7 +1,8 @@
 """Every depth-mixing op alone, forward and backward, at the sizes the 1B and 7B steps launch it: time, bytes, GB/s
 and % of a copy of the same bytes, with the published peers side by side on the same function.
 
-    python tools/bench_kernels.py [--shapes 1b,7b] [--ops attnres_mix,attnres_block,...] [--out kernels.json] [--markdown]
+    python tools/bench_kernels.py [--shapes 1b,7b] [--ops attnres_mix,attnres_block,...] [--out kernels.json] \
+        [--markdown]
     TRITON_INTERPRET=1 MEGA_DEPTH_KERNELS_FORCE_TRITON=1 python tools/bench_kernels.py --toy     # CPU, checks only
     python tools/bench_kernels.py --shapes 1b --tune mega_depth/kernels/tuned.json   # a GPU: tune the launches
 
@@ -43,7 +44,8 @@ sys.path.insert(0, ROOT)
 EPS = 1e-6
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "attnres_block", "phase2", "grn", "streams_out", "depth_attention", "mhc_maps", "mhc_projection")
+OPS = ("attnres_mix", "attnres_block", "phase2", "grn", "streams_out", "depth_attention", "mhc_maps",
+       "mhc_projection")
 
 
 @dataclass
@@ -117,7 +119,8 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     # alone is not one function across implementations: ours leaves (m, z, o) for the merges to normalise,
     # flash-attn-res normalises in phase 1 and merges from (o / z, LSE).
     block = Case("attnres_block", shape, f"Block AttnRes, one block: phase 1 over {b} blocks x {q} queries, then the "
-                 f"{q} merges", lambda: rows_of(b) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
+                 f"{q} merges",
+                 lambda: rows_of(b) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
                  lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, b), (b + 2 * q - 1) * row,
                  (2 * b + 3 * q - 2) * row)
     phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)",
@@ -145,8 +148,9 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     per_token = n * 4  # one fp32 value a token
     maps = Case("mhc_maps", shape, f"mHC's coefficients from the projection ({m} values a token), Sinkhorn "
                 f"({iters} iterations) included; outputs concatenated",
-                lambda: [rand(n, m, seed=5).float(), (rand(n, 1, seed=6).abs() + 0.5).float(),
-                         rand(m, scale=0.5, seed=7).float()] + [rand(1, shift=1.0, seed=8 + i).float() for i in range(3)],
+                lambda: ([rand(n, m, seed=5).float(), (rand(n, 1, seed=6).abs() + 0.5).float(),
+                          rand(m, scale=0.5, seed=7).float()]
+                         + [rand(1, shift=1.0, seed=8 + i).float() for i in range(3)]),
                 lambda *a: _concatenated(mhc_projected_coefficients(*a, iters)),
                 (2 * m + 1) * per_token, (3 * m + 2) * per_token)
     project = Case("mhc_projection", shape, f"mHC's coefficient projection and RMS, {ns} streams -> {m}",

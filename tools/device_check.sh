@@ -19,13 +19,13 @@
 #      GPU runs; the last box's 51 s covered all ten, and a cut-off run keeps the settings it finished).
 #   FULL=1 adds the kernels' launch settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in
 #   the results, to commit as mega_depth/kernels/tuned.json) and the kernel table again with them
-#   (ONLY=tune_kernels,kernels_tuned FULL=1 runs those two alone, ~270 s), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block AttnRes
-#   and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU quality
-#   run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone; past the
-#   580 s box). The boxes are sized from the last GPU runs (H200, 2026-11-29 and -30, docs/benchmarks.md): a 1B pair
-#   takes 38-70 s (the machine of 2026-11-30 was slower), our kernels' rows of the table ~25 s and the peers' ~70 s
-#   (most of it Triton's first compiles and fla's autotuning), a profiled setting ~30 s, the tuner 54 s for its
-#   former 6 candidates a kernel (now up to 12: 150 s).
+#   (ONLY=tune_kernels,kernels_tuned FULL=1 runs those two alone, ~270 s), throughput at d = 512 (12 layers, every
+#   mechanism), --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole), the
+#   quickstart's train -> export -> sample, a short GPU quality run and the mixing's cost on MoE layers at the 1B
+#   class (ONLY=throughput_moe FULL=1 runs that alone; past the 580 s box). The boxes are sized from the last GPU
+#   runs (H200, 2026-11-29 and -30, docs/benchmarks.md): a 1B pair takes 38-70 s (the machine of 2026-11-30 was
+#   slower), our kernels' rows of the table ~25 s and the peers' ~70 s (most of it Triton's first compiles and fla's
+#   autotuning), a profiled setting ~30 s, the tuner 54 s for its former 6 candidates a kernel (now up to 12: 150 s).
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
 #                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps

@@ -31,9 +31,8 @@ class Peer:
 
 
 def peers_for(op: str, eps: float) -> Dict[str, Peer]:
-    return {"attnres_mix": _attnres_mix, "attnres_block": _attnres_block, "phase2": _phase2, "streams_out": _streams_out,
-            "mhc_projection": _mhc_projection}.get(
-        op, lambda eps: {})(eps)
+    return {"attnres_mix": _attnres_mix, "attnres_block": _attnres_block, "phase2": _phase2,
+            "streams_out": _streams_out, "mhc_projection": _mhc_projection}.get(op, lambda eps: {})(eps)
 
 
 def _attnres_mix(eps):

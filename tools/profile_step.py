@@ -25,14 +25,17 @@ from mega_depth.catalogue import mechanism_flags, parse_mechanisms  # noqa: E402
 
 
 def mixing_kernel_names():
-    """The Triton kernels of mega_depth/kernels by name (a GPU trace names a kernel by its function)."""
+    """The Triton kernels of mega_depth/kernels by name, each with the modules that define one of that name (a GPU
+    trace names a kernel by its function alone: several ops have a `_fwd_kernel`)."""
     import importlib
 
-    names = set()
+    names = {}
     for op in ("attnres_mix", "attnres_block", "grn", "depth_attention", "streams", "sinkhorn", "mhc_maps",
                "mhc_projection", "common"):
         module = importlib.import_module(f"mega_depth.kernels.{op}")
-        names |= {n for n, v in vars(module).items() if n.endswith("_kernel") and hasattr(v, "fn")}
+        for n, v in vars(module).items():
+            if n.endswith("_kernel") and hasattr(v, "fn"):
+                names.setdefault(n, []).append(op)
     return names
 
 
@@ -100,7 +103,8 @@ def profile(backend, sampler, step: int, gpu: bool) -> dict:
             "mixing_kernels_ms": mixing / 1e3, "mixing_pct_of_busy": 100 * mixing / busy if busy else None,
             # each mixing kernel's device time in the step and its launches: the kernels' cost where it counts,
             # free of the host's launch time that a timing of one call around a sync includes
-            "mixing_kernels": [{"name": n, "ms": t / 1e3, "calls": calls[n], "us_per_call": t / calls[n]}
+            "mixing_kernels": [{"name": n, "ops": kernels.get(n, []), "ms": t / 1e3, "calls": calls[n],
+                                "us_per_call": t / calls[n]}
                                for n, t in sorted(totals.items(), key=lambda kv: -kv[1]) if is_mixing(n, kernels)],
             "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps],
             "top_kernels": [{"name": n[:120], "ms": t / 1e3, "pct_of_busy": 100 * t / busy if busy else None}
@@ -116,9 +120,9 @@ def markdown(results: dict, device: str, shape: str) -> str:
                   "| kernel | ms | % of busy |", "|---|---:|---:|"]
         lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['pct_of_busy'] or 0:.1f} |" for k in r["top_kernels"]]
         if r.get("mixing_kernels"):
-            lines += ["", "| mixing kernel | ms | launches | us a launch |", "|---|---:|---:|---:|"]
-            lines += [f"| `{k['name']}` | {k['ms']:.2f} | {k['calls']} | {k['us_per_call']:.1f} |"
-                      for k in r["mixing_kernels"]]
+            lines += ["", "| mixing kernel | defined in | ms | launches | us a launch |", "|---|---|---:|---:|---:|"]
+            lines += [f"| `{k['name']}` | {', '.join(k['ops'])} | {k['ms']:.2f} | {k['calls']} | "
+                      f"{k['us_per_call']:.1f} |" for k in r["mixing_kernels"]]
             layers = r.get("layers") or 1
             lines += ["", f"A layer's share: {r['mixing_kernels_ms'] / layers:.2f} ms of mixing kernels in "
                           f"{r['busy_ms'] / layers:.2f} ms of device time a layer ({layers} layers)."]

@@ -172,6 +172,9 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     # is found on a GPU's kernel timeline only)
     assert profile["attnres-block"]["mixing_kernels_ms"] > 0 == profile["standard"]["mixing_kernels_ms"]
     assert "| kernel | ms | % of busy |" in (tmp_path / "results" / "profile.md").read_text()
+    # each mixing kernel (on a CPU: each mixing op) with its time and launches in the step
+    assert {k["name"] for k in profile["attnres-block"]["mixing_kernels"]} >= {"mega_depth::attnres_phase1"}
+    assert all(k["calls"] >= 1 for k in profile["attnres-block"]["mixing_kernels"])
     kernels = json.loads((tmp_path / "results" / "kernels.json").read_text())["rows"]
     assert {(r["op"], r["status"]) for r in kernels if r["impl"] == "mega_depth"} == {("attnres_mix", "ok"),
                                                                                       ("attnres_block", "ok")}
