@@ -261,19 +261,35 @@ def partial_sums(programs: int, cols: int, device: torch.device) -> Tensor:
 
 def sum_rows(parts: Tensor, cols: Optional[int] = None) -> Tensor:
     """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [cols] (the
-    first `cols` columns, all by default), by a Triton kernel where the op's kernels run (one program per chunk of
-    columns, the rows in order: deterministic), else by torch. A recorded launch, not torch's CPU sum, in the host
-    benchmark: a reduction is the device's work, whose size there follows the recorded grid, not the toy widths.
-    A row width K that is a multiple of 16 lets the kernel load 16 bytes a thread; it sums whole rows (padding
-    columns past `cols` included) and returns the first `cols`."""
+    first `cols` columns, all by default), by a Triton kernel where the op's kernels run, else by torch. A recorded
+    launch, not torch's CPU sum, in the host benchmark: a reduction is the device's work, whose size there follows
+    the recorded grid, not the toy widths. A row width K that is a multiple of 16 lets the kernel load 16 bytes a
+    thread; it sums whole rows (padding columns past `cols` included) and returns the first `cols`.
+
+    One program per chunk of columns reads a [rows, chunk] tile a step (_sum_rows_blocks): the usual case, the
+    1,056 partial rows of a d = 2,048 gradient, is 32 programs of 17 steps. It was 2 programs of 1,056 dependent
+    row loads each. The order of the sums is fixed by the blocks alone: deterministic."""
     p, k = parts.shape
     cols = k if cols is None else cols
     if not uses_triton(parts) or not p:
         return parts[:, :cols].sum(0)
     out = torch.empty((k,), dtype=parts.dtype, device=parts.device)  # whole rows: a mask at `cols` breaks the vectors
-    block = max(128, min(1024, pow2(k)))  # 4 values a thread at least (a warp per 128): one 16-byte load each
-    launch(_sum_rows_kernel, (cdiv(k, block),), (parts, out, p, k), block // 256 or 1, BK=block)
+    br, bk = _sum_rows_blocks(p, k)
+    launch(_sum_rows_kernel, (cdiv(k, bk),), (parts, out, p, k), max(1, br * bk // 1024), BR=br, BK=bk)
     return out[:cols]
+
+
+SUM_TILE = 4096  # fp32 values of a sum_rows step: 32 a thread on 4 warps, 16 KiB of loads in flight a program
+
+
+def _sum_rows_blocks(p: int, k: int) -> Tuple[int, int]:
+    """(rows, columns) of a sum_rows step: up to 64 rows (fewer where P is small), and columns to fill SUM_TILE, at
+    least 16 (a 16-byte load a thread) and at most 64 where the rows fill the tile (many programs over K). Under the
+    interpreter 2 rows and up to 16 columns, so that the tests walk several steps and masked tails."""
+    if interpreting() and _RECORDER is None:
+        return min(2, pow2(p)), max(4, min(16, pow2(k)))
+    br = min(64, pow2(p))
+    return br, max(16, min(pow2(k), SUM_TILE // br))
 
 
 def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] = None) -> Tensor:
@@ -488,13 +504,17 @@ NATIVE_DOT = tl.constexpr(not interpreting()) if tl is not None else None
 
 
 @jit
-def _sum_rows_kernel(p_ptr, out_ptr, P, K, BK: tl.constexpr):
+def _sum_rows_kernel(p_ptr, out_ptr, P, K, BR: tl.constexpr, BK: tl.constexpr):
+    """out[chunk] = the sum over P rows of p[:, chunk]: a [BR, BK] tile of rows a step, added into a [BR, BK]
+    accumulator (lane j sums rows j, j + BR, ...), then the BR lanes reduced once."""
     ok = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = ok < K
-    acc = tl.zeros([BK], dtype=tl.float32)
-    for r in range(P):  # r * K: a row offset the compiler knows to be a multiple of 16 where K is (vector loads)
-        acc += tl.load(p_ptr + r * K + ok, mask=kmask, other=0.)
-    tl.store(out_ptr + ok, acc, mask=kmask)
+    orow = tl.arange(0, BR)
+    acc = tl.zeros([BR, BK], dtype=tl.float32)
+    for r0 in range(0, P, BR):  # rows * K: offsets the compiler knows to be multiples of 16 where K is (vector loads)
+        rows = (r0 + orow).to(tl.int64)
+        acc += tl.load(p_ptr + rows[:, None] * K + ok[None, :], mask=(rows < P)[:, None] & kmask[None, :], other=0.)
+    tl.store(out_ptr + ok, tl.sum(acc, axis=0), mask=kmask)
 
 
 @jit

@@ -1,0 +1,32 @@
+"""common.sum_rows, the in-order reduction of every parameter gradient's per-program partial sums: equal to the sum
+in fp64, the same bits on a second run, and the tiles that the compiled kernel uses (many programs over the
+columns, few steps over the rows)."""
+
+import pytest
+import torch
+
+import kernel_checks  # noqa: F401  (TRITON_INTERPRET before triton is imported)
+from mega_depth.kernels import common
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 5), (3, 16), (7, 33), (130, 48)])
+def test_the_partial_sums_add_up_in_a_fixed_order(rows, cols, monkeypatch):
+    monkeypatch.setattr(common, "FORCE_TRITON", True)  # the Triton kernel on CPU tensors, under the interpreter
+    parts = torch.randn(rows, cols)
+    got, again = common.sum_rows(parts), common.sum_rows(parts)
+    assert torch.allclose(got.double(), parts.double().sum(0), rtol=1e-6, atol=1e-5), got
+    assert torch.equal(got, again)
+    assert torch.equal(common.sum_rows(parts, cols - 1), got[:cols - 1])
+
+
+def test_the_compiled_tiles_spread_the_columns_over_programs(monkeypatch):
+    """The 1B step's usual reduction, 1,056 partial rows of 2,048 columns: 32 programs of 17 steps (it was 2
+    programs of 1,056 dependent row loads); few rows take wide column chunks; a step is at most SUM_TILE values."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert common._sum_rows_blocks(1056, 2048) == (64, 64)
+    assert common._sum_rows_blocks(8, 196608) == (8, 512)
+    assert common._sum_rows_blocks(1056, 32) == (64, 32)
+    assert common._sum_rows_blocks(3, 8) == (4, 16)
+    for p, k in [(1056, 2048), (8, 196608), (1, 1), (5000, 7)]:
+        br, bk = common._sum_rows_blocks(p, k)
+        assert br * bk <= common.SUM_TILE and bk >= 16
