@@ -5,7 +5,9 @@
 The reference takes an fp32 copy of the streams, flattens it (a clone), squares and averages it and runs an fp32 GEMM
 [N, n*d] @ [n*d, m]: about 7 passes of the n streams a sublayer, plus as many again in backward (about 330 GB a 1B
 mHC step). Here one pass reads the streams once for both outputs, as the published fused mHC kernels do: the
-products on the tensor cores from the streams' own dtype (exact, fp32 sums) and the sum of squares in fp32.
+products on the tensor cores from the streams' own dtype (exact, fp32 sums) and the sum of squares in fp32. One
+program per (token block, stream), so that the grid fills the GPU: each stream's share of both outputs is a row of
+fp32 partial sums, added in order after (common.sum_rows: deterministic).
 
 Backward, two kernels: the stream gradient (g_proj phi + 2 g_ms x~ / (n*d), one read of the streams and one write)
 and phi's gradient (g_proj^T x~, one program per (channel chunk, token split), fp32 partials summed by split: no
@@ -53,51 +55,56 @@ def _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D):
 
 
 @jit
-def _fwd_kernel(s_ptr, phi_ptr, proj_ptr, ms_ptr, N, D, M, SN, ST, NS: tl.constexpr, BT: tl.constexpr,
-                BM: tl.constexpr, BC: tl.constexpr, HALF: tl.constexpr):
-    """BT tokens a program: acc [BT, BM] += x [BT, BC] @ phi^T over every stream's chunks; the squares alongside."""
+def _fwd_kernel(s_ptr, phi_ptr, proj_ptr, ms_ptr, N, D, M, SN, ST, PROW, MROW, NS: tl.constexpr,
+                BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, HALF: tl.constexpr):
+    """Program (token block, stream i): stream i's share of BT tokens' products, acc [BT, BM] += x_i [BT, BC] @
+    phi_i^T over its chunks, and of their mean square, into row i of the partial sums proj_ptr [NS, PROW] (token t's
+    at t * M) and ms_ptr [NS, MROW]; the launcher adds the NS rows in order (common.sum_rows). A program a stream:
+    n times the programs of token blocks alone (128 at the 1B mHC config, 32 at 7B's, for 132 SMs)."""
     ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    i = tl.program_id(1)
     tmask = ot < N
     om = tl.arange(0, BM)
     mmask = om < M
     acc = tl.zeros([BT, BM], dtype=tl.float32)
     squares = tl.zeros([BT], dtype=tl.float32)
-    for i in tl.static_range(NS):
-        for c0 in range(0, D, BC):
-            oc = c0 + tl.arange(0, BC)
-            cmask = oc < D
-            x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
-            w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
-            if HALF:  # bf16 (fp16) both: exact products on the tensor cores, fp32 sums
-                acc = dot_t(x, w, acc)
-            else:  # fp32, or phi kept in another dtype than the streams: fp32 operands, three TF32 products
-                acc += dot32(x, tl.trans(w))
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
-    tl.store(proj_ptr + ot[:, None] * M + om[None, :], acc, mask=tmask[:, None] & mmask[None, :])
-    tl.store(ms_ptr + ot, squares / (NS * D), mask=tmask)
+    for c0 in range(0, D, BC):
+        oc = c0 + tl.arange(0, BC)
+        cmask = oc < D
+        x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
+        w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
+        if HALF:  # bf16 (fp16) both: exact products on the tensor cores, fp32 sums
+            acc = dot_t(x, w, acc)
+        else:  # fp32, or phi kept in another dtype than the streams: fp32 operands, three TF32 products
+            acc += dot32(x, tl.trans(w))
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+    tl.store(proj_ptr + i * PROW + ot[:, None] * M + om[None, :], acc, mask=tmask[:, None] & mmask[None, :])
+    tl.store(ms_ptr + i * MROW + ot, squares / (NS * D), mask=tmask)
 
 
 @jit
 def _bwd_streams_kernel(s_ptr, phi_ptr, gp_ptr, gms_ptr, ds_ptr, N, D, M, SN, ST, NS: tl.constexpr,
                         BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ADD: tl.constexpr):
-    """ds [BT, BC] = g_proj [BT, BM] @ phi [BM, BC] + (2 g_ms / (n d)) x, chunk by chunk of every stream; stored, or
-    added to what ds holds (ADD: a gradient sink's buffer, kernels/grad_sink.py)."""
+    """Program (token block, stream i): ds_i [BT, BC] = g_proj [BT, BM] @ phi_i [BM, BC] + (2 g_ms / (n d)) x_i,
+    chunk by chunk; stored, or added to what ds holds (ADD: a gradient sink's buffer, kernels/grad_sink.py). The
+    streams' gradients are independent, so each has its programs: n times as many as token blocks alone (128 at
+    the 1B mHC config, under one an SM)."""
     ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    i = tl.program_id(1)
     tmask = ot < N
     om = tl.arange(0, BM)
     mmask = om < M
     g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
     gms = tl.load(gms_ptr + ot, mask=tmask, other=0.) * (2.0 / (NS * D))
-    for i in tl.static_range(NS):
-        for c0 in range(0, D, BC):
-            oc = c0 + tl.arange(0, BC)
-            cmask = oc < D
-            x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST).to(tl.float32)
-            w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
-            ds = dot32(g, w) + gms[:, None] * x
-            r = ot[:, None] * 0 + i
-            store_or_add(ds_ptr + (r * N + ot[:, None]) * D + oc[None, :], ds, tmask[:, None] & cmask[None, :], ADD)
+    for c0 in range(0, D, BC):
+        oc = c0 + tl.arange(0, BC)
+        cmask = oc < D
+        x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST).to(tl.float32)
+        w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
+        ds = dot32(g, w) + gms[:, None] * x
+        r = ot[:, None] * 0 + i
+        store_or_add(ds_ptr + (r * N + ot[:, None]) * D + oc[None, :], ds, tmask[:, None] & cmask[None, :], ADD)
 
 
 @jit
@@ -149,17 +156,18 @@ FWD_WARPS = {2: 8, 4: 4}  # the forward's warps by element size: 8 for the 16-bi
 def _triton_fwd(s: Tensor, phi: Tensor):
     ns, n, d = s.shape
     m = phi.shape[0]
-    proj = torch.empty((n, m), dtype=F32, device=s.device)
-    ms = torch.empty((n,), dtype=F32, device=s.device)
-    if n:
-        bt, bm, bc = _blocks(d, m, s.element_size())
-        bc = _fwd_channels(d, bc, s.element_size())
-        # fp32 tiles take one block's whole register file (up to 201 registers); 16-bit ones fit the default 128
-        launch(_fwd_kernel, (cdiv(n, bt),), (s, phi, proj, ms, n, d, m, s.stride(0), s.stride(1)),
-               FWD_WARPS.get(s.element_size(), 4),
-               resident_warps=RESIDENT_WARPS if s.element_size() == 2 else 1, NS=ns, BT=bt, BM=bm, BC=bc,
-               HALF=phi.dtype == s.dtype and s.element_size() == 2)
-    return proj, ms
+    if not n:
+        return torch.empty((n, m), dtype=F32, device=s.device), torch.empty((n,), dtype=F32, device=s.device)
+    bt, bm, bc = _blocks(d, m, s.element_size())
+    bc = _fwd_channels(d, bc, s.element_size())
+    # each stream's share, summed in order after (deterministic; the stream-split grid fills the GPU)
+    parts_proj, parts_ms = partial_sums(ns, n * m, s.device), partial_sums(ns, n, s.device)
+    # fp32 tiles take one block's whole register file (up to 201 registers); 16-bit ones fit the default 128
+    launch(_fwd_kernel, (cdiv(n, bt), ns), (s, phi, parts_proj, parts_ms, n, d, m, s.stride(0), s.stride(1),
+                                            parts_proj.shape[1], parts_ms.shape[1]),
+           FWD_WARPS.get(s.element_size(), 4), resident_warps=RESIDENT_WARPS if s.element_size() == 2 else 1,
+           NS=ns, BT=bt, BM=bm, BC=bc, HALF=phi.dtype == s.dtype and s.element_size() == 2)
+    return sum_rows(parts_proj, n * m).view(n, m), sum_rows(parts_ms, n)
 
 
 def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:
@@ -170,7 +178,7 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
         return torch.zeros((m, ns * d), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
     # 8 warps: on 4, its [BT, BC] tiles and [BT, BM] x [BM, BC] dot took up to 175 registers and spilled at 128
-    launch(_bwd_streams_kernel, (cdiv(n, bt),), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 8,
+    launch(_bwd_streams_kernel, (cdiv(n, bt), ns), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 8,
            adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
