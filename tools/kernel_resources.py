@@ -9,13 +9,15 @@ tensors at the config's sizes and TP/SP split, its Triton launches are recorded 
 each distinct specialisation is compiled for each target (sm_80 A100, sm_90 H100/H200, sm_100 B200) and dtype. No
 GPU is needed. Per kernel: registers, stack, shared memory, spill stores / loads (ptxas -v) and occupancy (resident
 warps per SM) and the width of its global loads (PTX: a bf16 row read 2 bytes a load is a failure, 16 is what
-bandwidth wants). Exits 1 on a compile error, a spill or a narrow load. --markdown prints the table
-docs/benchmarks.md keeps.
+bandwidth wants), and the fewest programs of any of its launches that moves 32 MB or more (fewer than the target's
+SMs leave SMs idle while it streams: tests/unit/test_kernels_aot.py holds the 1B and 7B steps to one an SM). Exits
+1 on a compile error, a spill or a narrow load. --markdown prints the table docs/benchmarks.md keeps.
 """
 
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+BIG_LAUNCH_BYTES = 32 * 10 ** 6  # a launch that moves this much is a stream a whole GPU should take part in
 
 
 def config_paths(sizes):
@@ -70,17 +73,22 @@ def _survey_one(job):
     import torch
 
     from mega_depth.kernels import aot
+    from mega_depth.kernels.common import launch_bytes
 
     sizes, dtype, target = job
-    start, seen = time.time(), {}
+    start, seen, fewest = time.time(), {}, {}
     for path in config_paths(sizes):
         name, cfg = os.path.basename(path)[:-5], load_config(path)
         for launch in aot.config_launches(cfg, getattr(torch, DTYPES[dtype]), aot.TARGETS[target][0]):
-            seen.setdefault(aot.specialisation(launch), (launch, set()))[1].add(name)
+            key = aot.specialisation(launch)
+            seen.setdefault(key, (launch, set()))[1].add(name)
+            if launch_bytes(launch) >= BIG_LAUNCH_BYTES:  # the fewest programs of a launch with much to move
+                fewest[key] = min(fewest.get(key, math.inf), math.prod(launch.grid))
     rows = []
-    for launch, names in seen.values():
+    for key, (launch, names) in seen.items():
         row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}",
-               "kernel": aot.describe(aot.tuned(launch, target))}  # the warps it runs with there
+               "kernel": aot.describe(aot.tuned(launch, target)),  # the warps it runs with there
+               "fewest_programs_of_a_big_launch": fewest.get(key)}
         try:
             row.update(aot.resources(aot.compile_launch(launch, target), target))
         except Exception as exc:  # a compile error is a result here, not a crash

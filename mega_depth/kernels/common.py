@@ -236,17 +236,20 @@ def chunk(c: int, rows: int = 1) -> int:
     return min(pow2(c), max(16, 1024 // pow2(rows)))
 
 
+def sm_count(device: torch.device) -> int:
+    """The SMs a launch on `device` fills: the recorder's (the ahead-of-time check's target), a GPU's, else 1."""
+    if _RECORDER is not None:
+        return _RECORDER.sm_count
+    if interpreting() or device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]:
     """(token splits, tokens per split) for a kernel that reduces over tokens with one program per (channel chunk,
     token split): enough programs to fill the GPU (8 per SM), each summing its tokens in registers before it writes
     its split's partial sum (sum_rows) or adds it in (an atomic)."""
-    if _RECORDER is not None:
-        sms = _RECORDER.sm_count
-    elif interpreting() or device.type != "cuda":
-        sms = 1
-    else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(n, (8 * sms) // max(chunks, 1)))
+    splits = max(1, min(n, (8 * sm_count(device)) // max(chunks, 1)))
     if interpreting() or (device.type != "cuda" and _RECORDER is None):
         splits = min(n, 2)
     tok = cdiv(n, splits)

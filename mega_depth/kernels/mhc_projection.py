@@ -29,7 +29,8 @@ from torch import Tensor
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim,
                                        dot_t, interpreting, jit, launch, partial_sums, pow2, reduction_grid,
-                                       register_fake, store_or_add, store_or_add_torch, sum_rows, tl, uses_triton)
+                                       register_fake, sm_count, store_or_add, store_or_add_torch, sum_rows, tl,
+                                       uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
 
@@ -140,6 +141,15 @@ def _blocks(d: int, m: int, element_size: int):
     return 32, dot_dim(m), min(128 // element_size, max(16, chunk(d)))
 
 
+def _token_block(bt: int, n: int, ns: int, device: torch.device) -> int:
+    """Tokens a program of the forward and the stream-gradient kernel: _blocks' 32, or 16 (the smallest dot tile)
+    where 32 would leave fewer than two programs an SM over the (token block, stream) grid: the 7B mHC config's
+    1,024 tokens a rank made 128 programs for 132 SMs."""
+    if interpreting() or cdiv(n, bt) * ns >= 2 * sm_count(device):
+        return bt
+    return max(16, bt // 2)
+
+
 def _fwd_channels(d: int, bc: int, element_size: int) -> int:
     """Channels a forward step: 16-bit rows of 256 bytes ([32, 128] tiles on 8 warps), half the dependent steps a
     program of 128-byte rows. Liger's mhc_mm_norm steps 512 bytes ([32, 256] on 4 warps, no register cap) and ran
@@ -159,7 +169,7 @@ def _triton_fwd(s: Tensor, phi: Tensor):
     if not n:
         return torch.empty((n, m), dtype=F32, device=s.device), torch.empty((n,), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
-    bc = _fwd_channels(d, bc, s.element_size())
+    bt, bc = _token_block(bt, n, ns, s.device), _fwd_channels(d, bc, s.element_size())
     # each stream's share, summed in order after (deterministic; the stream-split grid fills the GPU)
     parts_proj, parts_ms = partial_sums(ns, n * m, s.device), partial_sums(ns, n, s.device)
     # fp32 tiles take one block's whole register file (up to 201 registers); 16-bit ones fit the default 128
@@ -177,9 +187,11 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
     if not n:
         return torch.zeros((m, ns * d), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
+    streams_bt = _token_block(bt, n, ns, s.device)
     # 8 warps: on 4, its [BT, BC] tiles and [BT, BM] x [BM, BC] dot took up to 175 registers and spilled at 128
-    launch(_bwd_streams_kernel, (cdiv(n, bt), ns), (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 8,
-           adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, ADD=adding)
+    launch(_bwd_streams_kernel, (cdiv(n, streams_bt), ns),
+           (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 8, adds_into=(ds,) if adding else (),
+           NS=ns, BT=streams_bt, BM=bm, BC=bc, ADD=adding)
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
     parts = partial_sums(splits, m * ns * d, s.device)

@@ -5,6 +5,7 @@ recorded on meta tensors at the configs' real sizes and TP/SP splits, then compi
 target and read with ptxas -v and cuobjdump from the triton wheel."""
 
 import json
+import math
 import os
 import textwrap
 
@@ -54,6 +55,15 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     # 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept 8 (12 %).
     assert all(r["occupancy"] >= 25 for r in step), [(r["kernel"], r["occupancy"]) for r in step if
                                                      r["occupancy"] < 25]
+    # a launch that moves 32 MB or more has a program for every SM of its target at the 1B and 7B sizes: mHC's
+    # projection had 128 programs (7B: 32) for 132 SMs, each walking the four streams in turn
+    from mega_depth.kernels.aot import TARGETS
+
+    sms = {f"sm_{t}": spec[0] for t, spec in TARGETS.items()}
+    starved = [(r["kernel"], r["target"], r["fewest_programs_of_a_big_launch"]) for r in rows
+               if r["dtype"] == "bf16" and any(c.startswith(("1b-", "7b-")) for c in r["configs"])
+               and (r["fewest_programs_of_a_big_launch"] or math.inf) < sms[r["target"]]]
+    assert not starved, starved
     # every parameter gradient is reduced in order (per-program partial sums, then common.sum_rows): the same bits
     # every run. AttnRes's kernels, mHC's and the GRNs' (DCA, DenseFormer) added atomically before.
     assert all(r["atomics"] == 0 for r in rows), sorted({(r["kernel"], r["atomics"]) for r in rows if r["atomics"]})
