@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (RESIDENT_WARPS, Sources, accumulation_dtype, aligned, gradient_at,
-                                       gradient_table, gradients_at, jit, launch, pointer_at, pointer_table,
-                                       pointers_at, pow2, programs, register_fake, store_or_add_torch, tl, token,
-                                       uses_triton, warps)
+from mega_depth.kernels.common import (RESIDENT_WARPS, Sources, accumulation_dtype, aligned, cdiv, gradient_at,
+                                       gradient_table, gradients_at, interpreting, jit, launch, pointer_at,
+                                       pointer_table, pointers_at, pow2, programs, register_fake, store_or_add_torch,
+                                       tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -33,13 +33,15 @@ from mega_depth.model import mixing
 # --------------------------------------------------------------------------------------------------------------
 # Head tensors are [BKV, BR, BN]: key-value group, head within the group, channel (output head = kv * R + r).
 # "query" mode: R = hq / hkv; "group" mode: R = 1 and the query is the mean of each group's RQ query heads.
+# The grid is (token programs, group blocks): the groups mix independently, so a program takes BKV of them
+# (_groups_per_program), not the token's every head.
 
 
 @jit
 def _heads(HKV, R, HN, BKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    """(kv groups [BKV], heads in a group [BR], channels [BN], their masks: channel [BN], head [BKV, BR],
-    key row [BKV, BN], and the output head of [BKV, BR])."""
-    okv = tl.arange(0, BKV)
+    """(this program's kv groups [BKV] (grid axis 1: BKV groups a program), heads in a group [BR], channels [BN],
+    their masks: channel [BN], head [BKV, BR], key row [BKV, BN], and the output head of [BKV, BR])."""
+    okv = tl.program_id(1) * BKV + tl.arange(0, BKV)
     orr = tl.arange(0, BR)
     on = tl.arange(0, BN)
     nmask = on < HN
@@ -329,36 +331,73 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, d
 
 
 TILED_CANDIDATES = 4  # at most this many candidates are read as one tile (registers grow with it)
+GROUP_TILE = 128  # a program takes whole kv groups until its [groups, heads, channels] tile holds this many values
+GROUP_HEADS = 2  # a program per kv group where a group has at most this many heads (below)
+
+
+def _groups_per_program(hkv: int, r: int, hn: int) -> int:
+    """Key-value groups a program mixes. The groups mix independently: a program per (token, group) puts hkv times
+    more programs in flight than one per token, each a smaller tile whose reductions stay within one or two warps.
+    So one group (1B: 2 heads x 128 channels), or as many as make GROUP_TILE values (125M: 2 groups of 64), where a
+    group has at most GROUP_HEADS heads. With more, a group's values outweigh its key row: the one or two warps
+    whose threads each load 4 bytes of that row or more spill (7B: 4 heads), so a program takes the token's groups.
+    Under the interpreter one, so that the tests walk the grid's group axis."""
+    if r > GROUP_HEADS:
+        return pow2(hkv)
+    if interpreting():
+        return 1
+    return min(pow2(hkv), max(1, GROUP_TILE // (pow2(r) * pow2(hn))))
+
+
+def _group_warps(consts, element_size: int, live: int) -> int:
+    """Warps of a program of a few groups: one 16-byte vector of its [groups, heads, channels] tile a thread, more
+    past 96 of its `live` fp32 tiles' values a thread, while a key row [groups, channels] still loads 4 bytes a
+    thread or more. (One warp reduces with shuffles: the 1B backward's layout changes took 2 barriers a token on
+    one warp, 58 on two. Compiled without a spill for 1 to 2 heads, 64 or 128 channels, 1 to 4 candidates, bf16 and
+    fp32.)"""
+    tile, row = consts["BKV"] * consts["BR"] * consts["BN"], consts["BKV"] * consts["BN"]
+    num_warps = 1
+    while (num_warps < 16 and row * element_size >= 4 * 32 * 2 * num_warps
+           and (tile * element_size > 16 * 32 * num_warps or tile * live > 96 * 32 * num_warps)):
+        num_warps *= 2
+    return num_warps
 
 
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, cv: List[Tensor], group: bool):
     hq, hkv, hn = q.shape[1], k.shape[1], k.shape[2]
     r = 1 if group else hq // hkv
     per_head = bool(cv) and cv[0].shape[1] != hkv
-    consts = dict(BKV=pow2(hkv), BR=pow2(r), BRQ=pow2(hq // hkv), BN=pow2(hn), GROUP=group, CV_PER_HEAD=per_head)
+    bkv = _groups_per_program(hkv, r, hn)
+    consts = dict(BKV=bkv, BR=pow2(r), BRQ=pow2(hq // hkv), BN=pow2(hn), GROUP=group, CV_PER_HEAD=per_head)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    return hkv, r, hq // hkv, hn, consts, strides
+    return hkv, r, hq // hkv, hn, consts, strides, cdiv(hkv, bkv)
 
 
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool) -> Tensor:
     """q [N, hq, hn], k / v [N, hkv, hn] (token and head strides free, channels contiguous); ck [N, hkv, hn] and
     cv [N, hv, hn] contiguous, C >= 1 of each. -> [N, heads, hn] in the value dtype."""
     n = q.shape[0]
-    hkv, r, rq, hn, consts, strides = _launch_args(q, k, v, cv, group)
+    hkv, r, rq, hn, consts, strides, group_blocks = _launch_args(q, k, v, cv, group)
     out = torch.empty((n, hkv * r, hn), dtype=v.dtype, device=v.device)
     if n == 0:
         return out
     count, tok = programs(n, v.device, reduces=False)
+    grid = (count, group_blocks)
     args = (q, k, v, pointer_table(ck), pointer_table(cv), out, n, len(ck), hkv, r, rq, hn, hn ** -0.5, tok, *strides)
-    if len(ck) <= TILED_CANDIDATES:
-        # 16-bit rows: a 64-register cap (32 resident warps); the H200's tuner found the entry-by-entry forward
-        # 1.69x faster there than at the default 128 (docs/benchmarks.md), and the tiles compile to 63 registers at
-        # 2 candidates (fp32 tiles spill under it)
-        resident = 2 * RESIDENT_WARPS if v.element_size() == 2 else RESIDENT_WARPS
-        launch(_fwd_tiles_kernel, (count,), args, warps(consts["BKV"] * consts["BR"] * consts["BN"], 3),
-               resident_warps=resident, BJ=pow2(len(ck)), **consts)
+    tiled, bj = len(ck) <= TILED_CANDIDATES, pow2(len(ck))
+    if r <= GROUP_HEADS:
+        # a few groups: the query, the accumulator and each candidate's value; a 64-register cap (32 resident warps:
+        # 32 one-warp programs an SM, the most an SM schedules)
+        num_warps, resident = _group_warps(consts, v.element_size(), 2 + 2 * bj if tiled else 3), 2 * RESIDENT_WARPS
     else:
-        launch(_fwd_kernel, (count,), args, warps(consts["BKV"] * consts["BR"] * consts["BN"], 3), **consts)
+        # 16-bit rows: a 64-register cap (32 resident warps); the H200's tuner found the entry-by-entry forward
+        # 1.69x faster there than at the default 128 (docs/benchmarks.md)
+        num_warps = warps(consts["BKV"] * consts["BR"] * consts["BN"], 3)
+        resident = 2 * RESIDENT_WARPS if tiled and v.element_size() == 2 else RESIDENT_WARPS
+    if tiled:
+        launch(_fwd_tiles_kernel, grid, args, num_warps, resident_warps=resident, BJ=bj, **consts)
+    else:
+        launch(_fwd_kernel, grid, args, num_warps, resident_warps=resident, **consts)
     return out
 
 
@@ -367,7 +406,7 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
     """Candidate gradients into dck / dcv (rows like ck / cv; added to those with `adding` set, keys then values)
     -> (dq, dk, dv), each in its input's dtype."""
     n = q.shape[0]
-    hkv, r, rq, hn, consts, strides = _launch_args(q, k, v, cv, group)
+    hkv, r, rq, hn, consts, strides, group_blocks = _launch_args(q, k, v, cv, group)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -375,20 +414,30 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
         return dq, dk, dv
     c = len(ck)
     count, tok = programs(n, go.device, reduces=False)
+    grid = (count, group_blocks)
     args = (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv, gradient_table(dck, adding[:c]),
             gradient_table(dcv, adding[c:]), n, c, hkv, r, rq, hn, hn ** -0.5, tok, *strides)
     # a tile of gradients reads all its rows before it stores any: two candidates sharing one buffer would lose one's
     # gradient, so they go entry by entry (meta tensors, recorded launches, share no memory)
     shared = go.device.type != "meta" and any(len({t.data_ptr() for t in grads}) < c for grads in (dck, dcv))
-    # the candidates' keys, values and their gradients beside the rows: on 4 warps 2 candidates spilled (1B, 7B)
-    tile_warps = warps(consts["BKV"] * consts["BR"] * consts["BN"], 4 + 2 * pow2(c))
-    # ... and a key row [hkv, hn] spread over more threads than 4 bytes each loads narrow (7B at TP 4: 2 x 128)
-    narrow = consts["BKV"] * consts["BN"] * 2 // (32 * tile_warps) < 4
-    if c <= TILED_CANDIDATES and not shared and not narrow:
-        launch(_bwd_tiles_kernel, (count,), args, tile_warps, BJ=pow2(c), **consts)
+    tiled = c <= TILED_CANDIDATES and not shared
+    if r <= GROUP_HEADS:
+        # a few groups: the query, its output gradient and dq, each candidate's key, value and their gradients
+        num_warps = _group_warps(consts, v.element_size(), 3 + 4 * pow2(c) if tiled else 4)
     else:
-        launch(_bwd_kernel, (count,), args, warps(consts["BKV"] * consts["BR"] * consts["BN"], 4), BJ=pow2(c + 1),
-               **consts)
+        tile = consts["BKV"] * consts["BR"] * consts["BN"]
+        # the token's groups: the candidates' keys, values and their gradients beside the rows (on 4 warps 2
+        # candidates spilled), and a key row [hkv, hn] spread over more threads than 4 bytes each loads narrow (7B
+        # at TP 4: 2 x 128): entry by entry then
+        num_warps = warps(tile, 4 + 2 * pow2(c))
+        if tiled and consts["BKV"] * consts["BN"] * 2 // (32 * num_warps) < 4:
+            tiled = False
+        if not tiled:
+            num_warps = warps(tile, 4)
+    if tiled:
+        launch(_bwd_tiles_kernel, grid, args, num_warps, BJ=pow2(c), **consts)
+    else:
+        launch(_bwd_kernel, grid, args, num_warps, BJ=pow2(c + 1), **consts)
     return dq, dk, dv
 
 

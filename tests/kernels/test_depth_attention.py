@@ -23,6 +23,26 @@ def test_values_and_gradients(path, mode, hv, c):
           [query, key, value, cand_keys, cand_values], f"depth attention {mode} hv={hv} C={c}")
 
 
+@pytest.mark.parametrize("layout", ["a group a program", "two groups a program, the last masked",
+                                    "the token's groups a program"])
+@pytest.mark.parametrize("mode", ["query", "group"])
+def test_every_program_layout(path, monkeypatch, layout, mode):
+    """The grid is (tokens, group blocks): 3 key-value groups of 2 heads each, one to a program (the 1B size's
+    layout), two to a program (the second block's second group masked: small heads), and 4 heads a group, every
+    group in one program (7B's layout)."""
+    from mega_depth.kernels import depth_attention
+
+    hkv, r, c, hn = 3, 4 if layout.startswith("the token") else 2, 2, 6
+    if layout.startswith("two"):
+        monkeypatch.setattr(depth_attention, "_groups_per_program", lambda hkv_, r_, hn_: 2)
+    lead = (5,)
+    query, key, value = leaf(*lead, hkv * r, hn), leaf(*lead, hkv, hn), leaf(*lead, hkv, hn)
+    hv = hkv * r if mode == "query" else hkv
+    cand_keys, cand_values = leaf(c, *lead, hkv, hn), leaf(c, *lead, hv, hn, scale=2.0)
+    check(lambda *a: depth_attention_mix(*a, gqa_mode=mode), lambda *a: mixing.depth_attention_mix(*a, gqa_mode=mode),
+          [query, key, value, cand_keys, cand_values], f"depth attention {layout} {mode}")
+
+
 def query_of(f, r=2, hn=6):
     return f[..., :r * hn].reshape(*f.shape[:-2], f.shape[-2] * r, hn)
 
