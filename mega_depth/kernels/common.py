@@ -194,6 +194,11 @@ def pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def pow2_floor(n: int) -> int:
+    """The largest power of two at most n, at least 1."""
+    return 1 << max(int(n), 1).bit_length() - 1
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mega_depth.kernels.common import F32, jit, launch, partial_sums, register_fake, sum_rows, tl, uses_triton
 from mega_depth.kernels.eager import autograd, call
-from mega_depth.kernels.sinkhorn import _half_step, _start, launch_args, logits_grad
+from mega_depth.kernels.sinkhorn import _half_step, _start, chain, launch_args, logits_grad
 from mega_depth.kernels.sinkhorn import _torch_bwd as _torch_sinkhorn_bwd
 from mega_depth.kernels.sinkhorn import _torch_fwd as _torch_sinkhorn_fwd
 from mega_depth.model import mixing
@@ -88,8 +88,8 @@ def _fwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, pre_ptr, post_ptr, res_ptr, N, M, S
 
 
 @jit
-def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, W, N, M,
-                STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
+def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, chain_ptr, W,
+                N, M, STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
                 SECOND: tl.constexpr, CLAMP: tl.constexpr):
     """dp = d coeff * alpha / r; d r = -sum(d coeff * proj * alpha) / r^2; the bias's and alphas' partial sums of
     this program's tokens in row pid of part [P, W >= M + 3] (masked tokens add zero)."""
@@ -118,8 +118,10 @@ def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_p
     tl.store(da_ptr + 1, tl.sum(tl.sum(dc * p, axis=1) / r, axis=0))
     # H_res = Sinkhorn(logits)
     p, logits = _matrix(p_ptr, b_ptr, a_res, r, ot, tmask, offs, lane, M)
-    g = tl.load(gres_ptr + ot[:, None, None] * NS * NS + (offs - 2 * NS)[None, :, :], mask=lanes, other=0.)
-    dc = tl.where(lanes, logits_grad(logits, lanes, g, STEPS, eps, FIRST, SECOND, CLAMP), 0.)
+    res = ot[:, None, None] * NS * NS + (offs - 2 * NS)[None, :, :]  # [BT, BN, BN] lanes of [N, n, n]
+    g = tl.load(gres_ptr + res, mask=lanes, other=0.)
+    dc = tl.where(lanes, logits_grad(logits, lanes, g, STEPS, eps, chain_ptr, res, N * NS * NS, FIRST, SECOND,
+                                     CLAMP), 0.)
     dcp = tl.sum(tl.sum(dc * p, axis=2), axis=1)
     dr += dcp * a_res
     tl.store(dp_ptr + ot[:, None, None] * M + offs[None, :, :], dc * a_res / r[:, None, None], mask=lanes)
@@ -135,22 +137,23 @@ def _triton_fwd(proj, ms, bias, alphas, n, iters, order, eps_style, eps):
     post = torch.empty_like(pre)
     res = torch.empty((tokens, n, n), dtype=F32, device=proj.device)
     if tokens:
-        grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
-        launch(_fwd_kernel, grid, (proj, ms, bias, alphas, pre, post, res, tokens, m, steps, eps), 4, **consts)
+        grid, consts, steps, num_warps = launch_args(order, eps_style, iters, n, tokens, proj.device)
+        launch(_fwd_kernel, grid, (proj, ms, bias, alphas, pre, post, res, tokens, m, steps, eps), num_warps,
+               **consts)
     return pre, post, res
 
 
 def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, eps_style, eps):
     tokens, m = proj.shape
-    grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
+    grid, consts, steps, num_warps = launch_args(order, eps_style, iters, n, tokens, proj.device)
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
     # the bias's, then the alphas' partials
     parts = partial_sums(grid[0], m + 3, proj.device)
     if tokens:
-        # 8 warps, two threads a token: on 4 (one a token) it took 141-148 registers and spilled at the default 128
         launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts,
-                                   parts.shape[1], tokens, m, steps, eps), 8, **consts)
+                                   chain(steps, tokens, n, proj.device), parts.shape[1], tokens, m, steps, eps),
+               num_warps, **consts)
     sums = sum_rows(parts, m + 3)
     return d_proj, d_ms, sums[:m], sums[m:]
 

@@ -1,8 +1,8 @@
 """mHC's Sinkhorn-Knopp over per-token [n, n] logits, fused: `sinkhorn` (reference: mixing.sinkhorn).
 
 Every iteration runs in one kernel, a block of tokens held in registers. Backward keeps nothing from the forward
-but the logits: for each normalisation, last to first, it recomputes that normalisation's input from the logits
-(O(steps^2) work on n^2 numbers per token, no memory traffic) and applies its gradient; then the start's.
+but the logits: it runs the chain again, keeping each normalisation's input in a scratch buffer (n^2 fp32 a token a
+half-step, read back from L2), then applies the gradients of the normalisations, last to first, and the start's.
 
 The computation is a start and a chain of half-steps (one normalisation each, by max(sum, eps) for the clamp style,
 by sum + eps for deepseek):
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import cdiv, jit, launch, pow2, register_fake, tl, uses_triton
+from mega_depth.kernels.common import (cdiv, jit, launch, pow2, pow2_floor, register_fake, sm_count, tl,
+                                       uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.model import mixing
 
@@ -107,23 +108,31 @@ def _fwd_kernel(r_ptr, out_ptr, N, STEPS, eps, NS: tl.constexpr, BT: tl.constexp
 
 
 @jit
-def _bwd_kernel(r_ptr, go_ptr, dr_ptr, N, STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-                FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr):
+def _bwd_kernel(r_ptr, go_ptr, dr_ptr, chain_ptr, N, STEPS, eps, NS: tl.constexpr, BT: tl.constexpr,
+                BN: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr):
     offs, lanes, r = _load(r_ptr, tl.program_id(0), N, NS, BT, BN)
     g = tl.load(go_ptr + offs, mask=lanes, other=0.).to(tl.float32)
-    tl.store(dr_ptr + offs, logits_grad(r, lanes, g, STEPS, eps, FIRST, SECOND, CLAMP), mask=lanes)
+    grad = logits_grad(r, lanes, g, STEPS, eps, chain_ptr, offs, N * NS * NS, FIRST, SECOND, CLAMP)
+    tl.store(dr_ptr + offs, grad, mask=lanes)
 
 
 @jit
-def logits_grad(r, lanes, g, STEPS, eps, FIRST: tl.constexpr, SECOND: tl.constexpr, CLAMP: tl.constexpr):
+def logits_grad(r, lanes, g, STEPS, eps, chain_ptr, offs, STEP, FIRST: tl.constexpr, SECOND: tl.constexpr,
+                CLAMP: tl.constexpr):
     """The logits' gradient [BT, BN, BN] given the output's g, the logits r in registers (-inf on padded lanes):
-    each half-step's input recomputed from the start, last to first (kernels/mhc_maps.py runs it too)."""
+    the chain again, each half-step's input kept in chain_ptr [STEPS, N, n, n] (at offs + h * STEP: offs are the
+    tokens' own [n, n] lanes, so each thread reads back what it wrote), then each half-step's gradient, last to
+    first (kernels/mhc_maps.py runs it too). Recomputing each input from the start instead cost O(STEPS^2)
+    half-steps: 820 a token at mHC's 20 iterations against these 40, for 2.5 KB a token of scratch, read back from
+    L2."""
     m0 = _start(r, lanes, eps, FIRST, CLAMP)
+    x = m0
+    for h in range(STEPS):
+        tl.store(chain_ptr + h * STEP + offs, x, mask=lanes)
+        x = _half_step(x, h, eps, FIRST, SECOND, CLAMP)
     for back in range(STEPS):
         h = STEPS - 1 - back
-        x = m0
-        for j in range(h):  # this half-step's input, recomputed
-            x = _half_step(x, j, eps, FIRST, SECOND, CLAMP)
+        x = tl.load(chain_ptr + h * STEP + offs, mask=lanes, other=0.)
         g = _half_step_bwd(x, g, h, eps, FIRST, SECOND, CLAMP)
     if CLAMP:  # m0 = exp(R - max R): the max's gradient is shared by the entries that attain it
         gm = g * m0
@@ -137,14 +146,21 @@ def logits_grad(r, lanes, g, STEPS, eps, FIRST: tl.constexpr, SECOND: tl.constex
     return s * (g - tl.expand_dims(tl.sum(g * s, axis=FIRST), FIRST))
 
 
-def launch_args(order: str, eps_style: str, iters: int, n: int, tokens: int):
-    """(grid, constexprs, STEPS): about 2k fp32 values a program."""
+def launch_args(order: str, eps_style: str, iters: int, n: int, tokens: int, device: torch.device):
+    """(grid, constexprs, STEPS, warps): a block of tokens a program, about 2k fp32 values, fewer where that would
+    leave under 4 programs an SM (each program is a serial chain of half-steps: 128 tokens a program gave the 1B
+    step's 4,096 32 programs for 132 SMs); 8 values a thread, on one warp where there are fewer."""
     first = 1 if order == "paper" else 2  # axis 1: sums over rows i (column sums), the reference's dim -2
     clamp = eps_style == "clamp"
     bn = pow2(n)
-    bt = max(1, min(pow2(tokens), 2048 // (bn * bn)))
+    bt = max(1, min(pow2(tokens), 2048 // (bn * bn), pow2_floor(tokens // (4 * sm_count(device)))))
     consts = dict(NS=n, BT=bt, BN=bn, FIRST=first, SECOND=3 - first, CLAMP=clamp)
-    return (cdiv(tokens, bt),), consts, 2 * iters - (0 if clamp else 1)
+    return (cdiv(tokens, bt),), consts, 2 * iters - (0 if clamp else 1), max(1, min(8, bt * bn * bn // 256))
+
+
+def chain(steps: int, tokens: int, n: int, device: torch.device) -> Tensor:
+    """logits_grad's scratch: every half-step's input, [steps, tokens, n, n] fp32."""
+    return torch.empty((steps, tokens, n, n), dtype=torch.float32, device=device)
 
 
 def _triton_fwd(r: Tensor, iters: int, order: str, eps_style: str, eps: float) -> Tensor:
@@ -152,8 +168,8 @@ def _triton_fwd(r: Tensor, iters: int, order: str, eps_style: str, eps: float) -
     tokens, n = r.shape[0], r.shape[-1]
     out = torch.empty_like(r)
     if tokens:
-        grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
-        launch(_fwd_kernel, grid, (r, out, tokens, steps, eps), 4, **consts)
+        grid, consts, steps, num_warps = launch_args(order, eps_style, iters, n, tokens, r.device)
+        launch(_fwd_kernel, grid, (r, out, tokens, steps, eps), num_warps, **consts)
     return out
 
 
@@ -161,8 +177,9 @@ def _triton_bwd(go: Tensor, r: Tensor, iters: int, order: str, eps_style: str, e
     tokens, n = r.shape[0], r.shape[-1]
     dr = torch.empty_like(r)
     if tokens:
-        grid, consts, steps = launch_args(order, eps_style, iters, n, tokens)
-        launch(_bwd_kernel, grid, (r, go, dr, tokens, steps, eps), 4, **consts)
+        grid, consts, steps, num_warps = launch_args(order, eps_style, iters, n, tokens, r.device)
+        launch(_bwd_kernel, grid, (r, go, dr, chain(steps, tokens, n, r.device), tokens, steps, eps), num_warps,
+               **consts)
     return dr
 
 
