@@ -491,33 +491,34 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
     """-> (block gradients, dq [S, d] fp32, dg [S, d] fp32 or None)."""
     (n, d), s = srcs[0].shape, q.shape[0]
     grads = [torch.empty_like(x) for x in srcs]
-    df = torch.zeros((s, d), dtype=F32, device=go.device)  # (no token: no gradient)
-    if n > 0:
-        bk, bs, bch = _phase1_blocks(srcs, s, heads)
-        w = torch.empty((n, len(srcs), s, heads), dtype=F32, device=go.device)  # the logits' gradients
-        table = pointer_table(srcs)
-        count, tok = programs(n, go.device, reduces=False)
-        args = (table, pointer_table(grads), q, q if g is None else g, m, go, m if gz is None else gz, w, len(srcs), n,
-                s, d, d // heads, heads, eps, tok)
-        if _rows_fit(len(srcs), d, heads, backward=True):
-            bh, bc = pow2(heads), pow2(d // heads)
-            num_warps, resident = _rows_warps(len(srcs), bh * bc, backward=True)
-            launch(_phase1_bwd_rows_kernel, (count,), args, num_warps, resident_warps=resident, BK=pow2(len(srcs)),
-                   BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
-        else:
-            launch(_phase1_bwd_kernel, (count,), args, _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk,
-                   BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
-        chunks = cdiv(d // heads, bch)
-        splits, tok = reduction_grid(n, heads * chunks, go.device)
-        bt, dq_warps = _dq_tiles(bs, go.element_size())
-        parts = partial_sums(splits, s * d, go.device)  # a token split's sums
-        launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, parts, parts.shape[1], len(srcs), n,
-                                                             s, d, d // heads, heads, tok),
-               dq_warps, BS=bs, BT=bt, BCH=bch)
-        df = sum_rows(parts, s * d).view(s, d)
+    if n == 0:  # no token: no gradient
+        df = torch.zeros((s, d), dtype=F32, device=go.device)
+        return grads, df, None if g is None else torch.zeros_like(df)
+    bk, bs, bch = _phase1_blocks(srcs, s, heads)
+    w = torch.empty((n, len(srcs), s, heads), dtype=F32, device=go.device)  # the logits' gradients
+    table = pointer_table(srcs)
+    count, tok = programs(n, go.device, reduces=False)
+    args = (table, pointer_table(grads), q, q if g is None else g, m, go, m if gz is None else gz, w, len(srcs), n,
+            s, d, d // heads, heads, eps, tok)
+    if _rows_fit(len(srcs), d, heads, backward=True):
+        bh, bc = pow2(heads), pow2(d // heads)
+        num_warps, resident = _rows_warps(len(srcs), bh * bc, backward=True)
+        launch(_phase1_bwd_rows_kernel, (count,), args, num_warps, resident_warps=resident, BK=pow2(len(srcs)),
+               BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+    else:
+        launch(_phase1_bwd_kernel, (count,), args, _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk,
+               BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+    chunks = cdiv(d // heads, bch)
+    splits, tok = reduction_grid(n, heads * chunks, go.device)
+    bt, dq_warps = _dq_tiles(bs, go.element_size())
+    parts = partial_sums(splits, s * d, go.device)  # a token split's sums
+    launch(_phase1_dq_kernel, (heads * chunks, splits), (table, srcs[0], w, parts, parts.shape[1], len(srcs), n,
+                                                         s, d, d // heads, heads, tok),
+           dq_warps, BS=bs, BT=bt, BCH=bch)
     if g is None:
-        return grads, df, None
-    return grads, df * g.float(), df * q.float()
+        return grads, sum_rows(parts, s * d).view(s, d), None
+    dq, dg = sum_rows(parts, s * d, (g, q))  # folded = gain * query: the sum times each other factor
+    return grads, dq.view(s, d), dg.view(s, d)
 
 
 def _triton_phase2_fwd(m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor, g: Optional[Tensor],
@@ -540,11 +541,14 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
     fp32 or None (no partial)."""
     n, d = o.shape
     dev = go.device
-    dm = torch.zeros_like(m, dtype=F32) if x is not None and not sigmoid else None
-    dz = torch.zeros_like(z, dtype=F32) if not sigmoid else None
+    # every token's dm and dz are stored (no fill)
+    dm = torch.empty_like(m, dtype=F32) if x is not None and not sigmoid else None
+    dz = torch.empty_like(z, dtype=F32) if not sigmoid else None
     do = None if sigmoid else torch.empty_like(o)
     dx = torch.empty_like(x) if x is not None else None
-    df = torch.zeros(d, dtype=F32, device=dev) if x is not None else None  # (no token: no gradient)
+    if x is not None and n == 0:  # no token: no gradient
+        df = torch.zeros(d, dtype=F32, device=dev)
+        return dm, dz, do, dx, df, None if g is None else torch.zeros_like(df)
     if n > 0 and (x is not None or not sigmoid):
         bh, bc = pow2(heads), pow2(d // heads)
         count, tok = programs(n, dev, reduces=x is not None)
@@ -554,13 +558,12 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
                                               go if do is None else do, go if dx is None else dx, parts,
                                               parts.shape[-1], n, d, d // heads, heads, eps, tok),
                warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
+        if x is not None and g is None:
+            return dm, dz, do, dx, sum_rows(parts, d), None
         if x is not None:
-            df = sum_rows(parts, d)
-    if df is None:
-        return dm, dz, do, dx, None, None
-    if g is None:
-        return dm, dz, do, dx, df, None
-    return dm, dz, do, dx, df * g.float(), df * q.float()
+            dq, dg = sum_rows(parts, d, (g, q))  # folded = gain * query: the sum times each other factor
+            return dm, dz, do, dx, dq, dg
+    return dm, dz, do, dx, None, None
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -222,10 +222,10 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
            warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid)
     if per_token:  # the gain's gradient, summed over tokens
         return dq, None if g is None else sum_rows(parts, d)
-    df = sum_rows(parts, d)  # the folded query's, summed over tokens
     if g is None:
-        return df, None
-    return df * g.float(), df * q.float()  # folded = gain * query
+        return sum_rows(parts, d), None  # the folded query's, summed over tokens
+    dq_, dg = sum_rows(parts, d, (g, q))  # folded = gain * query: the sum times each other factor
+    return dq_, dg
 
 
 # --------------------------------------------------------------------------------------------------------------

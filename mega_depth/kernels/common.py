@@ -267,24 +267,35 @@ def partial_sums(programs: int, cols: int, device: torch.device) -> Tensor:
     return torch.empty((programs, cdiv(cols, 16) * 16), dtype=F32, device=device)
 
 
-def sum_rows(parts: Tensor, cols: Optional[int] = None) -> Tensor:
+def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor] = ()):
     """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [cols] (the
     first `cols` columns, all by default), by a Triton kernel where the op's kernels run, else by torch. A recorded
     launch, not torch's CPU sum, in the host benchmark: a reduction is the device's work, whose size there follows
     the recorded grid, not the toy widths. A row width K that is a multiple of 16 lets the kernel load 16 bytes a
     thread; it sums whole rows (padding columns past `cols` included) and returns the first `cols`.
 
+    scales: tensors of `cols` values (any float dtype); then the list of the sum times each, in fp32, made in the
+    same kernel (a folded query's gradient is the gradient of both its factors: sum * gain and sum * query, which
+    were four more launches a call in 16-bit, two casts and two products).
+
     One program per chunk of columns reads a [rows, chunk] tile a step (_sum_rows_blocks): the usual case, the
     1,056 partial rows of a d = 2,048 gradient, is 32 programs of 17 steps. It was 2 programs of 1,056 dependent
     row loads each. The order of the sums is fixed by the blocks alone: deterministic."""
     p, k = parts.shape
     cols = k if cols is None else cols
+    if len(scales) > 2:
+        raise ValueError(f"sum_rows takes at most 2 scales, not {len(scales)}")
     if not uses_triton(parts) or not p:
-        return parts[:, :cols].sum(0)
-    out = torch.empty((k,), dtype=parts.dtype, device=parts.device)  # whole rows: a mask at `cols` breaks the vectors
+        total = parts[:, :cols].sum(0)
+        return [total * s.reshape(-1).to(parts.dtype) for s in scales] if scales else total
+    # whole rows (a mask at `cols` would break the vectors); an output of its own for each scale (an op's outputs
+    # may not alias one another)
+    outs = [torch.empty((k,), dtype=parts.dtype, device=parts.device) for _ in range(max(1, len(scales)))]
     br, bk = _sum_rows_blocks(p, k)
-    launch(_sum_rows_kernel, (cdiv(k, bk),), (parts, out, p, k), max(1, br * bk // 1024), BR=br, BK=bk)
-    return out[:cols]
+    first, second = (list(scales) + [parts, parts])[:2]
+    launch(_sum_rows_kernel, (cdiv(k, bk),), (parts, outs[0], outs[-1], first, second, p, k, cols),
+           max(1, br * bk // 1024), BR=br, BK=bk, SCALES=len(scales))
+    return [out[:cols] for out in outs] if scales else outs[0][:cols]
 
 
 SUM_TILE = 4096  # fp32 values of a sum_rows step: 32 a thread on 4 warps, 16 KiB of loads in flight a program
@@ -512,9 +523,11 @@ NATIVE_DOT = tl.constexpr(not interpreting()) if tl is not None else None
 
 
 @jit
-def _sum_rows_kernel(p_ptr, out_ptr, P, K, BR: tl.constexpr, BK: tl.constexpr):
+def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: tl.constexpr, BK: tl.constexpr,
+                     SCALES: tl.constexpr):
     """out[chunk] = the sum over P rows of p[:, chunk]: a [BR, BK] tile of rows a step, added into a [BR, BK]
-    accumulator (lane j sums rows j, j + BR, ...), then the BR lanes reduced once."""
+    accumulator (lane j sums rows j, j + BR, ...), then the BR lanes reduced once. SCALES 1 or 2: out (and out1) =
+    the sum times scale 0's (and 1's) first COLS values (0 past them)."""
     ok = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = ok < K
     orow = tl.arange(0, BR)
@@ -522,7 +535,15 @@ def _sum_rows_kernel(p_ptr, out_ptr, P, K, BR: tl.constexpr, BK: tl.constexpr):
     for r0 in range(0, P, BR):  # rows * K: offsets the compiler knows to be multiples of 16 where K is (vector loads)
         rows = (r0 + orow).to(tl.int64)
         acc += tl.load(p_ptr + rows[:, None] * K + ok[None, :], mask=(rows < P)[:, None] & kmask[None, :], other=0.)
-    tl.store(out_ptr + ok, tl.sum(acc, axis=0), mask=kmask)
+    total = tl.sum(acc, axis=0)
+    if SCALES == 0:
+        tl.store(out_ptr + ok, total, mask=kmask)
+    else:
+        scale = tl.load(s0_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
+        tl.store(out_ptr + ok, total * scale, mask=kmask)
+        if SCALES == 2:
+            scale = tl.load(s1_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
+            tl.store(out1_ptr + ok, total * scale, mask=kmask)
 
 
 @jit

@@ -19,6 +19,22 @@ def test_the_partial_sums_add_up_in_a_fixed_order(rows, cols, monkeypatch):
     assert torch.equal(common.sum_rows(parts, cols - 1), got[:cols - 1])
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sum_times_each_scale_in_one_call(path, dtype, monkeypatch):
+    """A folded query's gradient is the sum times the gain and the sum times the query: both from one call, equal
+    to the products in fp32 of the plain sum (the scales cover the first `cols` columns only)."""
+    monkeypatch.setattr(common, "FORCE_TRITON", path == "triton")
+    rows, width, cols = 7, 48, 40
+    parts = torch.randn(rows, width)
+    gain, query = torch.randn(cols).to(dtype), torch.randn(cols).to(dtype)
+    total = common.sum_rows(parts, cols)
+    by_gain, by_query = common.sum_rows(parts, cols, (gain, query))
+    assert torch.equal(by_gain, total * gain.float()) and torch.equal(by_query, total * query.float())
+    (alone,) = common.sum_rows(parts, cols, (gain,))
+    assert torch.equal(alone, by_gain) and alone.dtype == torch.float32 and alone.shape == (cols,)
+
+
 def test_the_compiled_tiles_spread_the_columns_over_programs(monkeypatch):
     """The 1B step's usual reduction, 1,056 partial rows of 2,048 columns: 32 programs of 17 steps (it was 2
     programs of 1,056 dependent row loads); few rows take wide column chunks; a step is at most SUM_TILE values."""
