@@ -488,7 +488,7 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
 
 def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[Tensor], q: Tensor,
                        g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
-    """-> (block gradients, dq [S, d] fp32, dg [S, d] fp32 or None)."""
+    """-> (block gradients, dq [S, d], dg [S, d] or None): in the parameters' dtypes with a key norm, else fp32."""
     (n, d), s = srcs[0].shape, q.shape[0]
     grads = [torch.empty_like(x) for x in srcs]
     if n == 0:  # no token: no gradient
@@ -517,7 +517,8 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
            dq_warps, BS=bs, BT=bt, BCH=bch)
     if g is None:
         return grads, sum_rows(parts, s * d).view(s, d), None
-    dq, dg = sum_rows(parts, s * d, (g, q))  # folded = gain * query: the sum times each other factor
+    # folded = gain * query: the sum times each other factor, in the parameters' dtypes
+    dq, dg = sum_rows(parts, s * d, (g, q), (q.dtype, g.dtype))
     return grads, dq.view(s, d), dg.view(s, d)
 
 
@@ -538,7 +539,7 @@ def _triton_phase2_fwd(m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: 
 def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor,
                        g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
     """-> (dm, dz, do, dx, dq, dg): dm/dz fp32 [N, H] or None (sigmoid), do None with sigmoid (it is go), dq/dg
-    fp32 or None (no partial)."""
+    None without a partial, in the parameters' dtypes with a key norm, else fp32."""
     n, d = o.shape
     dev = go.device
     # every token's dm and dz are stored (no fill)
@@ -561,7 +562,8 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
         if x is not None and g is None:
             return dm, dz, do, dx, sum_rows(parts, d), None
         if x is not None:
-            dq, dg = sum_rows(parts, d, (g, q))  # folded = gain * query: the sum times each other factor
+            # folded = gain * query: the sum times each other factor, in the parameters' dtypes
+            dq, dg = sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
             return dm, dz, do, dx, dq, dg
     return dm, dz, do, dx, None, None
 
@@ -707,21 +709,21 @@ def _(completed, queries, key_norm_weights, eps, sigmoid, heads):
 @torch.library.custom_op("mega_depth::attnres_phase1_backward", mutates_args=())
 def phase1_backward_op(go: Tensor, gz: Optional[Tensor], m: Tensor, completed: List[Tensor], queries: Tensor,
                        key_norm_weights: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
-    """-> [block gradients..., dq [S, d] fp32, dg [S, d] fp32 (or empty)]."""
+    """-> [block gradients..., dq [S, d], dg [S, d] (or empty)], in the queries' and gains' dtypes."""
     d, s = completed[0].shape[-1], queries.shape[0]
     srcs = [rows(b, d) for b in completed]
     bwd = _triton_phase1_bwd if uses_triton(srcs[0]) else _torch_phase1_bwd
     gz = None if gz is None else gz.reshape(s, -1, heads).to(m.dtype).contiguous()
     grads, dq, dg = bwd(go.reshape(s, -1, d).contiguous(), gz, m.reshape(s, -1, heads), srcs, queries.contiguous(),
                         contiguous(key_norm_weights), eps, sigmoid, heads)
-    return [gr.view(b.shape) for gr, b in zip(grads, completed)] + [dq, nothing(go) if dg is None else dg]
+    return ([gr.view(b.shape) for gr, b in zip(grads, completed)]
+            + [dq.to(queries.dtype), nothing(go) if dg is None else dg.to(key_norm_weights.dtype)])
 
 
 @register_fake(phase1_backward_op)
 def _(go, gz, m, completed, queries, key_norm_weights, eps, sigmoid, heads):
-    ct = accumulation_dtype(completed[0].dtype)
-    dg = queries.new_empty(queries.shape, dtype=ct) if key_norm_weights is not None else nothing(go)
-    return [b.new_empty(b.shape) for b in completed] + [queries.new_empty(queries.shape, dtype=ct), dg]
+    dg = key_norm_weights.new_empty(key_norm_weights.shape) if key_norm_weights is not None else nothing(go)
+    return [b.new_empty(b.shape) for b in completed] + [queries.new_empty(queries.shape), dg]
 
 
 def _phase1_setup(ctx, inputs, output):
@@ -780,7 +782,10 @@ def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: O
     ct = accumulation_dtype(o.dtype)
     grads = bwd(rows(grad, d), rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(),
                 contiguous(key_norm_weight), eps, sigmoid, heads)
-    return [nothing(grad) if t is None else t for t in grads]
+    dm, dz, do, dx, dq, dg = grads
+    dq = None if dq is None else dq.to(query.dtype)  # the parameters' dtypes
+    dg = None if dg is None else dg.to(key_norm_weight.dtype)
+    return [nothing(grad) if t is None else t for t in (dm, dz, do, dx, dq, dg)]
 
 
 @register_fake(phase2_backward_op)
@@ -788,7 +793,11 @@ def _(grad, m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
     n, d, ct = o.numel() // o.shape[-1], o.shape[-1], accumulation_dtype(o.dtype)
     has_x = partial is not None
     shapes = [((n, heads), ct, has_x and not sigmoid), ((n, heads), ct, not sigmoid), ((n, d), o.dtype, not sigmoid),
-              ((n, d), o.dtype, has_x), ((d,), ct, has_x), ((d,), ct, has_x and key_norm_weight is not None)]
+              ((n, d), o.dtype, has_x), ((d,), query.dtype, has_x)]
+    if key_norm_weight is not None:  # the parameters' dtypes
+        shapes.append(((d,), key_norm_weight.dtype, has_x))
+    else:
+        shapes.append(((d,), ct, False))
     return [o.new_empty(shape, dtype=dtype) if present else nothing(o) for shape, dtype, present in shapes]
 
 

@@ -199,8 +199,9 @@ def _sources_a_step(k: int, row: int, most: int) -> int:
 
 def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], out: Tensor, lse: Tensor, eps: float,
                 sigmoid: bool, heads: int, grads: List[Tensor], adding: List[bool]):
-    """Source gradients into `grads` (rows [N, d]; added to those with `adding` set) -> (dq fp32 shaped like q, dg
-    fp32 [d] or None). out and lse: the forward's (unused with sigmoid weights)."""
+    """Source gradients into `grads` (rows [N, d]; added to those with `adding` set) -> (dq shaped like q, dg [d] or
+    None): in the parameters' dtypes with a static query and a key norm, else fp32. out and lse: the forward's
+    (unused with sigmoid weights)."""
     n, d = srcs[0].shape
     per_token = q.dim() == 2
     if n == 0:
@@ -224,7 +225,8 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
         return dq, None if g is None else sum_rows(parts, d)
     if g is None:
         return sum_rows(parts, d), None  # the folded query's, summed over tokens
-    dq_, dg = sum_rows(parts, d, (g, q))  # folded = gain * query: the sum times each other factor
+    # folded = gain * query: the sum times each other factor, in the parameters' dtypes
+    dq_, dg = sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
     return dq_, dg
 
 
@@ -337,8 +339,8 @@ def _(sources, query, key_norm_weight, eps, sigmoid, heads):
 @torch.library.custom_op("mega_depth::attnres_mix_backward", mutates_args=())
 def attnres_mix_backward_op(grad: Tensor, sources: List[Tensor], query: Tensor, key_norm_weight: Optional[Tensor],
                             out: Tensor, lse: Tensor, eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
-    """out, lse: the forward's. -> [source gradients..., dq (fp32, query's shape), dg (fp32 [d], or empty without a
-    key norm)]."""
+    """out, lse: the forward's. -> [source gradients..., dq (the query's shape and dtype), dg (the key-norm gain's,
+    or empty without a key norm)]."""
     grads = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources]
     return grads + _backward_into(grad, sources, grads, [False] * len(sources), query, key_norm_weight, out, lse, eps,
                                   sigmoid, heads)
@@ -346,9 +348,8 @@ def attnres_mix_backward_op(grad: Tensor, sources: List[Tensor], query: Tensor, 
 
 @register_fake(attnres_mix_backward_op)
 def _fake_backward(grad, sources, query, key_norm_weight, *_):
-    d, ct = sources[0].shape[-1], accumulation_dtype(sources[0].dtype)
-    dg = grad.new_empty(d, dtype=ct) if key_norm_weight is not None else nothing(grad)
-    return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape, dtype=ct), dg]
+    dg = key_norm_weight.new_empty(key_norm_weight.shape) if key_norm_weight is not None else nothing(grad)
+    return [s.new_empty(s.shape) for s in sources] + [query.new_empty(query.shape), dg]
 
 
 @torch.library.custom_op("mega_depth::attnres_mix_backward_into", mutates_args=("into",))
@@ -374,7 +375,8 @@ def _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse
         out, lse = rows(out, d), rows(lse, heads)
     dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, out, lse, eps, sigmoid, heads,
                  [t.view(-1, d) for t in into], adding)
-    return [dq.view(query.shape), nothing(grad) if dg is None else dg]
+    # in the parameters' dtypes (the static query's sum_rows already made them so; the rest are fp32 until here)
+    return [dq.view(query.shape).to(query.dtype), nothing(grad) if dg is None else dg.to(key_norm_weight.dtype)]
 
 
 def _setup(ctx, inputs, output):

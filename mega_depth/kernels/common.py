@@ -267,16 +267,18 @@ def partial_sums(programs: int, cols: int, device: torch.device) -> Tensor:
     return torch.empty((programs, cdiv(cols, 16) * 16), dtype=F32, device=device)
 
 
-def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor] = ()):
+def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor] = (),
+             dtypes: Optional[Sequence[torch.dtype]] = None):
     """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [cols] (the
     first `cols` columns, all by default), by a Triton kernel where the op's kernels run, else by torch. A recorded
     launch, not torch's CPU sum, in the host benchmark: a reduction is the device's work, whose size there follows
     the recorded grid, not the toy widths. A row width K that is a multiple of 16 lets the kernel load 16 bytes a
     thread; it sums whole rows (padding columns past `cols` included) and returns the first `cols`.
 
-    scales: tensors of `cols` values (any float dtype); then the list of the sum times each, in fp32, made in the
-    same kernel (a folded query's gradient is the gradient of both its factors: sum * gain and sum * query, which
-    were four more launches a call in 16-bit, two casts and two products).
+    scales: tensors of `cols` values (any float dtype); then the list of the sum times each, made in the same kernel,
+    in fp32 and rounded once to `dtypes` (one a scale; fp32 by default). A folded query's gradient is the gradient
+    of both its factors, sum * gain and sum * query, in the parameters' dtypes: with 16-bit parameters that was four
+    more launches a call (two products, two casts).
 
     One program per chunk of columns reads a [rows, chunk] tile a step (_sum_rows_blocks): the usual case, the
     1,056 partial rows of a d = 2,048 gradient, is 32 programs of 17 steps. It was 2 programs of 1,056 dependent
@@ -285,12 +287,15 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
     cols = k if cols is None else cols
     if len(scales) > 2:
         raise ValueError(f"sum_rows takes at most 2 scales, not {len(scales)}")
+    dtypes = list(dtypes) if dtypes is not None else [parts.dtype] * len(scales)
+    if len(dtypes) != len(scales):
+        raise ValueError(f"sum_rows: {len(scales)} scales but {len(dtypes)} dtypes")
     if not uses_triton(parts) or not p:
         total = parts[:, :cols].sum(0)
-        return [total * s.reshape(-1).to(parts.dtype) for s in scales] if scales else total
+        return [(total * s.reshape(-1).to(parts.dtype)).to(dt) for s, dt in zip(scales, dtypes)] if scales else total
     # whole rows (a mask at `cols` would break the vectors); an output of its own for each scale (an op's outputs
     # may not alias one another)
-    outs = [torch.empty((k,), dtype=parts.dtype, device=parts.device) for _ in range(max(1, len(scales)))]
+    outs = [torch.empty((k,), dtype=dt, device=parts.device) for dt in (dtypes or [parts.dtype])]
     br, bk = _sum_rows_blocks(p, k)
     first, second = (list(scales) + [parts, parts])[:2]
     launch(_sum_rows_kernel, (cdiv(k, bk),), (parts, outs[0], outs[-1], first, second, p, k, cols),
@@ -527,7 +532,7 @@ def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: t
                      SCALES: tl.constexpr):
     """out[chunk] = the sum over P rows of p[:, chunk]: a [BR, BK] tile of rows a step, added into a [BR, BK]
     accumulator (lane j sums rows j, j + BR, ...), then the BR lanes reduced once. SCALES 1 or 2: out (and out1) =
-    the sum times scale 0's (and 1's) first COLS values (0 past them)."""
+    the sum times scale 0's (and 1's) first COLS values (0 past them), rounded to the output's dtype."""
     ok = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = ok < K
     orow = tl.arange(0, BR)
@@ -540,10 +545,10 @@ def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: t
         tl.store(out_ptr + ok, total, mask=kmask)
     else:
         scale = tl.load(s0_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
-        tl.store(out_ptr + ok, total * scale, mask=kmask)
+        tl.store(out_ptr + ok, (total * scale).to(out_ptr.dtype.element_ty), mask=kmask)
         if SCALES == 2:
             scale = tl.load(s1_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
-            tl.store(out1_ptr + ok, total * scale, mask=kmask)
+            tl.store(out1_ptr + ok, (total * scale).to(out1_ptr.dtype.element_ty), mask=kmask)
 
 
 @jit
