@@ -488,7 +488,7 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
 
 def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[Tensor], q: Tensor,
                        g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
-    """-> (block gradients, dq [S, d], dg [S, d] or None): in the parameters' dtypes with a key norm, else fp32."""
+    """-> (block gradients, dq [S, d], dg [S, d] or None), in the parameters' dtypes."""
     (n, d), s = srcs[0].shape, q.shape[0]
     grads = [torch.empty_like(x) for x in srcs]
     if n == 0:  # no token: no gradient
@@ -516,7 +516,7 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
                                                          s, d, d // heads, heads, tok),
            dq_warps, BS=bs, BT=bt, BCH=bch)
     if g is None:
-        return grads, sum_rows(parts, s * d).view(s, d), None
+        return grads, sum_rows(parts, s * d, dtypes=[q.dtype]).view(s, d), None
     # folded = gain * query: the sum times each other factor, in the parameters' dtypes
     dq, dg = sum_rows(parts, s * d, (g, q), (q.dtype, g.dtype))
     return grads, dq.view(s, d), dg.view(s, d)
@@ -539,7 +539,7 @@ def _triton_phase2_fwd(m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: 
 def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor,
                        g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
     """-> (dm, dz, do, dx, dq, dg): dm/dz fp32 [N, H] or None (sigmoid), do None with sigmoid (it is go), dq/dg
-    None without a partial, in the parameters' dtypes with a key norm, else fp32."""
+    None without a partial, else in the parameters' dtypes."""
     n, d = o.shape
     dev = go.device
     # every token's dm and dz are stored (no fill)
@@ -560,7 +560,7 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
                                               parts.shape[-1], n, d, d // heads, heads, eps, tok),
                warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
         if x is not None and g is None:
-            return dm, dz, do, dx, sum_rows(parts, d), None
+            return dm, dz, do, dx, sum_rows(parts, d, dtypes=[q.dtype]), None
         if x is not None:
             # folded = gain * query: the sum times each other factor, in the parameters' dtypes
             dq, dg = sum_rows(parts, d, (g, q), (q.dtype, g.dtype))

@@ -200,8 +200,8 @@ def _sources_a_step(k: int, row: int, most: int) -> int:
 def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], out: Tensor, lse: Tensor, eps: float,
                 sigmoid: bool, heads: int, grads: List[Tensor], adding: List[bool]):
     """Source gradients into `grads` (rows [N, d]; added to those with `adding` set) -> (dq shaped like q, dg [d] or
-    None): in the parameters' dtypes with a static query and a key norm, else fp32. out and lse: the forward's
-    (unused with sigmoid weights)."""
+    None): the parameter gradients in the parameters' dtypes, a per-token query's (an activation's) in fp32. out
+    and lse: the forward's (unused with sigmoid weights)."""
     n, d = srcs[0].shape
     per_token = q.dim() == 2
     if n == 0:
@@ -222,9 +222,9 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
                                    parts.shape[1], len(srcs), n, d, d // heads, heads, eps, tok),
            warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid)
     if per_token:  # the gain's gradient, summed over tokens
-        return dq, None if g is None else sum_rows(parts, d)
+        return dq, None if g is None else sum_rows(parts, d, dtypes=[g.dtype])
     if g is None:
-        return sum_rows(parts, d), None  # the folded query's, summed over tokens
+        return sum_rows(parts, d, dtypes=[q.dtype]), None  # the folded query's, summed over tokens
     # folded = gain * query: the sum times each other factor, in the parameters' dtypes
     dq_, dg = sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
     return dq_, dg

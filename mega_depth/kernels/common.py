@@ -278,7 +278,7 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
     scales: tensors of `cols` values (any float dtype); then the list of the sum times each, made in the same kernel,
     in fp32 and rounded once to `dtypes` (one a scale; fp32 by default). A folded query's gradient is the gradient
     of both its factors, sum * gain and sum * query, in the parameters' dtypes: with 16-bit parameters that was four
-    more launches a call (two products, two casts).
+    more launches a call (two products, two casts). Without scales, dtypes [dt]: the sum rounded to dt.
 
     One program per chunk of columns reads a [rows, chunk] tile a step (_sum_rows_blocks): the usual case, the
     1,056 partial rows of a d = 2,048 gradient, is 32 programs of 17 steps. It was 2 programs of 1,056 dependent
@@ -287,15 +287,17 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
     cols = k if cols is None else cols
     if len(scales) > 2:
         raise ValueError(f"sum_rows takes at most 2 scales, not {len(scales)}")
-    dtypes = list(dtypes) if dtypes is not None else [parts.dtype] * len(scales)
-    if len(dtypes) != len(scales):
+    dtypes = list(dtypes) if dtypes is not None else [parts.dtype] * max(1, len(scales))
+    if len(dtypes) != max(1, len(scales)):
         raise ValueError(f"sum_rows: {len(scales)} scales but {len(dtypes)} dtypes")
     if not uses_triton(parts) or not p:
         total = parts[:, :cols].sum(0)
-        return [(total * s.reshape(-1).to(parts.dtype)).to(dt) for s, dt in zip(scales, dtypes)] if scales else total
+        if not scales:
+            return total.to(dtypes[0])
+        return [(total * s.reshape(-1).to(parts.dtype)).to(dt) for s, dt in zip(scales, dtypes)]
     # whole rows (a mask at `cols` would break the vectors); an output of its own for each scale (an op's outputs
     # may not alias one another)
-    outs = [torch.empty((k,), dtype=dt, device=parts.device) for dt in (dtypes or [parts.dtype])]
+    outs = [torch.empty((k,), dtype=dt, device=parts.device) for dt in dtypes]
     br, bk = _sum_rows_blocks(p, k)
     first, second = (list(scales) + [parts, parts])[:2]
     launch(_sum_rows_kernel, (cdiv(k, bk),), (parts, outs[0], outs[-1], first, second, p, k, cols),
@@ -542,7 +544,7 @@ def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: t
         acc += tl.load(p_ptr + rows[:, None] * K + ok[None, :], mask=(rows < P)[:, None] & kmask[None, :], other=0.)
     total = tl.sum(acc, axis=0)
     if SCALES == 0:
-        tl.store(out_ptr + ok, total, mask=kmask)
+        tl.store(out_ptr + ok, total.to(out_ptr.dtype.element_ty), mask=kmask)
     else:
         scale = tl.load(s0_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
         tl.store(out_ptr + ok, (total * scale).to(out_ptr.dtype.element_ty), mask=kmask)

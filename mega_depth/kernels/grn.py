@@ -390,7 +390,8 @@ def _param_blocks(k: int, g_block: int, d: int, version: int, element_size: int)
 
 def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int,
                 grads: List[Tensor], adding: List[bool]):
-    """Source gradients into `grads` (rows; added to those with `adding` set) -> (dbias fp32, dproj fp32 or None)."""
+    """Source gradients into `grads` (rows; added to those with `adding` set) -> (dbias, dproj or None), in the
+    parameters' dtypes (fp32 where there is no token)."""
     n, d = srcs[0].shape
     g, k = bias.shape[0], len(srcs)
     if n == 0:
@@ -422,10 +423,14 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
            (table, srcs[0], go, w, bias_parts, proj_parts, k, n, d, g, tok, bias_parts.stride(0),
             proj_parts.stride(0)),
            4, BK=sources, BG=bg, BCH=channels, VERSION=version)
-    dbias = sum_rows(bias_parts, bias_cols)
-    # v2/v3: summed as [G, K, d] (rows of channels), the parameter's [G, d, K] a copy of G x d x K values away
-    dbias = dbias.view(g, k) if version == 1 else dbias.view(g, k, d).transpose(1, 2).contiguous()
-    return dbias, sum_rows(proj_parts, g * d).view(g, d) if version == 3 else None
+    # in the parameters' dtypes; v2/v3 summed as [G, K, d] (rows of channels), the parameter's [G, d, K] one copy
+    # (and cast) of G x d x K values away
+    if version == 1:
+        dbias = sum_rows(bias_parts, bias_cols, dtypes=[bias.dtype]).view(g, k)
+    else:
+        dbias = sum_rows(bias_parts, bias_cols).view(g, k, d).transpose(1, 2).to(bias.dtype,
+                                                                                 memory_format=torch.contiguous_format)
+    return dbias, sum_rows(proj_parts, g * d, dtypes=[proj.dtype]).view(g, d) if version == 3 else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -497,16 +502,15 @@ def _(sources, bias, proj, version):
 @torch.library.custom_op("mega_depth::dca_grn_backward", mutates_args=())
 def grn_backward_op(grad: Tensor, sources: List[Tensor], bias: Tensor, proj: Optional[Tensor],
                     version: int) -> List[Tensor]:
-    """-> [source gradients..., dbias, dproj (or empty)], the parameter gradients in fp32 (at least)."""
+    """-> [source gradients..., dbias, dproj (or empty)], the parameter gradients in the parameters' dtypes."""
     grads = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources]
     return grads + _backward_into(grad, sources, grads, [False] * len(sources), bias, proj, version)
 
 
 @register_fake(grn_backward_op)
 def _fake_backward(grad, sources, bias, proj, version):
-    ct = accumulation_dtype(sources[0].dtype)
-    dproj = proj.new_empty(proj.shape, dtype=ct) if proj is not None else nothing(grad)
-    return [s.new_empty(s.shape) for s in sources] + [bias.new_empty(bias.shape, dtype=ct), dproj]
+    dproj = proj.new_empty(proj.shape) if proj is not None else nothing(grad)
+    return [s.new_empty(s.shape) for s in sources] + [bias.new_empty(bias.shape), dproj]
 
 
 @torch.library.custom_op("mega_depth::dca_grn_backward_into", mutates_args=("into",))
@@ -528,7 +532,8 @@ def _backward_into(grad, sources, into, adding, bias, proj, version) -> List[Ten
     bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
     dbias, dproj = bwd(grad.reshape(bias.shape[0], -1, d).contiguous(), srcs, bias.contiguous(), contiguous(proj),
                        version, [t.view(-1, d) for t in into], adding)
-    return [dbias, nothing(grad) if dproj is None else dproj]
+    # in the parameters' dtypes (the Triton launcher's already are; the twin's are fp32 or wider until here)
+    return [dbias.to(bias.dtype), nothing(grad) if dproj is None else dproj.to(proj.dtype)]
 
 
 def _setup(ctx, inputs, output):

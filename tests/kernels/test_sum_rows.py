@@ -33,6 +33,16 @@ def test_the_sum_times_each_scale_in_one_call(path, dtype, monkeypatch):
     assert torch.equal(by_gain, total * gain.float()) and torch.equal(by_query, total * query.float())
     (alone,) = common.sum_rows(parts, cols, (gain,))
     assert torch.equal(alone, by_gain) and alone.dtype == torch.float32 and alone.shape == (cols,)
+    # rounded once to the parameters' dtype, as a cast after the fp32 product would (a GPU rounds to nearest, as
+    # torch does; Triton's interpreter truncates to bf16: one rounding step apart there)
+    rounded = common.sum_rows(parts, cols, (gain, query), (dtype, torch.float32))
+    plain = common.sum_rows(parts, cols, dtypes=[dtype])
+    assert rounded[0].dtype == plain.dtype == dtype and torch.equal(rounded[1], by_query)
+    step = 2 ** -7 if path == "triton" and dtype == torch.bfloat16 else 0
+    torch.testing.assert_close(rounded[0].float(), by_gain.to(dtype).float(), rtol=step, atol=0)
+    torch.testing.assert_close(plain.float(), total.to(dtype).float(), rtol=step, atol=0)
+    with pytest.raises(ValueError, match="2 scales but 1 dtypes"):
+        common.sum_rows(parts, cols, (gain, query), (dtype,))
 
 
 def test_the_compiled_tiles_spread_the_columns_over_programs(monkeypatch):
