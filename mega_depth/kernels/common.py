@@ -546,11 +546,20 @@ def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: t
     if SCALES == 0:
         tl.store(out_ptr + ok, total.to(out_ptr.dtype.element_ty), mask=kmask)
     else:
-        scale = tl.load(s0_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
-        tl.store(out_ptr + ok, (total * scale).to(out_ptr.dtype.element_ty), mask=kmask)
+        tl.store(out_ptr + ok, (total * _scale(s0_ptr, orow, ok, COLS)).to(out_ptr.dtype.element_ty), mask=kmask)
         if SCALES == 2:
-            scale = tl.load(s1_ptr + ok, mask=ok < COLS, other=0.).to(tl.float32)
-            tl.store(out1_ptr + ok, (total * scale).to(out1_ptr.dtype.element_ty), mask=kmask)
+            tl.store(out1_ptr + ok, (total * _scale(s1_ptr, orow, ok, COLS)).to(out1_ptr.dtype.element_ty),
+                     mask=kmask)
+
+
+@jit
+def _scale(s_ptr, orow, ok, COLS):
+    """A scale's values at columns ok [BK] (0 past COLS) in fp32. Read as a [BR, BK] tile of one repeated row, whose
+    max is the row: a lone [BK] row of 128 bf16 values on 4 warps loaded 2 bytes a thread; the tile loads as the
+    partial sums' tile does, 16 bytes a thread, the repeats from L1."""
+    tile = tl.load(s_ptr + orow[:, None] * 0 + ok[None, :], mask=(orow >= 0)[:, None] & (ok < COLS)[None, :],
+                   other=0.)
+    return tl.max(tile.to(tl.float32), axis=0)
 
 
 @jit
