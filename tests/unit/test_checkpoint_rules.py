@@ -319,7 +319,7 @@ def test_two_takers_of_one_stale_lock_never_both_win(tmp_path, fast_lock):
 
     trials, env = 10, dict(ENV, MEGA_DEPTH_LOCK_HEARTBEAT_S="0.2", MEGA_DEPTH_LOCK_STALE_S="3")
     takers = [subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "race_for_a_lock.py"), str(tmp_path),
-                                f"taker-{i}", str(trials)], env=env) for i in range(2)]
+                                f"taker-{i}", str(trials), "2"], env=env) for i in range(2)]
     try:
         for trial in range(trials):
             plant()
