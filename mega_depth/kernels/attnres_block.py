@@ -25,8 +25,8 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
                                        dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
                                        partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
-                                       reduction_grid, register_fake, rms_inverse, rms_inverse_torch, rows, sum_rows,
-                                       tl, token, uses_triton, warps)
+                                       reduction_grid, register_fake, rms_inverse_torch, rows, sum_rows,
+                                       sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
@@ -251,8 +251,7 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
         for s in range(S):
             f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)  # [BH, BC]
             go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
-            dots = tl.sum(v * f[None, :, :], axis=2)  # [BK, BH]
-            gov = tl.sum(v * go[None, :, :], axis=2)
+            dots, gov = sums2(v * f[None, :, :], v * go[None, :, :], 2)  # [BK, BH] each, one exchange
             logit = dots * rinv[:, None]
             if SIGMOID:
                 p = tl.sigmoid(logit)
@@ -309,12 +308,14 @@ def _phase1_dq_kernel(table, like_ptr, w_ptr, part_ptr, PW, K, N, S, D, C, H, TO
 def _partial_logit(x_ptr, f, row, mask, D, eps, NORM: tl.constexpr):
     """(x, its dot with the folded query per head, its logit, 1 / RMS(x) or 0) of the partial sum's row."""
     x = tl.load(x_ptr + row, mask=mask, other=0.).to(tl.float32)
-    dot = tl.sum(x * f, axis=1)
     r = 0.
-    l = dot
     if NORM:
-        r = rms_inverse(x, D, eps)
+        dot, squares = sums2(x * f, x * x, 1)  # [BH] each, one exchange
+        r = tl.rsqrt(tl.sum(squares, axis=0) / D + eps)
         l = dot * r
+    else:
+        dot = tl.sum(x * f, axis=1)
+        l = dot
     return x, dot, l, r
 
 
@@ -387,10 +388,11 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
                 bb = b / den
                 out = o * aa[:, None] + x * bb[:, None]
                 tl.store(do_ptr + row, (go * aa[:, None]).to(go_ptr.dtype.element_ty), mask=mask)
-                tl.store(dz_ptr + n * H + oh, -aa * tl.sum(go * out, axis=1), mask=hm)
-                tl.store(dm_ptr + n * H + oh, aa * tl.sum(go * (o - z[:, None] * out), axis=1), mask=hm)
+                go_out, go_rest, go_x = sums3(go * out, go * (o - z[:, None] * out), go * (x - out), 1)  # [BH] each
+                tl.store(dz_ptr + n * H + oh, -aa * go_out, mask=hm)
+                tl.store(dm_ptr + n * H + oh, aa * go_rest, mask=hm)
                 dx = go * bb[:, None]
-                dl = bb * tl.sum(go * (x - out), axis=1)
+                dl = bb * go_x
             if NORM:
                 dr = tl.sum(dl * dot, axis=0)
                 dl = dl * r

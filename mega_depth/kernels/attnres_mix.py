@@ -26,7 +26,7 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
                                        gradient_table, gradients_at, jit, launch, nothing, partial_sums,
                                        pointer_table, pointers_at, pow2, programs, register_fake, rms_inverse_torch,
-                                       rows, sum_rows, tl, token, uses_triton, warps)
+                                       rows, sum_rows, sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -70,9 +70,11 @@ def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
         z = tl.zeros([BH], dtype=tl.float32)
         for k0 in range(0, K, KB):
             v, kmask = _source_block(table, k0, K, row, mask, out_ptr, KB)
-            s = tl.sum(v * f[None, :, :], axis=2)  # [KB, BH]
             if NORM:
-                s = s * tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)[:, None]
+                s, vv = sums2(v * f[None, :, :], v * v, 2)  # [KB, BH]: one exchange for both
+                s = s * tl.rsqrt(tl.sum(vv, axis=1) / D + eps)[:, None]
+            else:
+                s = tl.sum(v * f[None, :, :], axis=2)  # [KB, BH]
             if SIGMOID:
                 acc += tl.sum(tl.where(kmask[:, None], tl.sigmoid(s), 0.)[:, :, None] * v, axis=0)
             else:
@@ -113,12 +115,16 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
         df = tl.zeros([BH, BC], dtype=tl.float32)
         for k0 in range(0, K, KB):
             v, kmask = _source_block(table, k0, K, row, mask, go_ptr, KB)
-            dot = tl.sum(v * f[None, :, :], axis=2)  # [KB, BH]
-            gv = tl.sum(go[None, :, :] * v, axis=2)
-            if NORM:
-                r = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [KB]
+            # the gradients already there (added to), loaded beside the rows: both in flight before the reductions
+            into, adding = gradients_at(gtable, k0 + tl.arange(0, KB), kmask, go_ptr)
+            tile = kmask[:, None, None] & mask[None, :, :]
+            held = tl.load(into[:, None, None] + row[None, :, :], mask=tile & adding[:, None, None], other=0.)
+            if NORM:  # [KB, BH] each: one exchange for the three
+                dot, gv, vv = sums3(v * f[None, :, :], go[None, :, :] * v, v * v, 2)
+                r = tl.rsqrt(tl.sum(vv, axis=1) / D + eps)  # [KB]
                 logit = dot * r[:, None]
             else:
+                dot, gv = sums2(v * f[None, :, :], go[None, :, :] * v, 2)
                 logit = dot
             if SIGMOID:
                 a = tl.sigmoid(logit)
@@ -135,10 +141,7 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
                 dv -= (dr * r * r * r / D)[:, None, None] * v
             dv += ds[:, :, None] * f[None, :, :]
             df += tl.sum(ds[:, :, None] * v, axis=0)
-            into, adding = gradients_at(gtable, k0 + tl.arange(0, KB), kmask, go_ptr)
-            tile = kmask[:, None, None] & mask[None, :, :]
-            dv += tl.load(into[:, None, None] + row[None, :, :], mask=tile & adding[:, None, None],
-                          other=0.).to(tl.float32)
+            dv += held.to(tl.float32)
             tl.store(into[:, None, None] + row[None, :, :], dv.to(go_ptr.dtype.element_ty), mask=tile)
         if PER_TOKEN:
             if NORM:

@@ -478,9 +478,35 @@ def folded_query(q_ptr, g_ptr, offs, mask, like_ptr, NORM: tl.constexpr):
 
 
 @jit
-def rms_inverse(v, D, eps):
-    """1 / RMS of a whole row held as [BH, BC] (masked lanes are 0)."""
-    return tl.rsqrt(tl.sum(tl.sum(v * v, axis=1), axis=0) / D + eps)
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+# Compiled, sums2/sums3 reduce their tensors together: one exchange of partial sums through shared memory, and its
+# barriers, for all of them (each tl.sum takes its own). The interpreter runs a custom combine element by element in
+# Python, so there they are plain tl.sum calls: the same sums (a reduction's order is unspecified either way).
+FUSED_SUMS = tl.constexpr(not interpreting()) if tl is not None else None
+
+
+@jit
+def sums2(a, b, axis: tl.constexpr):
+    """(a.sum(axis), b.sum(axis)) as one reduction (FUSED_SUMS)."""
+    if FUSED_SUMS:
+        return tl.reduce((a, b), axis, _add2)
+    return tl.sum(a, axis=axis), tl.sum(b, axis=axis)
+
+
+@jit
+def sums3(a, b, c, axis: tl.constexpr):
+    """(a.sum(axis), b.sum(axis), c.sum(axis)) as one reduction (FUSED_SUMS)."""
+    if FUSED_SUMS:
+        return tl.reduce((a, b, c), axis, _add3)
+    return tl.sum(a, axis=axis), tl.sum(b, axis=axis), tl.sum(c, axis=axis)
 
 
 @jit
