@@ -19,7 +19,7 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
-                                       rows, store_or_add, store_or_add_torch, tl, token,
+                                       rows, store_or_add, store_or_add_torch, sums2, tl, token,
                                        uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
@@ -61,19 +61,20 @@ def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, B
 
 
 @jit
-def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr,
-                   ADD: tl.constexpr):
-    """ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py)."""
-    _, od, _, dmask = _lanes(1, D, 1, BD)
+def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BN: tl.constexpr,
+                   BD: tl.constexpr, ADD: tl.constexpr):
+    """The n streams as one [BN, BD] tile: their weight gradients in one reduction (one a stream took a barrier
+    each). ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py)."""
+    oi, od, imask, dmask = _lanes(NS, D, BN, BD)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
+        tile = imask[:, None] & dmask[None, :] & valid
         go = tl.load(go_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
-        for i in tl.static_range(NS):
-            w, x = _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, go_ptr)
-            r = n * 0 + i
-            store_or_add(ds_ptr + (r * N + n) * D + od, w * go, dmask & valid, ADD)
-            tl.store(dw_ptr + r * N + n, tl.sum(x * go, axis=0), mask=valid)
+        w = tl.load(w_ptr + oi * N + n, mask=imask & valid, other=0.).to(go_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.load(s_ptr + oi[:, None].to(tl.int64) * SN + n * ST + od[None, :], mask=tile, other=0.).to(tl.float32)
+        store_or_add(ds_ptr + (oi[:, None].to(tl.int64) * N + n) * D + od[None, :], w[:, None] * go[None, :], tile, ADD)
+        tl.store(dw_ptr + oi * N + n, tl.sum(x * go[None, :], axis=1), mask=imask & valid)
 
 
 @jit
@@ -100,7 +101,8 @@ def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK,
 @jit
 def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, TOK,
                     NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr):
-    """One pass: the n output gradients of a token stay in registers while each input stream is read once. ADD: as
+    """One pass: the n output gradients of a token stay in registers while each input stream is read once. The mix
+    gradients of two streams are reduced together (common.sums2): one exchange, and its barriers, a pair. ADD: as
     _in_bwd_kernel."""
     dt = go_ptr.dtype.element_ty
     oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
@@ -114,12 +116,28 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
         post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
         tl.store(dy_ptr + n * D + od, tl.sum(post[:, None] * go, axis=0).to(dt), mask=dmask & valid)
         tl.store(dpost_ptr + oj * N + n, tl.sum(go * y[None, :], axis=1), mask=jmask & valid)
-        for i in tl.static_range(NS):
-            r = n * 0 + i
-            x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
-            mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
-            store_or_add(ds_ptr + (r * N + n) * D + od, tl.sum(mix[:, None] * go, axis=0), dmask & valid, ADD)
-            tl.store(dmix_ptr + (r * N + n) * NS + oj, tl.sum(go * x[None, :], axis=1), mask=jmask & valid)
+        for i in tl.static_range(0, NS, 2):
+            x = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+            if i + 1 < NS:
+                x1 = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i + 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid,
+                                      NS, ADD)
+                dmix, dmix1 = sums2(go * x[None, :], go * x1[None, :], 1)
+                tl.store(dmix_ptr + ((n * 0 + i + 1) * N + n) * NS + oj, dmix1, mask=jmask & valid)
+            else:
+                dmix = tl.sum(go * x[None, :], axis=1)
+            tl.store(dmix_ptr + ((n * 0 + i) * N + n) * NS + oj, dmix, mask=jmask & valid)
+
+
+@jit
+def _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS: tl.constexpr,
+                     ADD: tl.constexpr):
+    """Input stream i's gradient sum_j mix[i, j] go_j [BD] stored (or added) -> the stream's row [BD] in fp32, whose
+    products with go give its mix gradients."""
+    r = n * 0 + i
+    x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
+    mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(ds_ptr.dtype.element_ty)
+    store_or_add(ds_ptr + (r * N + n) * D + od, tl.sum(mix.to(tl.float32)[:, None] * go, axis=0), dmask & valid, ADD)
+    return x
 
 
 def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_into=(), **constexprs) -> None:
@@ -147,7 +165,7 @@ def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool) -
     dw = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, s.element_size(),
-                NS=ns, BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
+                NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
     return dw
 
 
