@@ -455,12 +455,6 @@ def chunk_block(c0, C, H, BH: tl.constexpr, BCH: tl.constexpr):
 
 
 @jit
-def pick(tile, ok, k):
-    """tile[k] of a [BK, ...] tile indexed by a runtime k (ok = arange(BK)), as a [...] tile."""
-    return tl.sum(tl.where(ok[:, None, None] == k, tile, 0.), axis=0)
-
-
-@jit
 def channel_block(C, H, BH: tl.constexpr, BC: tl.constexpr):
     """(head index [BH], channel offset h * C + c [BH, BC], its mask [BH, BC]) of one token row."""
     oh = tl.arange(0, BH)

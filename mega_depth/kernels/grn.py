@@ -26,8 +26,8 @@ from torch import Tensor
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        gradient_table, gradients_at, interpreting, jit, launch, nothing, partial_sums,
-                                       pick, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, rows, sum_rows, tl, token, uses_triton, warps)
+                                       pointer_table, pointers_at, pow2, programs, reduction_grid,
+                                       register_fake, rows, sum_rows, sums2, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -120,19 +120,35 @@ def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.const
             if GO:
                 go_dots += v * _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_last")
         sel = (ob == b)[:, None, None]
-        pre = tl.where(sel, tl.sum(dots, axis=2)[None, :, :], pre)
-        if GO:
-            gsum = tl.where(sel, tl.sum(go_dots, axis=2)[None, :, :], gsum)
+        if GO:  # both sums in one exchange (common.sums2)
+            dots, go_dots = sums2(dots, go_dots, 2)
+            gsum = tl.where(sel, go_dots[None, :, :], gsum)
+        else:
+            dots = tl.sum(dots, axis=2)
+        pre = tl.where(sel, dots[None, :, :], pre)
     return pre, gsum
 
 
 @jit
-def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, NB: tl.constexpr, KB: tl.constexpr,
+def _store_gates(ptr, gates, n, valid, NB: tl.constexpr, KB: tl.constexpr, BG: tl.constexpr):
+    """A token's [NB, KB, BG] gates (or their gradients) into ptr [N, BG, NB x KB] (_gate_scratch): every entry of
+    the token's rows, the padding's zeros (instances past G, sources past K: their gates are 0) included, so that
+    pass 2 loads a block's KB sources unmasked, in vectors (a mask that varies along a vector splits it). Pass 2
+    reads them back in another layout, so in other threads: a barrier between (tl.debug_barrier: global writes
+    before it are visible to the program's threads after it)."""
+    k3 = tl.arange(0, NB)[:, None, None] * KB + tl.arange(0, KB)[None, :, None]
+    og = tl.arange(0, BG)[None, None, :]
+    tl.store(ptr + (n * BG + og) * (NB * KB) + k3, gates, mask=valid)
+
+
+@jit
+def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, gate_ptr, K, N, D, G, TOK, NB: tl.constexpr, KB: tl.constexpr,
                 BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """Per token: (v3) pass 1 finds the K x G gates, pass 2 sums the sources weighted by bias + gate, chunk by
     chunk and KB sources a load, for all G instances at once. Pass 2 walks the chunks last to first: the ones
-    pass 1 read last are the likeliest still in cache."""
-    ob = tl.arange(0, NB)
+    pass 1 read last are the likeliest still in cache. The gates go through gate_ptr [N, BG, NB x KB] (fp32
+    scratch, in L1): a block's gates loaded in the tile's layout, where picking them out of the [NB, KB, BG]
+    registers took a sum across warps and layout changes, 6 barriers, every chunk and block."""
     og = tl.arange(0, BG)
     gmask = og < G
     chunks = tl.cdiv(D, BCH)
@@ -141,7 +157,8 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, NB: tl.cons
         valid = n < N
         if VERSION == 3:
             pre, _ = _gates(table, proj_ptr, out_ptr, n, valid, K, N, D, G, out_ptr, NB, KB, BG, BCH, False)
-            gate = tl.maximum(pre, 0.)
+            _store_gates(gate_ptr, tl.maximum(pre, 0.), n, valid, NB, KB, BG)
+            tl.debug_barrier()
         for i in range(chunks):
             od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
             acc = tl.zeros([BG, BCH], dtype=tl.float32)
@@ -149,20 +166,21 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, NB: tl.cons
                 v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first", True)
                 coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION, True)  # [BG, KB, *]
                 if VERSION == 3:
-                    coef = coef + tl.trans(pick(gate, ob, b))[:, :, None]
+                    coef = coef + tl.load(gate_ptr + (n * BG + og[:, None]) * (NB * KB) + ok[None, :], mask=valid,
+                                          other=0.)[:, :, None]  # [BG, KB] -> [BG, KB, 1]
                 acc += tl.sum(coef * v, axis=1)
             tl.store(out_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=gmask[:, None] & (od < D)[None, :] & valid)
 
 
 @jit
-def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, NB: tl.constexpr,
+def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, TOK, NB: tl.constexpr,
                 KB: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
-    (clamp's subgradient 1 at 0) go to w_ptr [N, K, G] for the projections' gradient; pass 2 (chunks last to
-    first, as the forward's) stores the gradients of KB sources a step as one [KB, BCH] tile, or adds them to what
-    the buffers hold (gtable: common.gradient_table). The parameter gradients are _params_kernel's."""
-    ob = tl.arange(0, NB)
+    (clamp's subgradient 1 at 0) go to w_ptr [N, BG, NB x KB] for the projections' gradient, and the gates to gate_ptr
+    (as the forward's); pass 2 (chunks last to first, as the forward's) reads both back a block at a time and
+    stores the gradients of KB sources a step as one [KB, BCH] tile, or adds them to what the buffers hold (gtable:
+    common.gradient_table). The parameter gradients are _params_kernel's."""
     oi = tl.arange(0, KB)
     og = tl.arange(0, BG)
     gmask = og < G
@@ -172,10 +190,10 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
         valid = n < N
         if VERSION == 3:
             pre, gsum = _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, go_ptr, NB, KB, BG, BCH, True)
-            gate = tl.maximum(pre, 0.)
             dgate = tl.where(pre >= 0., gsum, 0.)  # clamp(min=0): subgradient 1 at 0
-            k3 = ob[:, None, None] * KB + oi[None, :, None]
-            tl.store(w_ptr + (n * K + k3) * G + og[None, None, :], dgate, mask=(k3 < K) & gmask[None, None, :] & valid)
+            _store_gates(w_ptr, dgate, n, valid, NB, KB, BG)
+            _store_gates(gate_ptr, tl.maximum(pre, 0.), n, valid, NB, KB, BG)
+            tl.debug_barrier()
         for i in range(chunks):
             od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
             go = _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_first")  # [1, BG, BCH]
@@ -185,9 +203,11 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TO
                 ok = b * KB + oi
                 kmask = ok < K
                 coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, go_ptr, VERSION, False)  # [KB, BG, *]
-                if VERSION == 3:
-                    coef = coef + pick(gate, ob, b)[:, :, None]
-                    dv = tl.sum(coef * go + pick(dgate, ob, b)[:, :, None] * proj, axis=1)  # [KB, BCH]
+                if VERSION == 3:  # the block's gates and their gradients [KB, BG, 1], from the scratch (L1)
+                    at_kg = (n * BG + og[None, :]) * (NB * KB) + ok[:, None]  # [KB, BG]
+                    coef = coef + tl.load(gate_ptr + at_kg, mask=valid, other=0.)[:, :, None]
+                    dgate_kg = tl.load(w_ptr + at_kg, mask=valid, other=0.)[:, :, None]
+                    dv = tl.sum(coef * go + dgate_kg * proj, axis=1)  # [KB, BCH]
                 else:
                     dv = tl.sum(coef * go, axis=1)
                 into, adding = gradients_at(gtable, ok, kmask, go_ptr)
@@ -233,10 +253,10 @@ def _fwd_rows_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl
 
 @jit
 def _bwd_rows_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, BK: tl.constexpr,
-                     BD: tl.constexpr, VERSION: tl.constexpr):
+                     BD: tl.constexpr, BG: tl.constexpr, VERSION: tl.constexpr):
     """_bwd_kernel where a token's whole source rows (v3) and their gradients fit in registers (_rows_fit): each
     instance's output gradient read once, the sources once (v3), the source gradients summed over the instances
-    in registers and stored (or added) once. The gate gradients go to w_ptr [N, K, G], as there."""
+    in registers and stored (or added) once. The gate gradients go to w_ptr [N, BG, BK], as there."""
     ok = tl.arange(0, BK)
     kmask = ok < K
     od = tl.arange(0, BD)
@@ -256,9 +276,9 @@ def _bwd_rows_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, 
             coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, go_ptr, VERSION)
             if VERSION == 3:
                 proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), go_ptr)
-                pre = tl.sum(v * proj[None, :], axis=1)  # [BK]
-                dgate = tl.where(pre >= 0., tl.sum(v * go[None, :], axis=1), 0.)  # clamp's subgradient 1 at 0
-                tl.store(w_ptr + (n * K + ok) * G + g, dgate, mask=kmask & valid)
+                pre, go_v = sums2(v * proj[None, :], v * go[None, :], 1)  # [BK] each, one exchange
+                dgate = tl.where(pre >= 0., go_v, 0.)  # clamp's subgradient 1 at 0
+                tl.store(w_ptr + (n * BG + g) * BK + ok, dgate, mask=kmask & valid)
                 dv += (coef + tl.maximum(pre, 0.)[:, None]) * go[None, :] + dgate[:, None] * proj[None, :]
             else:
                 dv += coef * go[None, :]
@@ -268,13 +288,14 @@ def _bwd_rows_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, 
 
 
 @jit
-def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr, K, N, D, G, TOK, BIAS_ROW,
+def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr, K, N, D, G, KP, TOK, BIAS_ROW,
                    PROJ_ROW, BK: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """Program (channel chunk, block of BK sources, token split), over its split's tokens: dbias[g, c, k] =
     sum_n go[g, n, c] v_k[n, c] for its BK sources (v1: summed over its channels too) and (v3) dproj[g, c] =
-    sum_n sum_k dgate[n, k, g] v_k[n, c] over its sources. Each token's output gradient [BG, BCH] is read once for
-    BK sources ([BK, BCH] in 16-byte loads), not once a source; the sums stay in [BK, BG, BCH] registers and go to
-    the program's rows of the partial buffers, which common.sum_rows adds in order (the same bits every run):
+    sum_n sum_k dgate[n, k, g] v_k[n, c] over its sources (w_ptr [N, BG, KP]: _gate_scratch). Each token's
+    output gradient [BG, BCH] is read once for BK sources ([BK, BCH] in 16-byte loads), not once a source; the
+    sums stay in [BK, BG, BCH] registers and go to the program's rows of the partial buffers, which common.sum_rows
+    adds in order (the same bits every run):
     bias_part [splits (v1: x chunks), G x K (v2/v3: x d)] as [G, K, d] (whole rows of channels, contiguous),
     proj_part [splits x source blocks, G x d]."""
     chunk_id, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -298,7 +319,7 @@ def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr,
                      mask=gmask[None, :, None] & cmask[None, None, :] & valid, other=0.).to(tl.float32)
         dbias += v * go
         if VERSION == 3:
-            dgate = tl.load(w_ptr + (n * K + ok[:, None, None]) * G + og[None, :, None],
+            dgate = tl.load(w_ptr + (n * BG + og[None, :, None]) * KP + ok[:, None, None],
                             mask=kmask[:, None, None] & gmask[None, :, None] & valid, other=0.)  # [BK, BG, 1]
             dproj += dgate * v
     kg = kmask[:, None] & gmask[None, :]  # [BK, BG]
@@ -366,10 +387,20 @@ def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], versio
                warps(pow2(d), _rows_live(len(srcs), False)), BK=pow2(len(srcs)), BD=pow2(d), VERSION=version)
         return out
     nb, kb, bg, bch = _blocks(srcs, bias)
+    gates = _gate_scratch(n, len(srcs), bias.shape[0], version, out.device)
     launch(_fwd_kernel, (count,), (pointer_table(srcs), _bias_rows(bias, version), bias if proj is None else proj,
-                                   out, len(srcs), n, d, bias.shape[0], tok),
+                                   out, gates, len(srcs), n, d, bias.shape[0], tok),
            4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
     return out
+
+
+def _gate_scratch(n: int, k: int, g: int, version: int, device: torch.device) -> Tensor:
+    """v3's gates (or their gradients) per token, instance and source, fp32: [N, pow2(G), pow2(K)], so that a
+    block of sources' gates lies contiguous, at a constant stride, and loads in vectors. The chunked kernels write
+    the gates in pass 1 and read them back in pass 2 (pow2(K) x pow2(G) x 4 bytes a token, against its K rows of d
+    values read twice); the backward kernels write the gate gradients for _params_kernel. A placeholder for v1/v2,
+    which have none."""
+    return torch.empty((n, pow2(g), pow2(k)) if version == 3 else (1,), dtype=F32, device=device)
 
 
 def _param_blocks(k: int, g_block: int, d: int, version: int, element_size: int) -> Tuple[int, int]:
@@ -403,16 +434,17 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
         # one buffer for two sources: a [KB, chunk] tile would read it twice and store it twice, losing one
         # source's gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
         nb, kb = pow2(k), 1
-    w = torch.empty((n, k, g) if version == 3 else (1,), dtype=F32, device=go.device)  # the gates' gradients
+    w = _gate_scratch(n, k, g, version, go.device)  # the gates' gradients
     table = pointer_table(srcs)
     count, tok = programs(n, go.device, reduces=False)
     args = (table, gradient_table(grads, adding), _bias_rows(bias, version), bias if proj is None else proj, go, w, k,
             n, d, g, tok)
     if not shared and _rows_fit(k, d, backward=True):
-        launch(_bwd_rows_kernel, (count,), args, warps(pow2(d), _rows_live(k, True)), BK=pow2(k), BD=pow2(d),
+        launch(_bwd_rows_kernel, (count,), args, warps(pow2(d), _rows_live(k, True)), BK=pow2(k), BD=pow2(d), BG=bg,
                VERSION=version)
     else:
-        launch(_bwd_kernel, (count,), args, 4, NB=nb, KB=kb, BG=bg, BCH=bch, VERSION=version)
+        launch(_bwd_kernel, (count,), (*args[:6], _gate_scratch(n, k, g, version, go.device), *args[6:]), 4, NB=nb,
+               KB=kb, BG=bg, BCH=bch, VERSION=version)
     sources, channels = _param_blocks(k, bg, d, version, go.element_size())
     chunks, blocks = cdiv(d, channels), cdiv(k, sources)
     splits, tok = reduction_grid(n, chunks * blocks, go.device)
@@ -420,7 +452,7 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
     bias_parts = partial_sums(splits * chunks if version == 1 else splits, bias_cols, go.device)
     proj_parts = partial_sums(splits * blocks, g * d, go.device) if version == 3 else bias_parts
     launch(_params_kernel, (chunks, blocks, splits),
-           (table, srcs[0], go, w, bias_parts, proj_parts, k, n, d, g, tok, bias_parts.stride(0),
+           (table, srcs[0], go, w, bias_parts, proj_parts, k, n, d, g, w.shape[-1], tok, bias_parts.stride(0),
             proj_parts.stride(0)),
            4, BK=sources, BG=bg, BCH=channels, VERSION=version)
     # in the parameters' dtypes; v2/v3 summed as [G, K, d] (rows of channels), the parameter's [G, d, K] one copy
