@@ -319,8 +319,9 @@ def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr,
                      mask=gmask[None, :, None] & cmask[None, None, :] & valid, other=0.).to(tl.float32)
         dbias += v * go
         if VERSION == 3:
-            dgate = tl.load(w_ptr + (n * BG + og[None, :, None]) * KP + ok[:, None, None],
-                            mask=kmask[:, None, None] & gmask[None, :, None] & valid, other=0.)  # [BK, BG, 1]
+            # [BK, BG] expanded, not a [BK, BG, 1] load: that one repeats its loads over the channel axis's lanes
+            dgate = tl.load(w_ptr + (n * BG + og[None, :]) * KP + ok[:, None], mask=kmask[:, None] & valid,
+                            other=0.)[:, :, None]  # (padding instances: sums never stored, no mask needed)
             dproj += dgate * v
     kg = kmask[:, None] & gmask[None, :]  # [BK, BG]
     if VERSION == 1:
