@@ -223,13 +223,15 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
 
 
 @jit
-def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr, K, N, S, D, C, H, eps, TOK,
-                            BK: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
+def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr, p_ptr, K, N, S, D, C, H, eps,
+                            TOK, BK: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
                             SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
-    """_phase1_bwd_kernel where a token's whole block rows and their gradients fit in registers (_rows_fit): the
-    rows [BK, BH, BC] are read once, each query's output gradient once, and the block gradients p^T go + dl^T f
-    (less the key norm's term) are summed over the queries in registers and stored once. The logit gradients (times
-    1 / RMS) go to w_ptr [N, K, S, H] for _phase1_dq_kernel, as there."""
+    """_phase1_bwd_kernel where a token's whole block rows fit in registers (_rows_fit): the rows [BK, BH, BC] are
+    read once, each query's output gradient and folded query twice (the second time from cache). Pass 1 over the
+    queries finds the weights p and the logit gradients dl (times 1 / RMS: w_ptr [N, K, S, H], for
+    _phase1_dq_kernel; p to the scratch p_ptr, alike) and the key norm's gradient; the block gradients start as the
+    key norm's term, the rows' last use, and pass 2 adds p^T go + dl^T f query by query, p and dl read back. So
+    the rows and their gradients are never live together: at 8 blocks of 2,048 channels both spilled on sm_100."""
     ok = tl.arange(0, BK)
     kmask = ok < K
     oh, offs, cmask = channel_block(C, H, BH, BC)  # [BH], [BH, BC], [BH, BC]
@@ -246,7 +248,6 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
             rinv = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [BK]
         else:
             rinv = tl.full([BK], 1., tl.float32)
-        dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
         dr = tl.zeros([BK], dtype=tl.float32)  # dL/d(1 / RMS) per block (0 without a key norm)
         for s in range(S):
             f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)  # [BH, BC]
@@ -265,11 +266,21 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
             p = tl.where(live, p, 0.)
             dl = tl.where(live, dl, 0.)
             dr += tl.sum(dl * dots, axis=1)
-            dl = dl * rinv[:, None]
-            tl.store(w_ptr + ((n * K + ok[:, None]) * S + s) * H + oh[None, :], dl, mask=live & valid)
-            dv += p[:, :, None] * go[None, :, :] + dl[:, :, None] * f[None, :, :]
+            woffs = ((n * K + ok[:, None]) * S + s) * H + oh[None, :]
+            tl.store(w_ptr + woffs, dl * rinv[:, None], mask=live & valid)
+            tl.store(p_ptr + woffs, p, mask=live & valid)
         if NORM:
-            dv -= (dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
+            dv = -(dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
+        else:
+            dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
+        tl.debug_barrier()  # pass 2 reads p and dl in other threads than wrote them (global writes: visible after)
+        for s in range(S):
+            f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)
+            go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+            woffs = ((n * K + ok[:, None]) * S + s) * H + oh[None, :]
+            p = tl.load(p_ptr + woffs, mask=live & valid, other=0.)
+            dl = tl.load(w_ptr + woffs, mask=live & valid, other=0.)
+            dv += p[:, :, None] * go[None, :, :] + dl[:, :, None] * f[None, :, :]
         tl.store(block_grads[:, None, None] + n * D + offs[None, :, :], dv.to(go_ptr.dtype.element_ty),
                  mask=tile & valid)
 
@@ -435,25 +446,28 @@ def _phase1_resident(x: Tensor) -> int:
 ROWS_IN_REGISTERS = 32768  # fp32 values of a program's whole-row tiles (64 a thread at 16 warps): _rows_fit
 
 
-def _rows_fit(k: int, d: int, heads: int, backward: bool = False) -> bool:
-    """Whether a token's k block rows (and in backward their gradients), with a query row and an output (gradient)
-    row, fit one program's registers (the 1B config's Block AttnRes at 4 blocks, and the 7B's forward;
+def _rows_fit(k: int, d: int, heads: int, backward: bool = False, element_size: int = 2) -> bool:
+    """Whether a token's k block rows, with a query row and an output (gradient) row, fit one program's registers
+    (the 1B config's Block AttnRes up to 8 blocks, the 7B's up to 4 in backward and 8 in forward;
     tests/unit/test_kernels_aot.py compiles them without a spill): then phase 1 reads each row once
     (_phase1_fwd_rows_kernel, _phase1_bwd_rows_kernel), else a chunk at a time."""
-    return _rows_live(k, backward) * pow2(heads) * pow2(d // heads) <= ROWS_IN_REGISTERS
+    return _rows_live(k, backward, element_size) * pow2(heads) * pow2(d // heads) <= ROWS_IN_REGISTERS
 
 
-def _rows_live(k: int, backward: bool) -> int:
-    """The rows a whole-row phase-1 program holds: the blocks (and their gradients), a query and an output."""
-    return pow2(k) * (2 if backward else 1) + 2
+def _rows_live(k: int, backward: bool, element_size: int = 2) -> int:
+    """The rows a whole-row phase-1 program holds: the blocks (or, later in backward, their gradients), a query and
+    an output (gradient). fp32 rows in backward count twice: at 8 blocks ptxas spilled 16-44 bytes there (sm_90),
+    where 16-bit rows fit."""
+    return pow2(k) * (2 if backward and element_size > 2 else 1) + 2
 
 
-def _rows_warps(k: int, row: int, backward: bool = False) -> Tuple[int, int]:
+def _rows_warps(k: int, row: int, backward: bool = False, element_size: int = 2) -> Tuple[int, int]:
     """(warps, resident warps) of a whole-row phase-1 program: about 32 values a thread; where that is 24 or fewer,
     a 64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no
     spill, for sm_90; 72 and one program an SM left to ptxas)."""
-    num_warps = warps(row, _rows_live(k, backward))
-    return num_warps, 2 * RESIDENT_WARPS if _rows_live(k, backward) * row <= 24 * 32 * num_warps else RESIDENT_WARPS
+    live = _rows_live(k, backward, element_size)
+    num_warps = warps(row, live)
+    return num_warps, 2 * RESIDENT_WARPS if live * row <= 24 * 32 * num_warps else RESIDENT_WARPS
 
 
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
@@ -502,11 +516,12 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
     count, tok = programs(n, go.device, reduces=False)
     args = (table, pointer_table(grads), q, q if g is None else g, m, go, m if gz is None else gz, w, len(srcs), n,
             s, d, d // heads, heads, eps, tok)
-    if _rows_fit(len(srcs), d, heads, backward=True):
+    if _rows_fit(len(srcs), d, heads, True, go.element_size()):
         bh, bc = pow2(heads), pow2(d // heads)
-        num_warps, resident = _rows_warps(len(srcs), bh * bc, backward=True)
-        launch(_phase1_bwd_rows_kernel, (count,), args, num_warps, resident_warps=resident, BK=pow2(len(srcs)),
-               BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+        num_warps, resident = _rows_warps(len(srcs), bh * bc, True, go.element_size())
+        weights = torch.empty_like(w)  # pass 1's p, for pass 2
+        launch(_phase1_bwd_rows_kernel, (count,), (*args[:8], weights, *args[8:]), num_warps, resident_warps=resident,
+               BK=pow2(len(srcs)), BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
     else:
         launch(_phase1_bwd_kernel, (count,), args, _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk,
                BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
