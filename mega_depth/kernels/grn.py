@@ -52,17 +52,18 @@ def _rounded(x, like_ptr):
 
 @jit
 def _source_tile(table, b, K, n, od, valid, D, like_ptr, KB: tl.constexpr, POLICY: tl.constexpr,
-                 BY_INSTANCE: tl.constexpr):
-    """Sources b * KB .. b * KB + KB - 1 of token n at channels od: ([1, KB, BCH] with BY_INSTANCE, else
-    [KB, 1, BCH], fp32; their indices [KB]; mask [KB]). One 16-byte-a-thread load for KB rows: a lone row of 256
-    bf16 channels on 4 warps loads 4 bytes a thread, one after another. POLICY: the cache eviction hint
-    (evict_last where a second pass reads them again)."""
+                 BY_INSTANCE: tl.constexpr, BG: tl.constexpr = 1):
+    """Sources b * KB .. b * KB + KB - 1 of token n at channels od: ([BG, KB, BCH] with BY_INSTANCE (the rows
+    repeated BG times), else [KB, 1, BCH], fp32; their indices [KB]; mask [KB]). One 16-byte-a-thread load for KB
+    rows: a lone row of 256 bf16 channels on 4 warps loads 4 bytes a thread, one after another. POLICY: the cache
+    eviction hint (evict_last where a second pass reads them again)."""
     ok = b * KB + tl.arange(0, KB)
     kmask = ok < K
     at = pointers_at(table, ok, kmask, like_ptr)
     if BY_INSTANCE:
-        v = tl.load(at[None, :, None] + n * D + od[None, None, :],
-                    mask=kmask[None, :, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
+        at = at[None, :, None] + 0 * tl.arange(0, BG)[:, None, None]  # [BG, KB, 1]
+        v = tl.load(at + n * D + od[None, None, :], mask=kmask[None, :, None] & (od < D)[None, None, :] & valid,
+                    other=0., eviction_policy=POLICY)
     else:
         v = tl.load(at[:, None, None] + n * D + od[None, None, :],
                     mask=kmask[:, None, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
@@ -108,17 +109,25 @@ def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.const
     gmask = og < G
     pre = tl.zeros([NB, KB, BG], dtype=tl.float32)
     gsum = tl.zeros([NB, KB, BG], dtype=tl.float32)
+    oi = tl.arange(0, KB)
     for b in range(0, tl.cdiv(K, KB)):
         dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
         go_dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
+        ok = b * KB + oi
+        kmask = ok < K
+        at = pointers_at(table, ok, kmask, like_ptr)[:, None, None] + 0 * og[None, :, None]  # [KB, BG, 1]
+        kg = kmask[:, None, None] & gmask[None, :, None] & valid
+        g_rows = og[None, :, None].to(tl.int64) + 0 * ok[:, None, None]  # [KB, BG, 1]
         for c0 in range(0, D, BCH):
-            od = c0 + tl.arange(0, BCH)
-            v, _, _ = _source_tile(table, b, K, n, od, valid, D, like_ptr, KB, "evict_first" if GO else "evict_last",
-                                   False)
-            proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), like_ptr)  # [1, BG, BCH]
-            dots += v * proj
+            # the sources, projections and output gradients as [KB, BG, BCH] tiles (the repeats from L1): one
+            # layout for the three, where [KB, 1, BCH] times [1, BG, BCH] took a layout change (2 barriers) a chunk
+            od = (c0 + tl.arange(0, BCH))[None, None, :]
+            tile = kg & (od < D)
+            v = tl.load(at + n * D + od, mask=tile, other=0., eviction_policy="evict_first" if GO else "evict_last")
+            dots += v.to(tl.float32) * _rounded(tl.load(proj_ptr + g_rows * D + od, mask=tile, other=0.), like_ptr)
             if GO:
-                go_dots += v * _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_last")
+                go = tl.load(go_ptr + (g_rows * N + n) * D + od, mask=tile, other=0., eviction_policy="evict_last")
+                go_dots += v.to(tl.float32) * go.to(tl.float32)
         sel = (ob == b)[:, None, None]
         if GO:  # both sums in one exchange (common.sums2)
             dots, go_dots = sums2(dots, go_dots, 2)
@@ -163,7 +172,9 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, gate_ptr, K, N, D, G, TOK, N
             od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
             acc = tl.zeros([BG, BCH], dtype=tl.float32)
             for b in range(0, tl.cdiv(K, KB)):
-                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first", True)
+                # the sources as a [BG, KB, BCH] tile, each row repeated over the instances (from L1): the bias
+                # tile's layout, where a [1, KB, BCH] tile took a layout change (2 barriers) every block
+                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first", True, BG)
                 coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION, True)  # [BG, KB, *]
                 if VERSION == 3:
                     coef = coef + tl.load(gate_ptr + (n * BG + og[:, None]) * (NB * KB) + ok[None, :], mask=valid,
@@ -177,13 +188,14 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, gate_ptr, K, N, D, G, TOK, N
 def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, TOK, NB: tl.constexpr,
                 KB: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
     """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
-    (clamp's subgradient 1 at 0) go to w_ptr [N, BG, NB x KB] for the projections' gradient, and the gates to gate_ptr
-    (as the forward's); pass 2 (chunks last to first, as the forward's) reads both back a block at a time and
-    stores the gradients of KB sources a step as one [KB, BCH] tile, or adds them to what the buffers hold (gtable:
-    common.gradient_table). The parameter gradients are _params_kernel's."""
+    (clamp's subgradient 1 at 0) go to w_ptr [N, BG, NB x KB] for the projections' gradient, and the gates to
+    gate_ptr; pass 2 (chunks last to first, as the forward's) sums a block of KB sources' gradients over the
+    instances one instance at a time, in [KB, BCH] tiles (the instance's output gradient and projection chunks
+    from cache, its gates from the scratch), and stores them as one tile, or adds them to what the buffers hold
+    (gtable: common.gradient_table). Summed over a [KB, BG, BCH] tile instead, the instances lay across warps: a
+    reduction and a layout change through shared memory, 5 barriers, every chunk and block. The parameter
+    gradients are _params_kernel's."""
     oi = tl.arange(0, KB)
-    og = tl.arange(0, BG)
-    gmask = og < G
     chunks = tl.cdiv(D, BCH)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
@@ -196,23 +208,28 @@ def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N
             tl.debug_barrier()
         for i in range(chunks):
             od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
-            go = _instance_tile(go_ptr, og, gmask, od, N, n, D, valid, "evict_first")  # [1, BG, BCH]
-            if VERSION == 3:
-                proj = _rounded(_instance_tile(proj_ptr, og, gmask, od, 1, 0, D, True, ""), go_ptr)
+            dmask = (od < D) & valid
             for b in range(0, tl.cdiv(K, KB)):
                 ok = b * KB + oi
                 kmask = ok < K
-                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, go_ptr, VERSION, False)  # [KB, BG, *]
-                if VERSION == 3:  # the block's gates and their gradients [KB, BG, 1], from the scratch (L1)
-                    at_kg = (n * BG + og[None, :]) * (NB * KB) + ok[:, None]  # [KB, BG]
-                    coef = coef + tl.load(gate_ptr + at_kg, mask=valid, other=0.)[:, :, None]
-                    dgate_kg = tl.load(w_ptr + at_kg, mask=valid, other=0.)[:, :, None]
-                    dv = tl.sum(coef * go + dgate_kg * proj, axis=1)  # [KB, BCH]
-                else:
-                    dv = tl.sum(coef * go, axis=1)
+                tile = kmask[:, None] & dmask[None, :]
+                rows = od[None, :] + 0 * ok[:, None]  # [KB, BCH]: one row's offsets, KB times
+                dv = tl.zeros([KB, BCH], dtype=tl.float32)
+                for g in range(G):
+                    # instance g's output gradient and projection chunks loaded as [KB, BCH] tiles of one repeated
+                    # row (the repeats from L1): in the tile's layout, where a [BCH] row takes a layout change
+                    # through shared memory (2 barriers) to broadcast
+                    go = tl.load(go_ptr + (g * N + n) * D + rows, mask=dmask[None, :], other=0.).to(tl.float32)
+                    coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, go_ptr, VERSION)  # [KB, BCH]
+                    if VERSION == 3:  # the block's gates for instance g and their gradients, from the scratch
+                        at_g = (n * BG + g) * (NB * KB) + ok[:, None]
+                        coef += tl.load(gate_ptr + at_g, mask=valid, other=0.)
+                        proj = _rounded(tl.load(proj_ptr + g * D + rows, mask=(od < D)[None, :], other=0.), go_ptr)
+                        dv += coef * go + tl.load(w_ptr + at_g, mask=valid, other=0.) * proj
+                    else:
+                        dv += coef * go
                 into, adding = gradients_at(gtable, ok, kmask, go_ptr)
                 at = into[:, None] + n * D + od[None, :]
-                tile = kmask[:, None] & (od < D)[None, :] & valid
                 dv += tl.load(at, mask=tile & adding[:, None], other=0.).to(tl.float32)
                 tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile)
 

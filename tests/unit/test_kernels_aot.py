@@ -47,11 +47,12 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     assert all(r["widest_load"] == 16 for r in step if "_phase1_" in r["kernel"]), step
     # DCA's q/k/v GRN (3 instances, chunks of 256 channels) reads a block of sources as one tile: a lone row of 256
     # bf16 channels loaded 4 bytes a thread (ld.global.b32), one source after another. The backward's only 4-byte
-    # loads are a block's fp32 gates and gate gradients, 2 a thread each ([2 sources, 4 instances] on 4 warps).
+    # loads are fp32 gates: an instance's gates and gate gradients for a block of sources, one a thread each (8 load
+    # instructions in all), from the L1-resident scratch.
     grn = [(r["kernel"], r["load_widths"]) for r in step
            if r["kernel"].startswith(("grn._fwd_kernel", "grn._bwd_kernel")) and "BG=4," in r["kernel"]
            and "KB=1," not in r["kernel"]]
-    assert grn and all(min(map(int, widths)) >= 8 or (k.startswith("grn._bwd_kernel") and widths.get("4") <= 4
+    assert grn and all(min(map(int, widths)) >= 8 or (k.startswith("grn._bwd_kernel") and widths.get("4") <= 8
                                                       and widths.get("16")) for k, widths in grn), grn
     # loads in flight come from resident warps: every kernel of the 1B step keeps at least 16 an SM (4 blocks of 4,
     # 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept 8 (12 %).
