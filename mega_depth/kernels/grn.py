@@ -42,58 +42,38 @@ def _rounded(x, like_ptr):
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
-# The 3-D tiles below are [kept, summed, channels]. Triton spread the warps of these [A, B, C] tiles (C contiguous)
-# over A and a warp's threads over C (their TTGIR layouts: warpsPerCTA [4, 1, 1], threadsPerWarp [1, 1, 32]), so a
-# sum over B stays in each thread (no barrier, no copy of the sum on every warp) and one over C in each warp. The
-# forward keeps the instances and sums over sources ([BG, KB, BCH]: BY_INSTANCE), the backward keeps the sources
-# and sums over instances ([KB, BG, BCH]). In the other order the forward took 128 registers on sm_90 in bf16 at
-# 3 instances, not 109-114.
+# The chunked kernels' 3-D tiles: every tile that meets another in one expression is loaded at the full shape
+# (rows repeated where a factor does not vary along an axis; the repeats come from L1). Triton gives a load a layout
+# by its shape, and tiles of different shapes ([KB, 1, BCH] times [1, BG, BCH]) met through a layout change in
+# shared memory, 2 barriers, every chunk. The forward's pass 2 sums over the sources of [BG, KB, BCH] tiles, whose
+# warps lie along the instances (a sum in each thread); the backward's sums over the instances one at a time.
 
 
 @jit
-def _source_tile(table, b, K, n, od, valid, D, like_ptr, KB: tl.constexpr, POLICY: tl.constexpr,
-                 BY_INSTANCE: tl.constexpr, BG: tl.constexpr = 1):
-    """Sources b * KB .. b * KB + KB - 1 of token n at channels od: ([BG, KB, BCH] with BY_INSTANCE (the rows
-    repeated BG times), else [KB, 1, BCH], fp32; their indices [KB]; mask [KB]). One 16-byte-a-thread load for KB
-    rows: a lone row of 256 bf16 channels on 4 warps loads 4 bytes a thread, one after another. POLICY: the cache
-    eviction hint (evict_last where a second pass reads them again)."""
+def _source_tile(table, b, K, n, od, valid, D, like_ptr, KB: tl.constexpr, BG: tl.constexpr, POLICY: tl.constexpr):
+    """Sources b * KB .. b * KB + KB - 1 of token n at channels od, each row repeated for the BG instances: ([BG,
+    KB, BCH] fp32, their indices [KB], mask [KB]). One 16-byte-a-thread load for KB rows: a lone row of 256 bf16
+    channels on 4 warps loads 4 bytes a thread, one after another. POLICY: the cache eviction hint."""
     ok = b * KB + tl.arange(0, KB)
     kmask = ok < K
-    at = pointers_at(table, ok, kmask, like_ptr)
-    if BY_INSTANCE:
-        at = at[None, :, None] + 0 * tl.arange(0, BG)[:, None, None]  # [BG, KB, 1]
-        v = tl.load(at + n * D + od[None, None, :], mask=kmask[None, :, None] & (od < D)[None, None, :] & valid,
-                    other=0., eviction_policy=POLICY)
-    else:
-        v = tl.load(at[:, None, None] + n * D + od[None, None, :],
-                    mask=kmask[:, None, None] & (od < D)[None, None, :] & valid, other=0., eviction_policy=POLICY)
+    at = pointers_at(table, ok, kmask, like_ptr)[None, :, None] + 0 * tl.arange(0, BG)[:, None, None]  # [BG, KB, 1]
+    v = tl.load(at + n * D + od[None, None, :], mask=kmask[None, :, None] & (od < D)[None, None, :] & valid,
+                other=0., eviction_policy=POLICY)
     return v.to(tl.float32), ok, kmask
 
 
 @jit
-def _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, like_ptr, VERSION: tl.constexpr, BY_INSTANCE: tl.constexpr):
-    """The bias of sources ok for every instance: [BG, KB, *] with BY_INSTANCE, else [KB, BG, *], where * is 1 (v1:
-    scalars, bias_ptr [G, K] fp32) or BCH (v2/v3: a chunk of channels; bias_ptr [G, K, d], the parameter's
-    [G, d, K] transposed so that it is contiguous)."""
-    if BY_INSTANCE:
-        g3, k3 = og[:, None, None], ok[None, :, None]
-        kg = gmask[:, None, None] & kmask[None, :, None]
-    else:
-        g3, k3 = og[None, :, None], ok[:, None, None]
-        kg = kmask[:, None, None] & gmask[None, :, None]
+def _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, like_ptr, VERSION: tl.constexpr):
+    """The bias of sources ok for every instance: [BG, KB, *], where * is 1 (v1: scalars, bias_ptr [G, K] fp32) or
+    BCH (v2/v3: a chunk of channels; bias_ptr [G, K, d], the parameter's [G, d, K] transposed so that it is
+    contiguous)."""
+    g3, k3 = og[:, None, None], ok[None, :, None]
+    kg = gmask[:, None, None] & kmask[None, :, None]
     if VERSION == 1:
         b = tl.load(bias_ptr + g3 * K + k3, mask=kg, other=0.)
     else:
         b = tl.load(bias_ptr + (g3 * K + k3) * D + od[None, None, :], mask=kg & (od < D)[None, None, :], other=0.)
     return _rounded(b, like_ptr)
-
-
-@jit
-def _instance_tile(ptr, og, gmask, od, rows, row, D, valid, POLICY: tl.constexpr):
-    """Row `row` of every instance of a [G, rows, d] tensor at channels od: [1, BG, BCH] fp32."""
-    at = ptr + (og[None, :, None].to(tl.int64) * rows + row) * D + od[None, None, :]
-    return tl.load(at, mask=gmask[None, :, None] & (od < D)[None, None, :] & valid, other=0.,
-                   eviction_policy=POLICY).to(tl.float32)
 
 
 @jit
@@ -172,10 +152,8 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, gate_ptr, K, N, D, G, TOK, N
             od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
             acc = tl.zeros([BG, BCH], dtype=tl.float32)
             for b in range(0, tl.cdiv(K, KB)):
-                # the sources as a [BG, KB, BCH] tile, each row repeated over the instances (from L1): the bias
-                # tile's layout, where a [1, KB, BCH] tile took a layout change (2 barriers) every block
-                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, "evict_first", True, BG)
-                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION, True)  # [BG, KB, *]
+                v, ok, kmask = _source_tile(table, b, K, n, od, valid, D, out_ptr, KB, BG, "evict_first")
+                coef = _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, out_ptr, VERSION)  # [BG, KB, *]
                 if VERSION == 3:
                     coef = coef + tl.load(gate_ptr + (n * BG + og[:, None]) * (NB * KB) + ok[None, :], mask=valid,
                                           other=0.)[:, :, None]  # [BG, KB] -> [BG, KB, 1]
