@@ -340,17 +340,18 @@ def _bias_rows(bias: Tensor, version: int) -> Tensor:
     return bias.float() if version == 1 else bias.transpose(1, 2).contiguous()
 
 
-def _blocks(srcs: List[Tensor], bias: Tensor, backward: bool = False) -> Tuple[int, int, int, int]:
+def _blocks(srcs: List[Tensor], bias: Tensor) -> Tuple[int, int, int, int]:
     """(NB, KB, BG, BCH) of the forward and backward kernels for K sources and G instances: chunks of BCH channels
-    (a [BG, BCH] tile of about 1k values), KB sources a load, enough for the forward's [KB, BCH] tile of rows to
-    load 16 bytes a thread on 4 warps (half as many in backward, whose [KB, BG, BCH] tiles of bias and gradient
-    terms spilled at 4 on sm_80 and sm_100), and NB blocks of KB to cover K. 2 sources a load under the
-    interpreter, so that the tests walk several blocks and a masked tail."""
+    (a [BG, BCH] tile of about 1k values), KB sources a load, enough for a [KB, BCH] tile of rows to load 16 bytes
+    a thread on 4 warps, and NB blocks of KB to cover K. (The backward took half as many while it summed
+    [KB, BG, BCH] tiles over the instances: 4 spilled on sm_80 and sm_100. Summed an instance at a time, 4 take
+    126-128 registers, no spill.) 2 sources a load under the interpreter, so that the tests walk several blocks
+    and a masked tail."""
     k, d = len(srcs), srcs[0].shape[1]
     bg = pow2(bias.shape[0])
     bch = chunk(d, bg)
     wide = 4 * 32 * 16 // srcs[0].element_size()  # values that 4 warps load at 16 bytes a thread (1,024 bf16)
-    kb = min(pow2(k), 2 if interpreting() else max(1, wide // bch // (2 if backward else 1)))
+    kb = min(pow2(k), 2 if interpreting() else max(1, wide // bch))
     return pow2(k) // kb, kb, bg, bch
 
 
@@ -424,7 +425,7 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
     if n == 0:
         dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
         return torch.zeros(bias.shape, dtype=F32, device=go.device), dproj
-    nb, kb, bg, bch = _blocks(srcs, bias, backward=True)
+    nb, kb, bg, bch = _blocks(srcs, bias)
     shared = go.device.type != "meta" and len({t.data_ptr() for t in grads}) < k
     if shared:
         # one buffer for two sources: a [KB, chunk] tile would read it twice and store it twice, losing one
