@@ -108,12 +108,13 @@ def markdown(rows):
     and target (fp32 sm_90) the most registers and the lowest occupancy; the most shared memory and stack; the
     spills and the narrow loads (all 0 when the check passes); over the bf16 rows, the narrowest of the kernels'
     widest loads (bytes a thread) and the smallest load wave (KiB an SM asks for with one such load a thread); the
-    most global atomic instructions (a reduction whose order varies from run to run)."""
+    most barriers in a bf16 sm_90 specialisation's PTX (the points where a program's warps wait for one another);
+    the most global atomic instructions (a reduction whose order varies from run to run)."""
     kernels = {}
     for r in rows:
         k = kernels.setdefault(r["kernel"].split("(")[0], {"targets": {}, "shared": 0, "stack": 0, "spills": 0,
                                                            "n": 0, "errors": 0, "narrow": 0, "widest": None,
-                                                           "wave": None, "atomics": 0})
+                                                           "wave": None, "atomics": 0, "barriers": None})
         if r.get("error"):
             k["errors"] += 1
             continue
@@ -124,6 +125,8 @@ def markdown(rows):
         k["spills"] += r["spill_stores"] + r["local"]
         k["narrow"] += r.get("narrow_loads", 0)
         k["atomics"] = max(k["atomics"], r.get("atomics", 0))
+        if r["dtype"] == "bf16" and r["target"] == "sm_90" and "barriers" in r:
+            k["barriers"] = max(k["barriers"] or 0, r["barriers"])
         if r["dtype"] == "bf16" and "widest_load" in r:
             k["widest"] = min(k["widest"] or r["widest_load"], r["widest_load"])
             k["wave"] = min(k["wave"] or r["load_wave"], r["load_wave"])
@@ -131,13 +134,15 @@ def markdown(rows):
     targets = sorted({r["target"] if r["dtype"] == "bf16" else f"{r['dtype']} {r['target']}" for r in rows},
                      key=lambda t: (" " in t, t.split()[0] if " " in t else "", int(t.split()[-1][3:])))
     lines = ["| kernel | compiled | " + " | ".join(f"{t}: regs / occupancy" for t in targets) +
-             " | shared B | stack B | spills B | narrow loads | bf16 load B | bf16 load wave KiB/SM | atomics | errors |",
-             "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|---:|---:|---:|---:|"]
+             " | shared B | stack B | spills B | narrow loads | bf16 load B | bf16 load wave KiB/SM | bf16 sm_90 barriers"
+             " | atomics | errors |",
+             "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, k in sorted(kernels.items()):
         cells = [f"{k['targets'][t][0]} / {k['targets'][t][1]} %" if t in k["targets"] else "" for t in targets]
         wave = "" if k["wave"] is None else f"{k['wave'] / 1024:.0f}"
         lines.append(f"| `{name}` | {k['n']} | " + " | ".join(cells) + f" | {k['shared']} | {k['stack']} | "
-                     f"{k['spills']} | {k['narrow']} | {k['widest'] or ''} | {wave} | {k['atomics']} | {k['errors']} |")
+                     f"{k['spills']} | {k['narrow']} | {k['widest'] or ''} | {wave} | "
+                     f"{'' if k['barriers'] is None else k['barriers']} | {k['atomics']} | {k['errors']} |")
     return "\n".join(lines)
 
 

@@ -205,7 +205,9 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, Any]:
     "spill_loads" (bytes a thread), "occupancy" (% of the 64 warps an SM holds), "narrow_loads" (global loads of
     2 bytes or less a thread), "widest_load" (bytes a thread), "load_wave" (bytes the resident threads of an SM
     ask for with one widest load each: what one load instruction puts in flight), "atomics" (global atomic
-    instructions: a reduction whose order, and so whose fp32 rounding, varies from run to run), "load_widths" ({bytes
+    instructions: a reduction whose order, and so whose fp32 rounding, varies from run to run), "barriers" (bar.sync
+    instructions in the PTX: each a point where the program's warps wait for one another, as a reduction across
+    warps or a layout change through shared memory does; counted once, in or out of a loop), "load_widths" ({bytes
     a thread, as a string: global loads of that width})} of a compiled kernel: the
     cubin's resource usage as cuobjdump --dump-resource-usage reads it, and the spills ptxas -v reports for its
     PTX (Triton runs ptxas with -v but keeps the report to itself; a spill goes to the stack frame, which cuobjdump
@@ -233,6 +235,7 @@ def resources(compiled: Compiled, capability: int) -> Dict[str, Any]:
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)), "occupancy": resident,
             "narrow_loads": sum(count for size, count in widths.items() if size <= 2), "widest_load": widest,
             "load_wave": resident * 64 * 32 // 100 * widest, "atomics": global_atomics(compiled.ptx),
+            "barriers": len(_BARRIER.findall(compiled.ptx)),
             "load_widths": {str(size): count for size, count in sorted(widths.items())}}
 
 
@@ -242,6 +245,10 @@ _GLOBAL_LOAD = re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.global((?:\.[\w:]+)*)\s", re
 _LOAD_TYPE = re.compile(r"\.(?:v(\d+)\.)?[bsuf](8|16|32|64|128)$")
 _ASYNC_COPY = re.compile(
     r"^\s*(?:@!?%p\d+\s+)?cp\.async\.\w+\.shared\.global\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-fA-F]+|\d+)", re.M)
+
+
+# A barrier in PTX: bar.sync / barrier.sync (Triton's __syncthreads).
+_BARRIER = re.compile(r"^\s*(?:@!?%p\d+\s+)?bar(?:rier)?\.sync\b", re.M)
 
 
 # A global atomic in PTX: atom.global... or red.global... (predicated or not).
