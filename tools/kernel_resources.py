@@ -134,8 +134,8 @@ def markdown(rows):
     targets = sorted({r["target"] if r["dtype"] == "bf16" else f"{r['dtype']} {r['target']}" for r in rows},
                      key=lambda t: (" " in t, t.split()[0] if " " in t else "", int(t.split()[-1][3:])))
     lines = ["| kernel | compiled | " + " | ".join(f"{t}: regs / occupancy" for t in targets) +
-             " | shared B | stack B | spills B | narrow loads | bf16 load B | bf16 load wave KiB/SM | bf16 sm_90 barriers"
-             " | atomics | errors |",
+             " | shared B | stack B | spills B | narrow loads | bf16 load B | bf16 load wave KiB/SM"
+             " | bf16 sm_90 barriers | atomics | errors |",
              "|---|---:|" + "---:|" * len(targets) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, k in sorted(kernels.items()):
         cells = [f"{k['targets'][t][0]} / {k['targets'][t][1]} %" if t in k["targets"] else "" for t in targets]
