@@ -25,7 +25,7 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
                                        dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
                                        partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
-                                       reduction_grid, register_fake, rms_inverse_torch, rows, sum_rows,
+                                       reduction_grid, register_fake, rms_inverse_torch, row_warps, rows, sum_rows,
                                        sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
@@ -462,11 +462,16 @@ def _rows_live(k: int, backward: bool, element_size: int = 2) -> int:
 
 
 def _rows_warps(k: int, row: int, backward: bool = False, element_size: int = 2) -> Tuple[int, int]:
-    """(warps, resident warps) of a whole-row phase-1 program: about 32 values a thread; where that is 24 or fewer,
-    a 64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no
-    spill, for sm_90; 72 and one program an SM left to ptxas)."""
+    """(warps, resident warps) of a whole-row phase-1 program: about 32 values a thread, but no more warps than a row
+    has 16-byte pieces for (common.row_warps: the blocks' axis then lies in each thread, and the forward's max, sum
+    and weighted sum over blocks need no exchange; at 8 blocks, 1B: 18 barriers on 16 warps, 5 on 8), except for
+    fp32 rows in backward, which spilled there (16 bytes, 125M); where the values are 24 a thread or fewer, a
+    64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no spill,
+    for sm_90; 72 and one program an SM left to ptxas)."""
     live = _rows_live(k, backward, element_size)
     num_warps = warps(row, live)
+    if not (backward and element_size > 2):
+        num_warps = min(num_warps, row_warps(row, element_size))
     return num_warps, 2 * RESIDENT_WARPS if live * row <= 24 * 32 * num_warps else RESIDENT_WARPS
 
 
@@ -488,7 +493,7 @@ def _triton_phase1_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: 
     count, tok = programs(n, o.device, reduces=False)
     if _rows_fit(len(srcs), d, heads):
         bh, bc = pow2(heads), pow2(d // heads)
-        num_warps, resident = _rows_warps(len(srcs), bh * bc)
+        num_warps, resident = _rows_warps(len(srcs), bh * bc, False, o.element_size())
         launch(_phase1_fwd_rows_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, m, z, o, len(srcs),
                                                    n, s, d, d // heads, heads, eps, tok),
                num_warps, resident_warps=resident, BK=pow2(len(srcs)), BH=bh, BC=bc, NORM=g is not None,

@@ -26,7 +26,8 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
                                        gradient_table, gradients_at, jit, launch, nothing, partial_sums,
                                        pointer_table, pointers_at, pow2, programs, register_fake, rms_inverse_torch,
-                                       rows, sum_rows, sums2, sums3, tl, token, uses_triton, warps)
+                                       row_warps, rows, sum_rows, sums2, sums3, tl, token, uses_triton,
+                                       warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -170,10 +171,12 @@ def _triton_fwd(srcs: List[Tensor], q: Tensor, g: Optional[Tensor], eps: float, 
         return out, lse
     bh, bc = pow2(heads), pow2(d // heads)
     kb = _sources_a_step(len(srcs), bh * bc, FWD_SOURCES_A_STEP)
-    num_warps = warps(bh * bc, kb + 2)
-    # a 64-register cap where the tile and two rows are at most 24 values a thread (d = 2048: 2 programs of 16
-    # warps an SM; at 48 values a thread, on 8 warps, 64 registers spilled 8-40 bytes)
-    resident = 2 * RESIDENT_WARPS if (kb + 2) * bh * bc <= 24 * 32 * num_warps else RESIDENT_WARPS
+    num_warps = min(warps(bh * bc, kb + 2), row_warps(bh * bc, srcs[0].element_size()))  # sources in a thread
+    # a register cap by the values a thread holds (the tile and two rows): 64 registers up to 24 (2 programs of 16
+    # warps an SM), 85 up to 48 (d = 2048 on 8 warps: 3 programs an SM, 80 registers, as the H200's tuner chose;
+    # 64 spilled 24-44 bytes), else 128
+    values = (kb + 2) * bh * bc // (32 * num_warps)
+    resident = 2 * RESIDENT_WARPS if values <= 24 else 3 * RESIDENT_WARPS // 2 if values <= 48 else RESIDENT_WARPS
     count, tok = programs(n, out.device, reduces=False)
     launch(_fwd_kernel, (count,), (pointer_table(srcs), q, q if g is None else g, out, out if sigmoid else lse,
                                    len(srcs), n, d, d // heads, heads, eps, tok),

@@ -210,6 +210,14 @@ def warps(elements: int, live: int) -> int:
     return min(16, max(4, pow2(cdiv(elements * live, 32 * 32))))
 
 
+def row_warps(row: int, element_size: int) -> int:
+    """The most warps that give each thread a 16-byte piece of one row of `row` values: no more for a program that
+    sums a [K, row] tile over K. Triton lays a tile's warps along the row first and the rest along K, where a sum
+    over K then crosses warps (an exchange through shared memory, and its barriers, every step). The 1B AttnRes
+    mix forward at 4 sources a step: 15 barriers on 16 warps, 3 on 8 (64 registers either way, sm_90)."""
+    return max(1, row * element_size // (16 * 32))
+
+
 def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
     """(programs, tokens per program). Kernels that reduce parameter gradients over tokens use a few programs per
     SM (fewer partial sums or atomics); the rest one token per program. Under the interpreter a handful of

@@ -27,7 +27,8 @@ from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        gradient_table, gradients_at, interpreting, jit, launch, nothing, partial_sums,
                                        pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, rows, sum_rows, sums2, tl, token, uses_triton, warps)
+                                       register_fake, row_warps, rows, sum_rows, sums2, tl, token, uses_triton,
+                                       warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -381,7 +382,8 @@ def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], versio
     if _rows_fit(len(srcs), d, backward=False):
         launch(_fwd_rows_kernel, (count,), (pointer_table(srcs), _bias_rows(bias, version),
                                             bias if proj is None else proj, out, len(srcs), n, d, bias.shape[0], tok),
-               warps(pow2(d), _rows_live(len(srcs), False)), BK=pow2(len(srcs)), BD=pow2(d), VERSION=version)
+               min(warps(pow2(d), _rows_live(len(srcs), False)), row_warps(pow2(d), out.element_size())),
+               BK=pow2(len(srcs)), BD=pow2(d), VERSION=version)  # (row_warps: the sum over sources in each thread)
         return out
     nb, kb, bg, bch = _blocks(srcs, bias)
     gates = _gate_scratch(n, len(srcs), bias.shape[0], version, out.device)

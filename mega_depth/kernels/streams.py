@@ -19,7 +19,7 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
-                                       rows, store_or_add, store_or_add_torch, sums2, tl, token,
+                                       row_warps, rows, store_or_add, store_or_add_torch, sums2, tl, token,
                                        uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
@@ -146,8 +146,8 @@ def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_int
     so that each loads 16 (at 16 warps a bf16 row of 2048 was read 8 bytes a thread)."""
     count, tok = programs(n, device, reduces=False)
     elements = constexprs.get("BN", 1) * constexprs["BD"]
-    row_warps = max(4, constexprs["BD"] * element_size // (16 * 32))  # a warp reads 32 x 16 bytes
-    launch(kernel, (count,), (*args, tok), min(warps(elements, live), row_warps), adds_into, **constexprs)
+    num_warps = min(warps(elements, live), max(4, row_warps(constexprs["BD"], element_size)))
+    launch(kernel, (count,), (*args, tok), num_warps, adds_into, **constexprs)
 
 
 def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
