@@ -121,9 +121,9 @@ def logits_grad(r, lanes, g, STEPS, eps, chain_ptr, offs, STEP, FIRST: tl.conste
                 CLAMP: tl.constexpr):
     """The logits' gradient [BT, BN, BN] given the output's g, the logits r in registers (-inf on padded lanes):
     the chain again, each half-step's input kept in chain_ptr [STEPS, N, n, n] (at offs + h * STEP: offs are the
-    tokens' own [n, n] lanes), then each half-step's gradient, last to first (kernels/mhc_maps.py runs it too). Recomputing each input from the start instead cost O(STEPS^2)
-    half-steps: 820 a token at mHC's 20 iterations against these 40, for 2.5 KB a token of scratch, read back from
-    L2."""
+    tokens' own [n, n] lanes), then each half-step's gradient, last to first (kernels/mhc_maps.py runs it too).
+    Recomputing each input from the start instead cost O(STEPS^2) half-steps: 820 a token at mHC's 20 iterations
+    against these 40, for 2.5 KB a token of scratch, read back from L2."""
     m0 = _start(r, lanes, eps, FIRST, CLAMP)
     x = m0
     for h in range(STEPS):

@@ -40,11 +40,11 @@ def main(folder: str, name: str, trials: int, takers: int) -> None:
             lock = None
         _write(folder, f"decided-{trial}-{name}", "1" if lock else "0")
         if lock is not None:  # held until every taker has decided
-            _wait(f"decisions of trial {trial}",
+            _wait(f"decisions of trial {trial}",  # (not the .tmp files that _write renames)
                   lambda: len(glob.glob(os.path.join(folder, f"decided-{trial}-*[!p]"))) >= takers)
             lock.release()
         _write(folder, f"won-{trial}-{name}", "1" if lock else "0")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 2)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
