@@ -19,7 +19,7 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
-                                       row_warps, rows, store_or_add, store_or_add_torch, sums2, tl, token,
+                                       row_warps, rows, store_or_add, store_or_add_torch, sums2, sums3, tl, token,
                                        uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
@@ -102,10 +102,13 @@ def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK,
 def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, TOK,
                     NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr):
     """One pass: the n output gradients of a token stay in registers while each input stream is read once. The mix
-    gradients of two streams are reduced together (common.sums2): one exchange, and its barriers, a pair. ADD: as
-    _in_bwd_kernel."""
+    gradients of two streams are reduced together (common.sums2), the first pair's with the post gradient
+    (common.sums3): one exchange, and its barriers, a pair. The mix gradients are gathered into one [j, i] tile and
+    stored once: each [BN] vector's own store changed its layout (two barriers), and there were n of them (the 1B
+    step's: 18 barriers, now 9). ADD: as _in_bwd_kernel."""
     dt = go_ptr.dtype.element_ty
     oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
+    oi = tl.arange(0, BN)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -115,17 +118,29 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
         y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
         post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
         tl.store(dy_ptr + n * D + od, tl.sum(post[:, None] * go, axis=0).to(dt), mask=dmask & valid)
-        tl.store(dpost_ptr + oj * N + n, tl.sum(go * y[None, :], axis=1), mask=jmask & valid)
-        for i in tl.static_range(0, NS, 2):
+        x = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, 0, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+        if NS > 1:
+            x1 = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+            dmix0, dmix1, dpost = sums3(go * x[None, :], go * x1[None, :], go * y[None, :], 1)
+            grads = tl.where((oi == 1)[None, :], dmix1[:, None], 0.)
+        else:
+            dmix0, dpost = sums2(go * x[None, :], go * y[None, :], 1)
+            grads = tl.zeros([BN, BN], dtype=tl.float32)
+        tl.store(dpost_ptr + oj * N + n, dpost, mask=jmask & valid)
+        grads = tl.where((oi == 0)[None, :], dmix0[:, None], grads)
+        for i in tl.static_range(2, NS, 2):
             x = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
             if i + 1 < NS:
                 x1 = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i + 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid,
                                       NS, ADD)
                 dmix, dmix1 = sums2(go * x[None, :], go * x1[None, :], 1)
-                tl.store(dmix_ptr + ((n * 0 + i + 1) * N + n) * NS + oj, dmix1, mask=jmask & valid)
+                grads = tl.where((oi == i + 1)[None, :], dmix1[:, None], grads)
             else:
                 dmix = tl.sum(go * x[None, :], axis=1)
-            tl.store(dmix_ptr + ((n * 0 + i) * N + n) * NS + oj, dmix, mask=jmask & valid)
+            grads = tl.where((oi == i)[None, :], dmix[:, None], grads)
+        # dmix [n (from i), N, n (to j)]: the tile is [j, i]
+        tl.store(dmix_ptr + (oi[None, :].to(tl.int64) * N + n) * NS + oj[:, None], grads,
+                 mask=jmask[:, None] & (oi < NS)[None, :] & valid)
 
 
 @jit

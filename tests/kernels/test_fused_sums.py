@@ -41,6 +41,8 @@ def test_grn(fused, monkeypatch):
     grn_tests.test_in_chunks_where_whole_rows_do_not_fit(fused, monkeypatch, "v3")
 
 
-def test_streams(fused):
-    """The residual merge's backward: two input streams' mix gradients a reduction, and an odd one alone."""
-    streams_tests.test_values_and_gradients(fused, 3, True)
+@pytest.mark.parametrize("n", [1, 3])
+def test_streams(fused, n):
+    """The residual merge's backward: the first two input streams' mix gradients and the post gradient a reduction
+    (sums3; one stream: sums2), an odd one after them alone."""
+    streams_tests.test_values_and_gradients(fused, n, True)
