@@ -267,8 +267,12 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
             dl = tl.where(live, dl, 0.)
             dr += tl.sum(dl * dots, axis=1)
             woffs = ((n * K + ok[:, None]) * S + s) * H + oh[None, :]
-            tl.store(w_ptr + woffs, dl * rinv[:, None], mask=live & valid)
-            tl.store(p_ptr + woffs, p, mask=live & valid)
+            if BK >= 4:  # each [BK, BH] store changes its layout (2 barriers a query): one store of both
+                tl.store(tl.join(w_ptr + woffs, p_ptr + woffs), tl.join(dl * rinv[:, None], p),
+                         mask=tl.join(live & valid, live & valid))
+            else:  # stored as they lie (joined, they would take the layout change)
+                tl.store(w_ptr + woffs, dl * rinv[:, None], mask=live & valid)
+                tl.store(p_ptr + woffs, p, mask=live & valid)
         if NORM:
             dv = -(dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
         else:
