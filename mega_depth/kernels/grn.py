@@ -268,16 +268,19 @@ def _bwd_rows_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, 
             v = tl.load(rows_at[:, None] + n * D + od[None, :], mask=tile & valid, other=0.).to(tl.float32)
         dv = tl.zeros([BK, BD], dtype=tl.float32)
         for g in range(G):
-            go = tl.load(go_ptr + (g * N + n) * D + od, mask=dmask & valid, other=0.).to(tl.float32)
+            # the output gradient's row repeated over the sources: loaded in the tile's layout, where a broadcast row
+            # changed layout (2 barriers an instance); the projection's row as well took 64 -> 72 registers (BG 1)
+            go = tl.load(go_ptr + (g * N + n) * D + od[None, :] + ok[:, None] * 0, mask=tile & valid,
+                         other=0.).to(tl.float32)
             coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, go_ptr, VERSION)
             if VERSION == 3:
-                proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), go_ptr)
-                pre, go_v = sums2(v * proj[None, :], v * go[None, :], 1)  # [BK] each, one exchange
+                proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), go_ptr)[None, :]
+                pre, go_v = sums2(v * proj, v * go, 1)  # [BK] each, one exchange
                 dgate = tl.where(pre >= 0., go_v, 0.)  # clamp's subgradient 1 at 0
                 tl.store(w_ptr + (n * BG + g) * BK + ok, dgate, mask=kmask & valid)
-                dv += (coef + tl.maximum(pre, 0.)[:, None]) * go[None, :] + dgate[:, None] * proj[None, :]
+                dv += (coef + tl.maximum(pre, 0.)[:, None]) * go + dgate[:, None] * proj
             else:
-                dv += coef * go[None, :]
+                dv += coef * go
         at = into[:, None] + n * D + od[None, :]
         dv += tl.load(at, mask=tile & valid & adding[:, None], other=0.).to(tl.float32)
         tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile & valid)
