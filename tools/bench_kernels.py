@@ -42,9 +42,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 EPS = 1e-6
+NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "attnres_block", "phase2", "grn", "streams_out", "depth_attention", "mhc_maps",
+OPS = ("attnres_mix", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out", "depth_attention", "mhc_maps",
        "mhc_projection")
 
 
@@ -85,7 +86,7 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     and a narrow width, for --host (the launchers' Python does not depend on those two)."""
     import torch
 
-    from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2
+    from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2, attnres_phase2_normed
     from mega_depth.kernels.attnres_mix import attnres_mix_sources
     from mega_depth.kernels.depth_attention import depth_attention_mix
     from mega_depth.kernels.grn import grn_apply_sources
@@ -127,6 +128,16 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                   lambda: ([rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float()] + rows_of(2)
                            + query_and_gain()),
                   lambda m, z, o, x, qv, gv: attnres_phase2(m, z, o, x, qv, gv, EPS), 3 * row, 5 * row)
+    # what a GPU step runs for a Block AttnRes sublayer's input (the host's norm runs the op that merges and
+    # normalises: megatron/norm.py): the same rows as the merge alone. Two depth heads: with one, z scales the whole
+    # merged row, which the norm undoes, so z's gradient is zero but for eps and its check would compare fp32 noise
+    normed = Case("phase2_normed", shape, "Block AttnRes phase 2 (with a partial sum, 2 depth heads) and the "
+                  "sublayer's RMSNorm",
+                  lambda: ([rand(n, 2, seed=1).float(), (rand(n, 2, seed=2).abs() + 1).float()] + rows_of(2)
+                           + query_and_gain() + [rand(d, scale=0.1, shift=1.0, seed=102)]),
+                  lambda m, z, o, x, qv, gv, w: attnres_phase2_normed(w, NORM_EPS, m, z, o, x, qv, gv, EPS,
+                                                                      heads=2),
+                  3 * row, 5 * row)
     grn = Case("grn", shape, f"DCA's GRN v3, {gk} sources x 3 instances",
                lambda: rows_of(gk) + [rand(3, d, gk, scale=0.1, seed=100), rand(3, d, scale=0.1, seed=101)],
                lambda *a: grn_apply_sources(list(a[:-2]), a[-2], a[-1], "v3"), (gk + 3) * row, (2 * gk + 3) * row)
@@ -158,7 +169,7 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                    lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 3 * ns * row)
     from kernel_peers import peers_for
 
-    out = [full, block, phase2, grn, streams, depth, maps, project]
+    out = [full, block, phase2, normed, grn, streams, depth, maps, project]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
@@ -178,6 +189,13 @@ def _rms_applied(projection):
 
     proj, mean_square = projection
     return proj * torch.rsqrt(mean_square + EPS)
+
+
+def rms_normed(x, weight, eps):
+    """The host's eager RMSNorm (megatron/norm.py): normalised in fp32, cast back, then scaled."""
+    import torch
+
+    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _merged(phase1, phase2, args, blocks: int):
@@ -204,6 +222,8 @@ def reference(op: str):
                                                                                               *rest),
                                             mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1),  # q - 1 partials
         "phase2": lambda m, z, o, x, q, g: mixing.attnres_block_phase2(m, z, o, x, q, g, EPS),
+        "phase2_normed": lambda m, z, o, x, q, g, w: rms_normed(
+            mixing.attnres_block_phase2(m, z, o, x, q, g, EPS, heads=2), w, NORM_EPS),
         "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
         "depth_attention": lambda qv, kv, vv, *cand: mixing.depth_attention_mix(

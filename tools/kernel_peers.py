@@ -10,6 +10,8 @@ peer computes a narrower function (all three compute the softmax, one-head, stat
   streams laid out [*, n, d] (ours are [n, *, d]: transposed before the call, not timed); `mhc_mm_norm_fwd` / `_bwd`:
   mHC's coefficient projection with its RMS applied, (x~ phi) rsqrt(mean(x~^2) + eps) (the case's function), on
   tokens laid out [N, n*d] and phi [n*d, m] (both transposed before the call, not timed).
+- Liger-Kernel's RMSNorm after our own phase 2: the unfused form of `phase2_normed` (the merge written, then
+  normalised), as a GPU step ran it before the merge and the norm shared a kernel.
 - flash-attn-res: one block of Block AttnRes, its phase 1 (blocks stacked [K, 1, N, d]; no key-norm gain: ours is
   folded into its queries, as our kernels fold it; it returns the normalised output o / z and the LSE, in bf16) and
   its phase-2 merges from them; and phase 2 alone (it takes phase 1's normalised output and LSE: converted from our
@@ -32,7 +34,8 @@ class Peer:
 
 def peers_for(op: str, eps: float) -> Dict[str, Peer]:
     return {"attnres_mix": _attnres_mix, "attnres_block": _attnres_block, "phase2": _phase2,
-            "streams_out": _streams_out, "mhc_projection": _mhc_projection}.get(op, lambda eps: {})(eps)
+            "phase2_normed": _phase2_normed, "streams_out": _streams_out,
+            "mhc_projection": _mhc_projection}.get(op, lambda eps: {})(eps)
 
 
 def _attnres_mix(eps):
@@ -105,6 +108,20 @@ def _phase2(eps):
 
     return {"flash-attn-res phase 2": Peer(merge, note="our (m, z, o) converted to its (o / z, LSE) in the call, "
                                                  "bf16 out", rounds_to_bf16=True)}
+
+
+def _phase2_normed(eps):
+    def unfused(m, z, o, x, q, g, w):
+        from bench_kernels import NORM_EPS
+        from liger_kernel.transformers.functional import liger_rms_norm
+
+        from mega_depth.kernels.attnres_block import attnres_phase2
+
+        return liger_rms_norm(attnres_phase2(m, z, o, x, q, g, eps, heads=2), w, NORM_EPS, casting_mode="llama",
+                              in_place=False)
+
+    return {"phase 2, then liger rms_norm": Peer(unfused, note="the unfused path: our merge written, then Liger's "
+                                                              "norm (llama casting) reads it")}
 
 
 def _streams_out(eps):

@@ -64,7 +64,9 @@ def fast_functions() -> SimpleNamespace:
 
     return SimpleNamespace(attnres_mix_sources=attnres_mix.attnres_mix_sources,
                            attnres_phase1_sources=attnres_block.attnres_phase1_sources,
-                           attnres_phase2=attnres_block.attnres_phase2, grn_apply_sources=grn.grn_apply_sources,
+                           attnres_phase2=attnres_block.attnres_phase2,
+                           attnres_phase2_normed=attnres_block.attnres_phase2_normed,
+                           grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
                            streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,
                            mhc_projection=mhc_projection.mhc_projection,

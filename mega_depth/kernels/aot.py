@@ -7,8 +7,9 @@ memory (spills) and shared memory. This module compiles exactly what a training 
 
 1. `config_launches(cfg, dtype, sm_count)`: the mechanism of a config runs one forward and backward per pipeline
    chunk on meta tensors (no memory) at the config's real sizes and TP/SP split, on a stand-in host layer (the
-   attention and MLP are identities; Depth-Attention gets per-rank query/key/value heads), while common.recording
-   turns every Triton launch into a record (arguments, constexprs, warps, grids as a GPU with `sm_count` SMs).
+   attention and MLP are identities behind the fused norm's choice of ops; Depth-Attention gets per-rank
+   query/key/value heads), with and without the mixing's recomputation, while common.recording turns every Triton
+   launch into a record (arguments, constexprs, warps, grids as a GPU with `sm_count` SMs).
 2. `compile_launch(launch, capability)`: the launch's specialisation, made by Triton's own argument binder for
    that target (as the runtime would: pointer alignment, integer specialisation), compiled to a cubin.
 3. `resources(compiled)`: REG / STACK / SHARED / LOCAL from cuobjdump, and the occupancy they imply.
@@ -31,6 +32,7 @@ from torch import nn
 
 from mega_depth.kernels import common, tuning
 from mega_depth.kernels.common import Launch
+from mega_depth.model.base import normed
 
 # SMs, registers per SM, threads per SM and shared memory per SM (bytes) by compute capability (datasheets: A100,
 # H100 SXM, B200)
@@ -55,6 +57,7 @@ class _Host:
             setattr(self, name, module)
 
     def attention_sublayer(self, x, k_in=None, v_in=None, value_mixer=None):
+        x = normed(_NORM, x)
         out = x if k_in is None else x + k_in + v_in
         if value_mixer is not None:
             hq, hkv, hn = self._heads
@@ -72,7 +75,27 @@ class _Host:
         return self.attention_sublayer(q_in, k_in, v_in), q_in
 
     def mlp_sublayer(self, x):
-        return x * 1
+        return normed(_NORM, x) * 1
+
+
+class _Norm:
+    """The host's fused pre-norm, as far as the mixing's launches go: a sublayer input that the mechanism makes and
+    normalises in one op (`Recomputed.normalised`) goes through that op, one it makes again in backward is made
+    once (its second making launches the same kernel), and a plain tensor passes as it is."""
+
+    eps = 1e-6
+
+    def __call__(self, x):
+        return x
+
+    def remade(self, make, sources, normalised=None):
+        if normalised is None:
+            return make(*sources)
+        row = max((t for t in sources if t is not None), key=lambda t: t.shape[-1])  # a [*, d] source
+        return normalised(torch.ones(row.shape[-1], dtype=row.dtype, device=row.device), self.eps, *sources)
+
+
+_NORM = _Norm()
 
 
 class _Final:
@@ -105,7 +128,6 @@ def config_launches(cfg, dtype: torch.dtype, sm_count: int) -> List[Launch]:
     if not mechanism.mixes_depth:
         return []
     mechanism.kernels = fast_functions()
-    mechanism.recompute_mixing = False  # recomputation re-launches the same kernels
     seq, batch = m.seq_length // p.context_parallel_size, cfg.training.micro_batch_size  # a CP rank's tokens
     local_seq = seq // tp if sp else seq
     heads = (shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim)
@@ -115,21 +137,26 @@ def config_launches(cfg, dtype: torch.dtype, sm_count: int) -> List[Launch]:
                  for i in range(m.num_layers)]
         final = _Final({k: v.to(dtype) for k, v in mechanism.final_modules(dtype).items()})
     with common.recording(sm_count) as launches:
-        for first, end in _chunks(m.num_layers, p.pipeline_model_parallel_size, cfg.virtual_pipeline_size or 1,
-                                  recompute):
-            if first == 0:
-                x = torch.zeros(local_seq, batch, shape.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-                state = mechanism.initial_state(x)
-            else:
-                entries = {e.name: mechanism.unflat(e.name, torch.zeros(local_seq, batch, e.width, dtype=dtype,
-                                                                        device="meta", requires_grad=True))
-                           for e in mechanism.layout(first)}
-                state = mechanism.state_from(entries, first)
-            state = mechanism.run_layers(hosts[first:end], state)
-            outs = [mechanism.final_hidden(state, final)] if end == m.num_layers else \
-                list(mechanism.entries(state).values())
-            loss = sum(o.float().sum() for o in outs if o.requires_grad)
-            loss.backward()
+        # without the mixing's recomputation and with it (the default): a recomputing step re-launches the same
+        # kernels, but makes some sublayer inputs with the ops that also normalise them (`_Norm`)
+        for recompute_mixing in (False, True):
+            mechanism.recompute_mixing = recompute_mixing
+            for first, end in _chunks(m.num_layers, p.pipeline_model_parallel_size, cfg.virtual_pipeline_size or 1,
+                                      recompute):
+                if first == 0:
+                    x = torch.zeros(local_seq, batch, shape.hidden_size, dtype=dtype, device="meta",
+                                    requires_grad=True)
+                    state = mechanism.initial_state(x)
+                else:
+                    entries = {e.name: mechanism.unflat(e.name, torch.zeros(local_seq, batch, e.width, dtype=dtype,
+                                                                            device="meta", requires_grad=True))
+                               for e in mechanism.layout(first)}
+                    state = mechanism.state_from(entries, first)
+                state = mechanism.run_layers(hosts[first:end], state)
+                outs = [mechanism.final_hidden(state, final)] if end == m.num_layers else \
+                    list(mechanism.entries(state).values())
+                loss = sum(o.float().sum() for o in outs if o.requires_grad)
+                loss.backward()
     return launches
 
 

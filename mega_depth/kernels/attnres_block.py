@@ -9,8 +9,17 @@
     attnres_phase2(m, z, o, partial, query, key_norm_weight, eps, weight, heads) -> [*, d]
         one sublayer's online-softmax merge of the block's partial sum into phase 1's (m, z, o). Saves its inputs
         (references); backward recomputes the partial's logit. With sigmoid weights and no partial it returns o.
+    attnres_phase2_normed(norm_weight, norm_eps, m, z, o, partial, ...) -> [*, d]
+        the host's RMSNorm of that merge (the sublayer's normalised input), in the same kernels: the merge stays in
+        registers, so it is neither written, read by the norm, nor made again for the norm's backward. Saves its
+        inputs and 1 / RMS a token; backward makes the merge again in registers, runs the norm's backward there
+        and goes on into the merge's. What the host's fused norm runs for a Block AttnRes sublayer input
+        (megatron/norm.py, `Recomputed.normalised`): per sublayer with a partial sum, 3 Triton launches a step
+        (forward, backward, the norm weight's partial sums) and 8 [tokens, d] passes, where the merge, its
+        recomputation and Liger's norm took 5 launches, a torch sum and 16 passes.
 
-The ops are `mega_depth::attnres_phase1` and `mega_depth::attnres_phase2` (each with a `_backward` op).
+The ops are `mega_depth::attnres_phase1` and `mega_depth::attnres_phase2` (each with a `_backward` op; phase 2
+takes an optional norm weight).
 """
 
 from __future__ import annotations
@@ -335,14 +344,39 @@ def _partial_logit(x_ptr, f, row, mask, D, eps, NORM: tl.constexpr):
 
 
 @jit
-def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, out_ptr, N, D, C, H, eps, TOK,
-                       BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr, NORM: tl.constexpr,
-                       SIGMOID: tl.constexpr):
+def _rms_normed(h, w, D, eps, like_ptr):
+    """The host's RMSNorm of a merged row h [BH, BC] (Llama's casting, as Liger's "llama" mode and the eager norm):
+    h rounded to like_ptr's dtype, normalised in fp32, rounded again, times the weight w (fp32). -> (y, 1 / RMS)."""
+    dt = like_ptr.dtype.element_ty
+    hr = h.to(dt).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(tl.sum(hr * hr, axis=1), axis=0) / D + eps)
+    return (hr * rstd).to(dt).to(tl.float32) * w, rstd
+
+
+@jit
+def _rms_norm_grad(h, dy, w, rstd, D, like_ptr):
+    """The backward of _rms_normed at h: (dh, this row's term of the weight's gradient). With hn = round(h) * rstd
+    and g = dy * w: dh = rstd * (g - hn * mean(g * hn)); dw = dy * round(hn)."""
+    dt = like_ptr.dtype.element_ty
+    hn = h.to(dt).to(tl.float32) * rstd
+    g = dy * w
+    mean = tl.sum(tl.sum(g * hn, axis=1), axis=0) / D
+    return rstd * (g - hn * mean), dy * hn.to(dt).to(tl.float32)
+
+
+@jit
+def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, w_ptr, out_ptr, rstd_ptr, N, D, C, H, eps, norm_eps,
+                       TOK, BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr, NORM: tl.constexpr,
+                       SIGMOID: tl.constexpr, NORMED: tl.constexpr):
+    """The merge of each token's row; NORMED: the host's RMSNorm of it (_rms_normed, weight w_ptr [d]) instead,
+    with its 1 / RMS into rstd_ptr [N] (fp32): the merged row itself never leaves the registers."""
     pid = tl.program_id(0)
     oh, offs, cmask = channel_block(C, H, BH, BC)
     hmask = oh < H
     if HAS_PARTIAL:
         f = folded_query(q_ptr, g_ptr, offs, cmask, x_ptr, NORM)
+    if NORMED:
+        w = tl.load(w_ptr + offs, mask=cmask, other=0.).to(tl.float32)
     for t in range(TOK):
         n = token(pid, t, TOK)
         mask = cmask & (n < N)
@@ -359,42 +393,55 @@ def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, out_ptr, N, D, 
                 a = tl.exp(m - m_new)
                 b = tl.exp(l - m_new)
                 out = (o * a[:, None] + x * b[:, None]) / (z * a + b)[:, None]
+        elif SIGMOID:  # (NORMED only: the merge alone is o itself, which the host returns)
+            out = o
         else:
             z = tl.load(z_ptr + n * H + oh, mask=hmask & (n < N), other=1.)
             out = o / z[:, None]
+        if NORMED:
+            out, rstd = _rms_normed(out, w, D, norm_eps, o_ptr)
+            tl.store(rstd_ptr + n, rstd, mask=n < N)
         tl.store(out_ptr + row, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
-def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr, dz_ptr, do_ptr, dx_ptr, part_ptr,
-                       PW, N, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr,
-                       NORM: tl.constexpr, SIGMOID: tl.constexpr):
+def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, w_ptr, rstd_ptr, dm_ptr, dz_ptr, do_ptr,
+                       dx_ptr, part_ptr, wpart_ptr, PW, N, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr,
+                       HAS_PARTIAL: tl.constexpr, NORM: tl.constexpr, SIGMOID: tl.constexpr, NORMED: tl.constexpr):
     """With a = exp(m - M), b = exp(l - M), den = z a + b (M = max(m, l), a constant) and A = a / den,
     B = b / den: out = o A + x B, so do = go A, dx = go B (+ the logit's path), dz = -A (go . out),
-    dm = A (go . (o - z out)), dl = B (go . (x - out)) per head. Sigmoid: do = go (left to the host). The folded
-    query's gradient over the program's tokens goes to its row of part_ptr [programs, PW] (common.sum_rows)."""
+    dm = A (go . (o - z out)), dl = B (go . (x - out)) per head. Sigmoid: do = go (left to the host, but where
+    NORMED makes go here). The folded query's gradient over the program's tokens goes to its row of part_ptr
+    [programs, PW] (common.sum_rows). NORMED: go_ptr holds the gradient of the host norm's output, and go is the
+    norm's backward at the merged row, made again here (_rms_norm_grad, 1 / RMS from rstd_ptr); the norm weight's
+    gradient over the program's tokens goes to its row of wpart_ptr [programs, PW]."""
     pid = tl.program_id(0)
     oh, offs, cmask = channel_block(C, H, BH, BC)
     hmask = oh < H
     if HAS_PARTIAL:
         f = folded_query(q_ptr, g_ptr, offs, cmask, x_ptr, NORM)
+    if NORMED:
+        w = tl.load(w_ptr + offs, mask=cmask, other=0.).to(tl.float32)
+        wtotal = tl.zeros([BH, BC], dtype=tl.float32)
     total = tl.zeros([BH, BC], dtype=tl.float32)
     for t in range(TOK):
         n = token(pid, t, TOK)
         mask = cmask & (n < N)
         hm = hmask & (n < N)
         row = n * D + offs
-        go = tl.load(go_ptr + row, mask=mask, other=0.).to(tl.float32)
+        # the forward's merge again, as far as the gradient needs it (all of it where the norm's backward reads it)
+        if NORMED or not SIGMOID:
+            o = tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32)
+        if not SIGMOID:
+            z = tl.load(z_ptr + n * H + oh, mask=hm, other=1.)
         if HAS_PARTIAL:
             x, dot, l, r = _partial_logit(x_ptr, f, row, mask, D, eps, NORM)
             if SIGMOID:
                 sg = tl.sigmoid(l)
-                dx = go * sg[:, None]
-                dl = tl.sum(go * x, axis=1) * sg * (1. - sg)
+                if NORMED:
+                    out = o + sg[:, None] * x
             else:
-                o = tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32)
                 m = tl.load(m_ptr + n * H + oh, mask=hm, other=0.)
-                z = tl.load(z_ptr + n * H + oh, mask=hm, other=1.)
                 m_new = tl.maximum(m, l)
                 a = tl.exp(m - m_new)
                 b = tl.exp(l - m_new)
@@ -402,7 +449,24 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
                 aa = a / den
                 bb = b / den
                 out = o * aa[:, None] + x * bb[:, None]
-                tl.store(do_ptr + row, (go * aa[:, None]).to(go_ptr.dtype.element_ty), mask=mask)
+        elif SIGMOID:
+            out = o
+        else:
+            out = o / z[:, None]
+        dy = tl.load(go_ptr + row, mask=mask, other=0.).to(tl.float32)
+        if NORMED:
+            go, dw = _rms_norm_grad(out, dy, w, tl.load(rstd_ptr + n, mask=n < N, other=0.), D, o_ptr)
+            wtotal += dw
+        else:
+            go = dy
+        if HAS_PARTIAL:
+            if SIGMOID:
+                if NORMED:
+                    tl.store(do_ptr + row, go.to(o_ptr.dtype.element_ty), mask=mask)
+                dx = go * sg[:, None]
+                dl = tl.sum(go * x, axis=1) * sg * (1. - sg)
+            else:
+                tl.store(do_ptr + row, (go * aa[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
                 go_out, go_rest, go_x = sums3(go * out, go * (o - z[:, None] * out), go * (x - out), 1)  # [BH] each
                 tl.store(dz_ptr + n * H + oh, -aa * go_out, mask=hm)
                 tl.store(dm_ptr + n * H + oh, aa * go_rest, mask=hm)
@@ -416,13 +480,15 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, dm_ptr,
                 dx += dl[:, None] * f
             total += dl[:, None] * x
             tl.store(dx_ptr + row, dx.to(x_ptr.dtype.element_ty), mask=mask)
+        elif SIGMOID:  # out = o (NORMED only: without it there is nothing to run)
+            tl.store(do_ptr + row, go.to(o_ptr.dtype.element_ty), mask=mask)
         else:  # softmax without a partial: out = o / z
-            o = tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32)
-            z = tl.load(z_ptr + n * H + oh, mask=hm, other=1.)
-            tl.store(do_ptr + row, (go / z[:, None]).to(go_ptr.dtype.element_ty), mask=mask)
+            tl.store(do_ptr + row, (go / z[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
             tl.store(dz_ptr + n * H + oh, -tl.sum(go * o, axis=1) / (z * z), mask=hm)
     if HAS_PARTIAL:
         tl.store(part_ptr + pid.to(tl.int64) * PW + offs, total, mask=cmask)
+    if NORMED:
+        tl.store(wpart_ptr + pid.to(tl.int64) * PW + offs, wtotal, mask=cmask)
 
 
 def _dq_tiles(bs: int, element_size: int) -> Tuple[int, int]:
@@ -549,49 +615,66 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
 
 
 def _triton_phase2_fwd(m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor, g: Optional[Tensor],
-                       eps: float, sigmoid: bool, heads: int) -> Tensor:
+                       eps: float, sigmoid: bool, heads: int, w: Optional[Tensor] = None, norm_eps: float = 0.):
+    """-> (the merge [N, d], None); with the norm weight w: (its RMSNorm [N, d], 1 / RMS [N] fp32)."""
     n, d = o.shape
     out = torch.empty_like(o)
+    rstd = torch.empty(n, dtype=F32, device=o.device) if w is not None else None
     if n == 0:
-        return out
+        return out, rstd
     bh, bc = pow2(heads), pow2(d // heads)
     count, tok = programs(n, o.device, reduces=False)
-    launch(_phase2_fwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, out, n, d,
-                                          d // heads, heads, eps, tok),
-           warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
-    return out
+    launch(_phase2_fwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g,
+                                          o if w is None else w, out, m if rstd is None else rstd, n, d, d // heads,
+                                          heads, eps, norm_eps, tok),
+           warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid,
+           NORMED=w is not None)
+    return out, rstd
 
 
 def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor,
-                       g: Optional[Tensor], eps: float, sigmoid: bool, heads: int):
-    """-> (dm, dz, do, dx, dq, dg): dm/dz fp32 [N, H] or None (sigmoid), do None with sigmoid (it is go), dq/dg
-    None without a partial, else in the parameters' dtypes."""
+                       g: Optional[Tensor], eps: float, sigmoid: bool, heads: int, w: Optional[Tensor] = None,
+                       rstd: Optional[Tensor] = None):
+    """-> (dm, dz, do, dx, dq, dg, dw): dm/dz fp32 [N, H] or None (sigmoid), do None with sigmoid and no norm (it
+    is go), dq/dg None without a partial, else in the parameters' dtypes; with the norm weight w (go is then the
+    norm's output gradient), its gradient dw in w's dtype, else None."""
     n, d = o.shape
     dev = go.device
+    normed = w is not None
     # every token's dm and dz are stored (no fill)
     dm = torch.empty_like(m, dtype=F32) if x is not None and not sigmoid else None
     dz = torch.empty_like(z, dtype=F32) if not sigmoid else None
-    do = None if sigmoid else torch.empty_like(o)
+    do = torch.empty_like(o) if normed or not sigmoid else None
     dx = torch.empty_like(x) if x is not None else None
-    if x is not None and n == 0:  # no token: no gradient
-        df = torch.zeros(d, dtype=F32, device=dev)
-        return dm, dz, do, dx, df, None if g is None else torch.zeros_like(df)
-    if n > 0 and (x is not None or not sigmoid):
-        bh, bc = pow2(heads), pow2(d // heads)
-        count, tok = programs(n, dev, reduces=x is not None)
-        parts = partial_sums(count, d, dev) if x is not None else go  # the folded query's gradient a program
-        launch(_phase2_bwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, go,
-                                              go if dm is None else dm, go if dz is None else dz,
-                                              go if do is None else do, go if dx is None else dx, parts,
-                                              parts.shape[-1], n, d, d // heads, heads, eps, tok),
-               warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid)
-        if x is not None and g is None:
-            return dm, dz, do, dx, sum_rows(parts, d, dtypes=[q.dtype]), None
+    dq = dg = dw = None
+    if n == 0:  # no token: no gradient (zeros of their own: an op's outputs may not alias one another)
+        def zero():
+            return torch.zeros(d, dtype=F32, device=dev)
         if x is not None:
-            # folded = gain * query: the sum times each other factor, in the parameters' dtypes
-            dq, dg = sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
-            return dm, dz, do, dx, dq, dg
-    return dm, dz, do, dx, None, None
+            dq, dg = zero(), None if g is None else zero()
+        return dm, dz, do, dx, dq, dg, zero().to(w.dtype) if normed else None
+    if not (x is not None or not sigmoid or normed):
+        return dm, dz, do, dx, dq, dg, dw
+    bh, bc = pow2(heads), pow2(d // heads)
+    count, tok = programs(n, dev, reduces=x is not None or normed)
+    # the folded query's and the norm weight's gradients a program
+    parts = partial_sums(count, d, dev) if x is not None else go
+    wparts = partial_sums(count, d, dev) if normed else go
+    pw = parts.shape[-1] if x is not None else wparts.shape[-1]
+    launch(_phase2_bwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, go,
+                                          o if w is None else w, m if rstd is None else rstd,
+                                          go if dm is None else dm, go if dz is None else dz,
+                                          go if do is None else do, go if dx is None else dx, parts, wparts,
+                                          pw, n, d, d // heads, heads, eps, tok),
+           warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid,
+           NORMED=normed)
+    if x is not None:
+        # folded = gain * query: the sum times each other factor, in the parameters' dtypes
+        dq, dg = (sum_rows(parts, d, dtypes=[q.dtype]), None) if g is None else \
+            sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
+    if normed:
+        dw = sum_rows(wparts, d, dtypes=[w.dtype])
+    return dm, dz, do, dx, dq, dg, dw
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -654,12 +737,12 @@ def _phase2_logit(x, q, g, eps, heads):
     return xv, f, dot, (dot if r is None else dot * r.unsqueeze(-1)), r
 
 
-def _torch_phase2_fwd(m, z, o, x, q, g, eps, sigmoid, heads):
+def _torch_merge(m, z, o, x, q, g, eps, sigmoid, heads):
     n, d = o.shape
     ct = accumulation_dtype(o.dtype)
     ov = o.to(ct).view(n, heads, d // heads)
     if x is None:
-        return (ov / z.to(ct).unsqueeze(-1)).view(n, d).to(o.dtype)
+        return o if sigmoid else (ov / z.to(ct).unsqueeze(-1)).view(n, d).to(o.dtype)
     xv, _, _, logit, _ = _phase2_logit(x, q, g, eps, heads)
     if sigmoid:
         out = ov + torch.sigmoid(logit).unsqueeze(-1) * xv
@@ -671,7 +754,7 @@ def _torch_phase2_fwd(m, z, o, x, q, g, eps, sigmoid, heads):
     return out.view(n, d).to(o.dtype)
 
 
-def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads):
+def _torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads):
     n, d = o.shape
     ct, c = accumulation_dtype(o.dtype), d // heads
     gov = go.to(ct).view(n, heads, c)
@@ -706,6 +789,38 @@ def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads):
     df = (dl.unsqueeze(-1) * xv).sum(0).view(d)
     dq, dg = (df, None) if g is None else (df * g.to(ct), df * q.to(ct))
     return dm, dz, do, dx.view(n, d).to(x.dtype), dq, dg
+
+
+def _torch_rms_normed(h, w, eps):
+    """_rms_normed's twin: h [N, d] -> (y in h's dtype, 1 / RMS [N] in the accumulation dtype)."""
+    ct = accumulation_dtype(h.dtype)
+    hf = h.to(ct)
+    rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+    return ((hf * rstd[:, None]).to(h.dtype).to(ct) * w.to(ct)).to(h.dtype), rstd
+
+
+def _torch_rms_norm_grad(h, dy, w, rstd):
+    """_rms_norm_grad's twin over all rows: (dh [N, d] in the accumulation dtype, dw in w's dtype)."""
+    ct = accumulation_dtype(h.dtype)
+    hn = h.to(ct) * rstd.to(ct)[:, None]
+    g = dy.to(ct) * w.to(ct)
+    dh = rstd.to(ct)[:, None] * (g - hn * (g * hn).mean(-1, keepdim=True))
+    return dh, (dy.to(ct) * hn.to(h.dtype).to(ct)).sum(0).to(w.dtype)
+
+
+def _torch_phase2_fwd(m, z, o, x, q, g, eps, sigmoid, heads, w=None, norm_eps=0.):
+    out = _torch_merge(m, z, o, x, q, g, eps, sigmoid, heads)
+    return (out, None) if w is None else _torch_rms_normed(out, w, norm_eps)
+
+
+def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads, w=None, rstd=None):
+    if w is None:
+        return (*_torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads), None)
+    go, dw = _torch_rms_norm_grad(_torch_merge(m, z, o, x, q, g, eps, sigmoid, heads), go, w, rstd)
+    if x is None and sigmoid:  # out = o
+        return None, None, go.to(o.dtype), None, None, None, dw
+    dm, dz, do, dx, dq, dg = _torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads)
+    return dm, dz, go.to(o.dtype) if sigmoid else do, dx, dq, dg, dw
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -780,67 +895,83 @@ autograd(phase1_op, _phase1_backward, _phase1_setup)
 
 @torch.library.custom_op("mega_depth::attnres_phase2", mutates_args=())
 def phase2_op(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query: Tensor,
-              key_norm_weight: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> Tensor:
-    """m, z [*, H]; o and partial [*, d] -> [*, d]."""
+              key_norm_weight: Optional[Tensor], norm_weight: Optional[Tensor], eps: float, norm_eps: float,
+              sigmoid: bool, heads: int) -> List[Tensor]:
+    """m, z [*, H]; o and partial [*, d] -> [the merge [*, d], nothing]; with norm_weight [d], [the host's RMSNorm
+    of the merge [*, d], 1 / RMS [*] (fp32)]."""
     d = o.shape[-1]
     ro = rows(o, d)
     fwd = _triton_phase2_fwd if uses_triton(ro) else _torch_phase2_fwd
     x = rows(partial, d) if partial is not None else None
     ct = accumulation_dtype(o.dtype)
-    out = fwd(rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(), contiguous(key_norm_weight),
-              eps, sigmoid, heads)
-    return out.view(o.shape)
+    out, rstd = fwd(rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(),
+                    contiguous(key_norm_weight), eps, sigmoid, heads, contiguous(norm_weight), norm_eps)
+    return [out.view(o.shape), nothing(o) if rstd is None else rstd.view(o.shape[:-1])]
 
 
 @register_fake(phase2_op)
-def _(m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
-    return o.new_empty(o.shape)
+def _(m, z, o, partial, query, key_norm_weight, norm_weight, eps, norm_eps, sigmoid, heads):
+    rstd = nothing(o) if norm_weight is None else o.new_empty(o.shape[:-1], dtype=accumulation_dtype(o.dtype))
+    return [o.new_empty(o.shape), rstd]
 
 
 @torch.library.custom_op("mega_depth::attnres_phase2_backward", mutates_args=())
 def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query: Tensor,
-                       key_norm_weight: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
-    """-> [dm, dz, do, dx, dq, dg]; empty where there is no gradient (do with sigmoid weights: it is grad)."""
+                       key_norm_weight: Optional[Tensor], norm_weight: Optional[Tensor], rstd: Optional[Tensor],
+                       eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
+    """-> [dm, dz, do, dx, dq, dg, dw]; empty where there is no gradient (do with sigmoid weights and no norm: it is
+    grad). With norm_weight, grad is the norm's output gradient and rstd its forward's 1 / RMS."""
     d = o.shape[-1]
     ro = rows(o, d)
     bwd = _triton_phase2_bwd if uses_triton(ro) else _torch_phase2_bwd
     x = rows(partial, d) if partial is not None else None
     ct = accumulation_dtype(o.dtype)
     grads = bwd(rows(grad, d), rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(),
-                contiguous(key_norm_weight), eps, sigmoid, heads)
-    dm, dz, do, dx, dq, dg = grads
+                contiguous(key_norm_weight), eps, sigmoid, heads, contiguous(norm_weight),
+                None if rstd is None else rstd.reshape(-1))
+    dm, dz, do, dx, dq, dg, dw = grads
     dq = None if dq is None else dq.to(query.dtype)  # the parameters' dtypes
     dg = None if dg is None else dg.to(key_norm_weight.dtype)
-    return [nothing(grad) if t is None else t for t in (dm, dz, do, dx, dq, dg)]
+    dw = None if dw is None else dw.to(norm_weight.dtype)
+    return [nothing(grad) if t is None else t for t in (dm, dz, do, dx, dq, dg, dw)]
 
 
 @register_fake(phase2_backward_op)
-def _(grad, m, z, o, partial, query, key_norm_weight, eps, sigmoid, heads):
+def _(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid, heads):
     n, d, ct = o.numel() // o.shape[-1], o.shape[-1], accumulation_dtype(o.dtype)
-    has_x = partial is not None
-    shapes = [((n, heads), ct, has_x and not sigmoid), ((n, heads), ct, not sigmoid), ((n, d), o.dtype, not sigmoid),
-              ((n, d), o.dtype, has_x), ((d,), query.dtype, has_x)]
+    has_x, normed = partial is not None, norm_weight is not None
+    shapes = [((n, heads), ct, has_x and not sigmoid), ((n, heads), ct, not sigmoid),
+              ((n, d), o.dtype, normed or not sigmoid), ((n, d), o.dtype, has_x), ((d,), query.dtype, has_x)]
     if key_norm_weight is not None:  # the parameters' dtypes
         shapes.append(((d,), key_norm_weight.dtype, has_x))
     else:
         shapes.append(((d,), ct, False))
+    shapes.append(((d,), norm_weight.dtype if normed else ct, normed))
     return [o.new_empty(shape, dtype=dtype) if present else nothing(o) for shape, dtype, present in shapes]
 
 
 def _phase2_setup(ctx, inputs, output):
-    m, z, o, partial, query, gain, eps, sigmoid, heads = inputs
-    ctx.save_for_backward(m, z, o, partial, query, gain)
+    m, z, o, partial, query, gain, norm_weight, eps, norm_eps, sigmoid, heads = inputs
+    rstd = output[1] if norm_weight is not None else None
+    ctx.save_for_backward(m, z, o, partial, query, gain, norm_weight, rstd)
     ctx.cfg = (eps, sigmoid, heads)
+    ctx.set_materialize_grads(False)
 
 
-def _phase2_backward(ctx, grad):
-    m, z, o, partial, query, gain = ctx.saved_tensors
-    dm, dz, do, dx, dq, dg = call(phase2_backward_op, grad, m, z, o, partial, query, gain, *ctx.cfg)
+def _phase2_backward(ctx, grads):
+    m, z, o, partial, query, gain, norm_weight, rstd = ctx.saved_tensors
+    eps, sigmoid, heads = ctx.cfg
+    grad = grads[0]  # (1 / RMS has none)
+    if grad is None:
+        return (None,) * 11
+    dm, dz, do, dx, dq, dg, dw = call(phase2_backward_op, grad, m, z, o, partial, query, gain, norm_weight, rstd,
+                                      eps, sigmoid, heads)
     need = ctx.needs_input_grad
-    do = grad if ctx.cfg[1] else do  # sigmoid: out = o + sigmoid(l) x
+    if sigmoid and norm_weight is None:  # out = o + sigmoid(l) x
+        do = grad
     return (cast_grad(dm, m, need[0]), cast_grad(dz, z, need[1]), cast_grad(do, o, need[2]),
             cast_grad(dx, partial, need[3]), cast_grad(dq, query, need[4]), cast_grad(dg, gain, need[5]),
-            None, None, None)
+            cast_grad(dw, norm_weight, need[6]), None, None, None, None)
 
 
 autograd(phase2_op, _phase2_backward, _phase2_setup)
@@ -870,7 +1001,23 @@ def attnres_phase2(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], q
     heads = check_heads(o.shape[-1], heads)
     if sigmoid and partial is None:
         return o  # the reference returns o itself
+    return _phase2(m, z, o, partial, query, key_norm_weight, None, eps, 0., sigmoid, heads)
+
+
+def attnres_phase2_normed(norm_weight: Tensor, norm_eps: float, m: Tensor, z: Tensor, o: Tensor,
+                          partial: Optional[Tensor], query: Tensor, key_norm_weight: Optional[Tensor], eps: float,
+                          weight: str = "softmax", heads: int = 1) -> Tensor:
+    """The host's RMSNorm (weight norm_weight [d], Llama's casting: megatron/norm.py's fused norm) of
+    attnres_phase2(...), in one kernel each way: the merge is never written, so the norm neither reads it nor has it
+    made again in backward. Where the host's norm runs fused (a `Recomputed`'s `normalised`)."""
+    heads = check_heads(o.shape[-1], heads)
+    return _phase2(m, z, o, partial, query, key_norm_weight, norm_weight, eps, float(norm_eps),
+                   depth_weight_is_sigmoid(weight), heads)
+
+
+def _phase2(m, z, o, partial, query, key_norm_weight, norm_weight, eps, norm_eps, sigmoid, heads) -> Tensor:
     if partial is not None and partial.shape != o.shape:
         partial = partial.expand(o.shape)
     m, z = m.expand(*o.shape[:-1], heads), z.expand(*o.shape[:-1], heads)
-    return call(phase2_op, m, z, o, partial, query, key_norm_weight, float(eps), sigmoid, heads)
+    return call(phase2_op, m, z, o, partial, query, key_norm_weight, norm_weight, float(eps), norm_eps, sigmoid,
+                heads)[0]

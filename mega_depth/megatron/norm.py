@@ -202,12 +202,16 @@ class RMSNorm(nn.Module):
 
     outputs_made_again = staticmethod(outputs_made_again)  # model/base.norm_outputs_made_again asks the norms
 
-    def remade(self, make, sources):
+    def remade(self, make, sources, normalised=None):
         """self(make(*sources)) keeping the sources instead of make's output, where the fused kernel runs
-        (`_RemadeNorm`; make's autograd node must keep only its inputs); None elsewhere (the caller checkpoints)."""
+        (`_RemadeNorm`; make's autograd node must keep only its inputs); None elsewhere (the caller checkpoints).
+        normalised(weight, eps, *sources): the mechanism's op that makes the input and normalises it as this norm
+        does (Llama's casting), in one kernel each way: then the input is never written, nor read or made again."""
         first = next((t for t in sources if t is not None), None)
         if first is None or not fused_applies(first):
             return None
+        if normalised is not None:
+            return normalised(self.weight, self.eps, *sources)
         x = make(*sources)
         if not torch.is_grad_enabled():
             return self(x)

@@ -270,8 +270,13 @@ class AttnRes(Mechanism):
         def merge(m, z, o, partial):
             return phase2(m, z, o, partial, query, gain, self.eps, self.weight, self.heads)
 
+        def normalised(norm_weight, norm_eps, m, z, o, partial):  # the merge and the host's norm, one kernel
+            return self.kernels.attnres_phase2_normed(norm_weight, norm_eps, m, z, o, partial, query, gain, self.eps,
+                                                      self.weight, self.heads)
+
         # no reader of these sums gradients: the plain checkpoint
-        return Recomputed(merge, (*state.phase1[sublayer], state.partial), remakes=self.fused)
+        return Recomputed(merge, (*state.phase1[sublayer], state.partial), remakes=self.fused,
+                          normalised=normalised if self.fused else None)
 
     def weights(self, mixer: AttnResMixer, state: AttnResState) -> Tensor:
         """The depth weights alpha [K, *] of one mix (heatmaps)."""
@@ -336,10 +341,12 @@ class AttnRes(Mechanism):
         the sources' gradients are summed in the kernels; a per-token query is read, and its gradient written in
         fp32. Two-phase (Block AttnRes): per
         block, phase 1 reads the n completed blocks and writes one output per member sublayer, its backward reads
-        them again with those outputs' gradients and writes a gradient per block, its query-gradient kernel reads
         the blocks once more; per sublayer, phase 2 reads phase 1's output (and the partial sum) and writes the
-        input, once more in the recomputation, and its backward reads those and the input's gradient and writes
-        theirs; the final aggregation is a mix over the blocks. Scalar mixing runs no kernel."""
+        input, and its backward reads those and the input's gradient and writes theirs. With the recomputation
+        (the default), where the host's norm is the fused one (a GPU's local spec), phase 2 writes the normalised
+        input and its backward starts from that one's gradient (`attnres_phase2_normed`): nothing is made again.
+        Without it, each phase 2 runs once and its input is kept. The final aggregation is a mix over the blocks.
+        Scalar mixing runs no kernel."""
         S, lay = self.shape.num_sublayers, self.attnres_layout
         if self.mixing == "scalar":
             return 0.0
@@ -351,7 +358,7 @@ class AttnRes(Mechanism):
                 total += (n + members) + (2 * n + members) + n
                 for sub in range(lay.block_start(b), lay.block_end(b) + 1):
                     p = int(lay.has_partial_before(sub))
-                    total += (2 if recompute else 1) * (2 + p) + (3 + 2 * p)
+                    total += (2 + p) + (3 + 2 * p)
             mixes.append([f"b{j}" for j in range(lay.num_blocks + 1)])
         else:
             for sub in range(1, S + 2):

@@ -172,14 +172,18 @@ class Recomputed:
     # make's autograd node keeps only its inputs (the fused ops'): a host norm with a `remade` form may then run make
     # once with autograd and make the input again in its own backward instead of checkpointing the region
     remakes: bool = False
+    # normalised(weight, eps, *sources): the host's RMSNorm of make(*sources) in one op, where the mechanism's fast
+    # path has one; a host norm that runs the same norm may call it instead (the input is then never written)
+    normalised: Optional[Callable[..., Tensor]] = None
 
 
 def normed(norm: Callable[[Tensor], Tensor], x) -> Tensor:
     """A host's pre-norm of a sublayer input: a tensor, or a `Recomputed` one (recomputed in backward: by the norm
-    itself where it can make its input again, `norm.remade(make, sources)`, else by checkpointing the region)."""
+    itself where it can make its input again, `norm.remade(make, sources, normalised)`, which may run the
+    mechanism's op that makes and normalises it in one, else by checkpointing the region)."""
     if isinstance(x, Recomputed):
         remade = getattr(norm, "remade", None) if x.remakes else None
-        out = remade(x.make, x.sources) if remade is not None else None
+        out = remade(x.make, x.sources, x.normalised) if remade is not None else None
         if out is not None:
             return out
         return x.recompute(lambda *sources: norm(x.make(*sources)), *x.sources)

@@ -5,8 +5,8 @@ import torch
 from kernel_checks import (EPS, SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
                            saves_only_inputs, sources_of)
 
-from mega_depth.kernels.attnres_block import (attnres_phase1_sources, attnres_phase2, phase1_backward_op,
-                                              phase1_op, phase2_backward_op, phase2_op)
+from mega_depth.kernels.attnres_block import (attnres_phase1_sources, attnres_phase2, attnres_phase2_normed,
+                                              phase1_backward_op, phase1_op, phase2_backward_op, phase2_op)
 from mega_depth.model import mixing
 
 
@@ -69,6 +69,43 @@ def test_phases_chained(path, weight):
           [queries, gains, partial, *blocks], f"phases chained {weight}")
 
 
+def rms_normed(x, weight, eps):
+    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled)."""
+    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("heads, weight, norm", [(1, "softmax", True), (2, "softmax", True), (1, "sigmoid", True),
+                                                 (2, "sigmoid", False)])
+def test_phase2_normed(path, heads, weight, norm):
+    """The merge and the host's RMSNorm of it in one op: the values and gradients (the norm weight's included) of
+    the norm of the reference's merge, for a block's first sublayer (no partial sum) and a later one."""
+    d, lead, norm_eps = 12, (2, 3), 1e-5
+    blocks, queries = sources_of(3, *lead, d), leaf(2, d)
+    gains = leaf(2, d, scale=0.3, shift=1.0) if norm else None
+    with torch.no_grad():
+        m, z, o = mixing.attnres_block_phase1(torch.stack(blocks), queries, gains, EPS, weight, heads)
+    for i, partial in ((0, None), (1, leaf(*lead, d, scale=2.0))):
+        mi, zi, oi = (t[i].clone().requires_grad_(weight == "softmax" or t is o) for t in (m, z, o))
+        query, gain = leaf(d), (leaf(d, scale=0.3, shift=1.0) if norm else None)
+        norm_weight = leaf(d, scale=0.3, shift=1.0)
+        check(lambda w, *a: attnres_phase2_normed(w, norm_eps, *a, EPS, weight, heads),
+              lambda w, *a: rms_normed(mixing.attnres_block_phase2(*a, EPS, weight, heads), w, norm_eps),
+              [norm_weight, mi, zi, oi, partial, query, gain],
+              f"phase2 normed heads={heads} {weight} norm={norm} partial={partial is not None}")
+
+
+@pytest.mark.parametrize("weight", ["softmax", "sigmoid"])
+def test_gradcheck_phase2_normed(twin, weight):
+    f64 = torch.float64
+    m = leaf(3, 2, dtype=f64).detach().requires_grad_(weight == "softmax")
+    z = (leaf(3, 2, dtype=f64).abs() + 1).detach().requires_grad_(weight == "softmax")
+    for partial in (None, leaf(3, 8, scale=2.0, dtype=f64)):
+        inputs = [leaf(8, scale=0.3, shift=1.0, dtype=f64), m, z, leaf(3, 8, dtype=f64), partial, leaf(8, dtype=f64),
+                  leaf(8, scale=0.3, shift=1.0, dtype=f64)]
+        gradcheck(lambda w, *a: attnres_phase2_normed(w, 1e-5, *a, EPS, weight, 2), inputs,
+                  f"phase2 normed {weight} partial={partial is not None}")
+
+
 def test_phase1_m_is_a_detached_stabiliser(path):
     blocks = sources_of(2, 4, 12)
     m, z, o = attnres_phase1_sources(blocks, leaf(2, 12), leaf(2, 12), EPS)
@@ -107,14 +144,19 @@ def test_opcheck(twin):
     m, z, o = (t.detach() for t in phase1_op(blocks, queries, gains, EPS, False, 2))
     opcheck(phase1_backward_op, (torch.randn(2, 3, 8), torch.randn(2, 3, 2), m, detached(blocks), queries.detach(),
                                  gains.detach(), EPS, False, 2))
-    x, q, g = leaf(3, 8), leaf(8), leaf(8)
+    x, q, g, w = leaf(3, 8), leaf(8), leaf(8), leaf(8, scale=0.3, shift=1.0)
     for sigmoid in (False, True):
-        opcheck(phase2_op, (m[0].clone().requires_grad_(), z[0].clone().requires_grad_(),
-                            o[0].clone().requires_grad_(), x, q, g, EPS, sigmoid, 2))
-        opcheck(phase2_backward_op, (torch.randn(3, 8), m[0], z[0], o[0], x.detach(), q.detach(), g.detach(), EPS,
-                                     sigmoid, 2))
-    opcheck(phase2_op, (m[0], z[0].clone().requires_grad_(), o[0].clone().requires_grad_(), None, q, None, EPS,
-                        False, 2))
+        for norm_weight in (None, w):
+            opcheck(phase2_op, (m[0].clone().requires_grad_(), z[0].clone().requires_grad_(),
+                                o[0].clone().requires_grad_(), x, q, g, norm_weight, EPS, EPS, sigmoid, 2))
+            rstd = None if norm_weight is None else phase2_op(m[0], z[0], o[0], x.detach(), q.detach(), g.detach(),
+                                                              w.detach(), EPS, EPS, sigmoid, 2)[1]
+            opcheck(phase2_backward_op, (torch.randn(3, 8), m[0], z[0], o[0], x.detach(), q.detach(), g.detach(),
+                                         None if norm_weight is None else w.detach(), rstd, EPS, sigmoid, 2))
+        opcheck(phase2_op, (m[0], z[0].clone().requires_grad_(), o[0].clone().requires_grad_(), None, q, None, w,
+                            EPS, EPS, sigmoid, 2))
+    opcheck(phase2_op, (m[0], z[0].clone().requires_grad_(), o[0].clone().requires_grad_(), None, q, None, None,
+                        EPS, 0., False, 2))
 
 
 def test_save_only_their_inputs(path):

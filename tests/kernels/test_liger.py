@@ -172,6 +172,51 @@ def test_a_recomputed_sublayer_input_is_made_again_by_the_norm_without_a_nested_
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_block_attnres_merge_is_normalised_in_its_own_kernel(fused, monkeypatch):
+    """A `Recomputed` input with `normalised` (Block AttnRes's phase-2 merge): the host norm runs the mechanism's op
+    that merges and normalises in one kernel each way, never the norm's own kernels (the merge is not written, read
+    or made again), keeps nothing of the input's size beyond the sources (1 / RMS only), runs no nested backward,
+    and equals the eager norm of the eager merge in values and in every gradient, the norm weight's included."""
+    from kernel_checks import saved_storages
+
+    from mega_depth.kernels.attnres_block import attnres_phase2, attnres_phase2_normed
+    from mega_depth.megatron.norm import RMSNorm
+    from mega_depth.model.base import Recomputed, normed
+
+    torch.manual_seed(0)
+    tokens, d, heads = 5, 64, 2
+    m, z = torch.randn(tokens, heads).requires_grad_(), (torch.rand(tokens, heads) + 1).requires_grad_()
+    o, partial = (torch.randn(tokens, d) * 2).requires_grad_(), torch.randn(tokens, d).requires_grad_()
+    query, gain = torch.randn(d).requires_grad_(), (torch.rand(d) + 0.5).requires_grad_()
+    host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
+    with torch.no_grad():
+        host_norm.weight.uniform_(0.5, 1.5)
+    inputs = (m, z, o, partial, query, gain, host_norm.weight)
+    norm_kernels = []
+    monkeypatch.setattr(norm, "fused_forward", lambda *a: norm_kernels.append(1))
+    monkeypatch.setattr(norm, "fused_backward", lambda *a: norm_kernels.append(1))
+    passes = backward_passes(monkeypatch)
+
+    def merge(*sources):
+        return attnres_phase2(*sources, query, gain, 1e-6, heads=heads)
+
+    def merge_normed(weight, eps, *sources):
+        return attnres_phase2_normed(weight, eps, *sources, query, gain, 1e-6, heads=heads)
+
+    saved, y = saved_storages(lambda: normed(host_norm, Recomputed(merge, (m, z, o, partial), remakes=True,
+                                                                   normalised=merge_normed)))
+    g = torch.randn(tokens, d)
+    y.backward(g)
+    assert norm_kernels == [] and len(passes) == 1
+    given = {t.untyped_storage().data_ptr() for t in inputs}
+    assert {ptr: size for ptr, size in saved.items() if ptr not in given and size > tokens} == {}  # rstd only
+    ref = eager(mixing.attnres_block_phase2(m, z, o, partial, query, gain, 1e-6, heads=heads), host_norm.weight,
+                host_norm.eps)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for t, want in zip(inputs, torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(t.grad, want, rtol=1e-5, atol=1e-5)
+
+
 def test_dcas_projection_makes_its_inputs_again_without_a_nested_backward(fused, monkeypatch):
     """RemadeQKVProjection (DCA's fused path): the three inputs, made by a fused op from the sources, normalised and
     met by their rows of linear_qkv, equal the eager composition (project_separate, autograd throughout) in values
