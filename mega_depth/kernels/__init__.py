@@ -12,10 +12,12 @@ implementation and autograd included) and its public function, which has its ref
 
     attnres_mix.py      AttnRes's mix over K sources                 (mixing.attnres_mix)
     attnres_block.py    Block AttnRes's phase 1 and phase 2          (mixing.attnres_block_phase1 / _phase2)
+                        (the merge and the host's norm of it in one: attnres_phase2_normed)
     grn.py              DCA's GRNs over the stack                    (mixing.grn_apply)
                         and DenseFormer's DWA, a GRN v1 of one instance (mixing.dwa)
     depth_attention.py  Depth-Attention's value mix                  (mixing.depth_attention_mix)
     streams.py          HC / mHC's stream read and write             (mixing.streams_in / streams_out)
+                        (the read and the host's norm of it in one: streams_in_normed)
     sinkhorn.py         mHC's Sinkhorn-Knopp                         (mixing.sinkhorn)
     mhc_projection.py   mHC's coefficient projection and RMS         (mixing.mhc_projection)
     mhc_maps.py         mHC's coefficients from it, Sinkhorn included (mixing.mhc_projected_coefficients)
@@ -68,6 +70,7 @@ def fast_functions() -> SimpleNamespace:
                            attnres_phase2_normed=attnres_block.attnres_phase2_normed,
                            grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix, streams_in=streams.streams_in,
+                           streams_in_normed=streams.streams_in_normed,
                            streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,
                            mhc_projection=mhc_projection.mhc_projection,
                            mhc_projected_coefficients=mhc_maps.mhc_projected_coefficients,

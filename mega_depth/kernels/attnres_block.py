@@ -34,7 +34,8 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
                                        dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
                                        partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
-                                       reduction_grid, register_fake, rms_inverse_torch, row_warps, rows, sum_rows,
+                                       reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
+                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, sum_rows,
                                        sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
@@ -344,31 +345,10 @@ def _partial_logit(x_ptr, f, row, mask, D, eps, NORM: tl.constexpr):
 
 
 @jit
-def _rms_normed(h, w, D, eps, like_ptr):
-    """The host's RMSNorm of a merged row h [BH, BC] (Llama's casting, as Liger's "llama" mode and the eager norm):
-    h rounded to like_ptr's dtype, normalised in fp32, rounded again, times the weight w (fp32). -> (y, 1 / RMS)."""
-    dt = like_ptr.dtype.element_ty
-    hr = h.to(dt).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(tl.sum(hr * hr, axis=1), axis=0) / D + eps)
-    return (hr * rstd).to(dt).to(tl.float32) * w, rstd
-
-
-@jit
-def _rms_norm_grad(h, dy, w, rstd, D, like_ptr):
-    """The backward of _rms_normed at h: (dh, this row's term of the weight's gradient). With hn = round(h) * rstd
-    and g = dy * w: dh = rstd * (g - hn * mean(g * hn)); dw = dy * round(hn)."""
-    dt = like_ptr.dtype.element_ty
-    hn = h.to(dt).to(tl.float32) * rstd
-    g = dy * w
-    mean = tl.sum(tl.sum(g * hn, axis=1), axis=0) / D
-    return rstd * (g - hn * mean), dy * hn.to(dt).to(tl.float32)
-
-
-@jit
 def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, w_ptr, out_ptr, rstd_ptr, N, D, C, H, eps, norm_eps,
                        TOK, BH: tl.constexpr, BC: tl.constexpr, HAS_PARTIAL: tl.constexpr, NORM: tl.constexpr,
                        SIGMOID: tl.constexpr, NORMED: tl.constexpr):
-    """The merge of each token's row; NORMED: the host's RMSNorm of it (_rms_normed, weight w_ptr [d]) instead,
+    """The merge of each token's row; NORMED: the host's RMSNorm of it (common.rms_normed, weight w_ptr [d]) instead,
     with its 1 / RMS into rstd_ptr [N] (fp32): the merged row itself never leaves the registers."""
     pid = tl.program_id(0)
     oh, offs, cmask = channel_block(C, H, BH, BC)
@@ -399,7 +379,7 @@ def _phase2_fwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, w_ptr, out_ptr,
             z = tl.load(z_ptr + n * H + oh, mask=hmask & (n < N), other=1.)
             out = o / z[:, None]
         if NORMED:
-            out, rstd = _rms_normed(out, w, D, norm_eps, o_ptr)
+            out, rstd = rms_normed(out, w, D, norm_eps, o_ptr)
             tl.store(rstd_ptr + n, rstd, mask=n < N)
         tl.store(out_ptr + row, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -413,7 +393,7 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, w_ptr, 
     dm = A (go . (o - z out)), dl = B (go . (x - out)) per head. Sigmoid: do = go (left to the host, but where
     NORMED makes go here). The folded query's gradient over the program's tokens goes to its row of part_ptr
     [programs, PW] (common.sum_rows). NORMED: go_ptr holds the gradient of the host norm's output, and go is the
-    norm's backward at the merged row, made again here (_rms_norm_grad, 1 / RMS from rstd_ptr); the norm weight's
+    norm's backward at the merged row, made again here (common.rms_norm_grad, 1 / RMS from rstd_ptr); the norm weight's
     gradient over the program's tokens goes to its row of wpart_ptr [programs, PW]."""
     pid = tl.program_id(0)
     oh, offs, cmask = channel_block(C, H, BH, BC)
@@ -455,7 +435,7 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, w_ptr, 
             out = o / z[:, None]
         dy = tl.load(go_ptr + row, mask=mask, other=0.).to(tl.float32)
         if NORMED:
-            go, dw = _rms_norm_grad(out, dy, w, tl.load(rstd_ptr + n, mask=n < N, other=0.), D, o_ptr)
+            go, dw = rms_norm_grad(out, dy, w, tl.load(rstd_ptr + n, mask=n < N, other=0.), D, o_ptr)
             wtotal += dw
         else:
             go = dy
@@ -791,32 +771,15 @@ def _torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads):
     return dm, dz, do, dx.view(n, d).to(x.dtype), dq, dg
 
 
-def _torch_rms_normed(h, w, eps):
-    """_rms_normed's twin: h [N, d] -> (y in h's dtype, 1 / RMS [N] in the accumulation dtype)."""
-    ct = accumulation_dtype(h.dtype)
-    hf = h.to(ct)
-    rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
-    return ((hf * rstd[:, None]).to(h.dtype).to(ct) * w.to(ct)).to(h.dtype), rstd
-
-
-def _torch_rms_norm_grad(h, dy, w, rstd):
-    """_rms_norm_grad's twin over all rows: (dh [N, d] in the accumulation dtype, dw in w's dtype)."""
-    ct = accumulation_dtype(h.dtype)
-    hn = h.to(ct) * rstd.to(ct)[:, None]
-    g = dy.to(ct) * w.to(ct)
-    dh = rstd.to(ct)[:, None] * (g - hn * (g * hn).mean(-1, keepdim=True))
-    return dh, (dy.to(ct) * hn.to(h.dtype).to(ct)).sum(0).to(w.dtype)
-
-
 def _torch_phase2_fwd(m, z, o, x, q, g, eps, sigmoid, heads, w=None, norm_eps=0.):
     out = _torch_merge(m, z, o, x, q, g, eps, sigmoid, heads)
-    return (out, None) if w is None else _torch_rms_normed(out, w, norm_eps)
+    return (out, None) if w is None else rms_normed_torch(out, w, norm_eps)
 
 
 def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads, w=None, rstd=None):
     if w is None:
         return (*_torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads), None)
-    go, dw = _torch_rms_norm_grad(_torch_merge(m, z, o, x, q, g, eps, sigmoid, heads), go, w, rstd)
+    go, dw = rms_norm_grad_torch(_torch_merge(m, z, o, x, q, g, eps, sigmoid, heads), go, w, rstd)
     if x is None and sigmoid:  # out = o
         return None, None, go.to(o.dtype), None, None, None, dw
     dm, dz, do, dx, dq, dg = _torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads)

@@ -440,6 +440,24 @@ def rms_inverse_torch(v: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(v.pow(2).mean((-2, -1)) + eps)
 
 
+def rms_normed_torch(h: Tensor, w: Tensor, eps: float):
+    """rms_normed's twin: rows h [N, d] -> (their RMSNorm in h's dtype, 1 / RMS [N] in the accumulation dtype)."""
+    ct = accumulation_dtype(h.dtype)
+    hf = h.to(ct)
+    rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+    return ((hf * rstd[:, None]).to(h.dtype).to(ct) * w.to(ct)).to(h.dtype), rstd
+
+
+def rms_norm_grad_torch(h: Tensor, dy: Tensor, w: Tensor, rstd: Tensor):
+    """rms_norm_grad's twin over all rows: (dh [N, d] in the accumulation dtype, the weight's gradient in its
+    dtype)."""
+    ct = accumulation_dtype(h.dtype)
+    hn = h.to(ct) * rstd.to(ct)[:, None]
+    g = dy.to(ct) * w.to(ct)
+    dh = rstd.to(ct)[:, None] * (g - hn * (g * hn).mean(-1, keepdim=True))
+    return dh, (dy.to(ct) * hn.to(h.dtype).to(ct)).sum(0).to(w.dtype)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # jit helpers shared by the kernels
 # --------------------------------------------------------------------------------------------------------------
@@ -588,6 +606,29 @@ def _scale(s_ptr, orow, ok, COLS):
     tile = tl.load(s_ptr + orow[:, None] * 0 + ok[None, :], mask=(orow >= 0)[:, None] & (ok < COLS)[None, :],
                    other=0.)
     return tl.max(tile.to(tl.float32), axis=0)
+
+
+@jit
+def rms_normed(h, w, D, eps, like_ptr):
+    """The host's RMSNorm of a token's whole row h (any shape; Llama's casting, as Liger's "llama" mode and the
+    eager norm of megatron/norm.py): h rounded to like_ptr's dtype, normalised in fp32, rounded again, times the
+    weight w (fp32, h's shape). -> (y, 1 / RMS). What an op that makes a sublayer input and normalises it in one
+    kernel (`Recomputed.normalised`) writes in place of the input."""
+    dt = like_ptr.dtype.element_ty
+    hr = h.to(dt).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hr * hr) / D + eps)
+    return (hr * rstd).to(dt).to(tl.float32) * w, rstd
+
+
+@jit
+def rms_norm_grad(h, dy, w, rstd, D, like_ptr):
+    """The backward of rms_normed at h: (dh, this row's term of the weight's gradient). With hn = round(h) * rstd
+    and g = dy * w: dh = rstd * (g - hn * mean(g * hn)); dw = dy * round(hn)."""
+    dt = like_ptr.dtype.element_ty
+    hn = h.to(dt).to(tl.float32) * rstd
+    g = dy * w
+    mean = tl.sum(g * hn) / D
+    return rstd * (g - hn * mean), dy * hn.to(dt).to(tl.float32)
 
 
 @jit

@@ -12,15 +12,16 @@ inputs. The ops are `mega_depth::hc_streams_in` and `mega_depth::hc_streams_out`
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, jit, launch, pow2, programs, register_fake,
-                                       row_warps, rows, store_or_add, store_or_add_torch, sums2, sums3, tl, token,
-                                       uses_triton, warps)
+from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, contiguous, jit, launch, nothing, pow2,
+                                       programs, register_fake, rms_norm_grad, rms_norm_grad_torch, rms_normed,
+                                       rms_normed_torch, row_warps, rows, store_or_add, store_or_add_torch, sum_rows,
+                                       sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -48,8 +49,13 @@ def _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, like_ptr):
 
 
 @jit
-def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BD: tl.constexpr):
+def _in_fwd_kernel(s_ptr, w_ptr, nw_ptr, out_ptr, rstd_ptr, N, D, SN, ST, norm_eps, TOK, NS: tl.constexpr,
+                   BD: tl.constexpr, NORMED: tl.constexpr):
+    """NORMED: the host's RMSNorm of the read (common.rms_normed, weight nw_ptr [d]) in its place, and 1 / RMS
+    into rstd_ptr [N]: the read itself never leaves the registers."""
     _, od, _, dmask = _lanes(1, D, 1, BD)
+    if NORMED:
+        nw = tl.load(nw_ptr + od, mask=dmask, other=0.).to(tl.float32)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -57,15 +63,24 @@ def _in_fwd_kernel(s_ptr, w_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, B
         for i in tl.static_range(NS):
             w, x = _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, out_ptr)
             acc += w * x
+        if NORMED:
+            acc, rstd = rms_normed(acc, nw, D, norm_eps, out_ptr)
+            tl.store(rstd_ptr + n, rstd, mask=valid)
         tl.store(out_ptr + n * D + od, acc.to(out_ptr.dtype.element_ty), mask=dmask & valid)
 
 
 @jit
-def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BN: tl.constexpr,
-                   BD: tl.constexpr, ADD: tl.constexpr):
+def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, nw_ptr, rstd_ptr, ds_ptr, dw_ptr, wpart_ptr, N, D, SN, ST, TOK,
+                   NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, NORMED: tl.constexpr):
     """The n streams as one [BN, BD] tile: their weight gradients in one reduction (one a stream took a barrier
-    each). ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py)."""
+    each). ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py).
+    NORMED: go_ptr holds the gradient of the host norm's output; the read is made again from the tile and the
+    norm's backward run on it (common.rms_norm_grad), the norm weight's gradient over the program's tokens into its
+    row of wpart_ptr [programs, D]."""
     oi, od, imask, dmask = _lanes(NS, D, BN, BD)
+    if NORMED:
+        nw = tl.load(nw_ptr + od, mask=dmask, other=0.).to(tl.float32)
+        wtotal = tl.zeros([BD], dtype=tl.float32)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
@@ -73,8 +88,14 @@ def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, ds_ptr, dw_ptr, N, D, SN, ST, TOK, NS: 
         go = tl.load(go_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
         w = tl.load(w_ptr + oi * N + n, mask=imask & valid, other=0.).to(go_ptr.dtype.element_ty).to(tl.float32)
         x = tl.load(s_ptr + oi[:, None].to(tl.int64) * SN + n * ST + od[None, :], mask=tile, other=0.).to(tl.float32)
+        if NORMED:
+            go, dnw = rms_norm_grad(tl.sum(w[:, None] * x, axis=0), go, nw,
+                                    tl.load(rstd_ptr + n, mask=valid, other=0.), D, go_ptr)
+            wtotal += dnw
         store_or_add(ds_ptr + (oi[:, None].to(tl.int64) * N + n) * D + od[None, :], w[:, None] * go[None, :], tile, ADD)
         tl.store(dw_ptr + oi * N + n, tl.sum(x * go[None, :], axis=1), mask=imask & valid)
+    if NORMED:
+        tl.store(wpart_ptr + tl.program_id(0).to(tl.int64) * D + od, wtotal, mask=dmask)
 
 
 @jit
@@ -155,33 +176,46 @@ def _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jma
     return x
 
 
-def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_into=(), **constexprs) -> None:
-    """One program per token (no parameter gradient is reduced over tokens here). The warps hold the token's n
-    outputs [BN, BD], but a stream row [BD] is read by all of them: at most one thread per 16 bytes of the row,
-    so that each loads 16 (at 16 warps a bf16 row of 2048 was read 8 bytes a thread)."""
-    count, tok = programs(n, device, reduces=False)
+def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_into=(), reduces: bool = False,
+            **constexprs) -> int:
+    """One program per token, or a few programs an SM where the kernel reduces a parameter gradient over tokens
+    (`reduces`) -> the programs. The warps hold the token's n outputs [BN, BD], but a stream row [BD] is read by
+    all of them: at most one thread per 16 bytes of the row, so that each loads 16 (at 16 warps a bf16 row of 2048
+    was read 8 bytes a thread)."""
+    count, tok = programs(n, device, reduces=reduces)
     elements = constexprs.get("BN", 1) * constexprs["BD"]
     num_warps = min(warps(elements, live), max(4, row_warps(constexprs["BD"], element_size)))
     launch(kernel, (count,), (*args, tok), num_warps, adds_into, **constexprs)
+    return count
 
 
-def _triton_in_fwd(s: Tensor, w: Tensor) -> Tensor:
+def _triton_in_fwd(s: Tensor, w: Tensor, nw: Optional[Tensor] = None, norm_eps: float = 0.):
+    """-> (the read [N, d], None); with the norm weight nw: (its RMSNorm [N, d], 1 / RMS [N] fp32)."""
     ns, n, d = s.shape
     out = torch.empty((n, d), dtype=s.dtype, device=s.device)
+    rstd = None if nw is None else torch.empty(n, dtype=F32, device=s.device)
     if n:
-        _launch(_in_fwd_kernel, n, s.device, (s, w, out, n, d, s.stride(0), s.stride(1)), 2, s.element_size(), NS=ns,
-                BD=pow2(d))
-    return out
+        _launch(_in_fwd_kernel, n, s.device, (s, w, s if nw is None else nw, out, w if rstd is None else rstd, n, d,
+                                              s.stride(0), s.stride(1), norm_eps), 2, s.element_size(), NS=ns,
+                BD=pow2(d), NORMED=nw is not None)
+    return out, rstd
 
 
-def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool) -> Tensor:
-    """Stream gradients into ds [n, N, d] (stored, or added to it: `adding`) -> weight gradients fp32 [n, N]."""
+def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool, nw: Optional[Tensor] = None,
+                   rstd: Optional[Tensor] = None):
+    """Stream gradients into ds [n, N, d] (stored, or added to it: `adding`) -> (weight gradients fp32 [n, N], the
+    norm weight's gradient in its dtype or None); with the norm weight nw, go is the norm's output gradient."""
     ns, n, d = s.shape
     dw = torch.empty((ns, n), dtype=F32, device=s.device)
-    if n:
-        _launch(_in_bwd_kernel, n, s.device, (s, w, go, ds, dw, n, d, s.stride(0), s.stride(1)), 3, s.element_size(),
-                NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
-    return dw
+    normed = nw is not None
+    if not n:
+        return dw, torch.zeros_like(nw) if normed else None
+    count, _ = programs(n, s.device, reduces=normed)
+    wparts = torch.empty((count, d), dtype=F32, device=s.device) if normed else dw
+    _launch(_in_bwd_kernel, n, s.device, (s, w, go, s if nw is None else nw, w if rstd is None else rstd, ds, dw,
+                                          wparts, n, d, s.stride(0), s.stride(1)), 3, s.element_size(), reduces=normed,
+            NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, NORMED=normed, adds_into=(ds,) if adding else ())
+    return dw, sum_rows(wparts, d, dtypes=[nw.dtype]) if normed else None
 
 
 def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
@@ -216,19 +250,22 @@ def _coef(c, dt, ct):
     return c.to(dt).to(ct)
 
 
-def _torch_in_fwd(s, w):
+def _torch_in_fwd(s, w, nw=None, norm_eps=0.):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
     out = torch.zeros(s.shape[1:], dtype=ct, device=s.device)
     for i in range(s.shape[0]):
         out += _coef(w[i], dt, ct).unsqueeze(-1) * s[i].to(ct)
-    return out.to(dt)
+    return (out.to(dt), None) if nw is None else rms_normed_torch(out.to(dt), nw, norm_eps)
 
 
-def _torch_in_bwd(go, s, w, ds, adding):
+def _torch_in_bwd(go, s, w, ds, adding, nw=None, rstd=None):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    dnw = None
+    if nw is not None:
+        go, dnw = rms_norm_grad_torch(_torch_in_fwd(s, w)[0], go, nw, rstd)
     go = go.to(ct)
     store_or_add_torch(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
-    return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])])
+    return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])]), dnw
 
 
 def _torch_out_fwd(s, y, mix, post):
@@ -271,49 +308,57 @@ def _coef_rows(coef: Tensor, n: int, tail: int = 0) -> Tensor:
 
 
 @torch.library.custom_op("mega_depth::hc_streams_in", mutates_args=())
-def streams_in_op(streams: Tensor, weights: Tensor) -> Tensor:
-    """streams [n, *, d], weights [n, *] -> [*, d]."""
+def streams_in_op(streams: Tensor, weights: Tensor, norm_weight: Optional[Tensor], norm_eps: float) -> List[Tensor]:
+    """streams [n, *, d], weights [n, *] -> [the read [*, d], nothing]; with norm_weight [d], [the host's RMSNorm of
+    the read [*, d], 1 / RMS [*] (fp32)]."""
     s = stream_rows(streams)
-    out = (_triton_in_fwd if uses_triton(s) else _torch_in_fwd)(s, _coef_rows(weights, s.shape[0]))
-    return out.view(streams.shape[1:])
+    fwd = _triton_in_fwd if uses_triton(s) else _torch_in_fwd
+    out, rstd = fwd(s, _coef_rows(weights, s.shape[0]), contiguous(norm_weight), norm_eps)
+    return [out.view(streams.shape[1:]), nothing(out) if rstd is None else rstd.view(streams.shape[1:-1])]
 
 
 @register_fake(streams_in_op)
-def _(streams, weights):
-    return streams.new_empty(streams.shape[1:])
+def _(streams, weights, norm_weight, norm_eps):
+    rstd = nothing(streams) if norm_weight is None else \
+        streams.new_empty(streams.shape[1:-1], dtype=accumulation_dtype(streams.dtype))
+    return [streams.new_empty(streams.shape[1:]), rstd]
 
 
 @torch.library.custom_op("mega_depth::hc_streams_in_backward", mutates_args=())
-def streams_in_backward_op(grad: Tensor, streams: Tensor, weights: Tensor) -> List[Tensor]:
-    """-> [stream gradients [n, *, d], weight gradients [n, *] (fp32 at least)]."""
+def streams_in_backward_op(grad: Tensor, streams: Tensor, weights: Tensor, norm_weight: Optional[Tensor],
+                           rstd: Optional[Tensor]) -> List[Tensor]:
+    """-> [stream gradients [n, *, d], weight gradients [n, *] (fp32 at least), the norm weight's gradient (or
+    nothing)]; with norm_weight, grad is the norm's output gradient and rstd its forward's 1 / RMS."""
     into = torch.empty_like(streams, memory_format=torch.contiguous_format)
-    return [into, _in_backward_into(grad, streams, weights, into, False)]
+    return [into, *_in_backward_into(grad, streams, weights, norm_weight, rstd, into, False)]
 
 
 @register_fake(streams_in_backward_op)
-def _fake_in_backward(grad, streams, weights):
+def _fake_in_backward(grad, streams, weights, norm_weight, rstd):
     return [streams.new_empty(streams.shape),
-            weights.new_empty(weights.shape, dtype=accumulation_dtype(streams.dtype))]
+            weights.new_empty(weights.shape, dtype=accumulation_dtype(streams.dtype)),
+            nothing(streams) if norm_weight is None else norm_weight.new_empty(norm_weight.shape)]
 
 
 @torch.library.custom_op("mega_depth::hc_streams_in_backward_into", mutates_args=("into",))
-def streams_in_backward_into_op(grad: Tensor, streams: Tensor, weights: Tensor, into: Tensor,
-                                adding: bool) -> Tensor:
+def streams_in_backward_into_op(grad: Tensor, streams: Tensor, weights: Tensor, norm_weight: Optional[Tensor],
+                                rstd: Optional[Tensor], into: Tensor, adding: bool) -> List[Tensor]:
     """The stream gradients stored into `into` (contiguous, shaped like the streams), or added to it with `adding`
-    set (kernels/grad_sink.py) -> the weight gradients, as hc_streams_in_backward."""
-    return _in_backward_into(grad, streams, weights, into, adding)
+    set (kernels/grad_sink.py) -> [the weight gradients, the norm weight's], as hc_streams_in_backward."""
+    return _in_backward_into(grad, streams, weights, norm_weight, rstd, into, adding)
 
 
 @register_fake(streams_in_backward_into_op)
-def _(grad, streams, weights, into, adding):
-    return _fake_in_backward(grad, streams, weights)[1]
+def _(grad, streams, weights, norm_weight, rstd, into, adding):
+    return _fake_in_backward(grad, streams, weights, norm_weight, rstd)[1:]
 
 
-def _in_backward_into(grad, streams, weights, into, adding) -> Tensor:
+def _in_backward_into(grad, streams, weights, norm_weight, rstd, into, adding) -> List[Tensor]:
     s = stream_rows(streams)
     bwd = _triton_in_bwd if uses_triton(s) else _torch_in_bwd
-    dw = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]), into.view(s.shape), adding)
-    return dw.view(weights.shape)
+    dw, dnw = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]), into.view(s.shape), adding,
+                  contiguous(norm_weight), None if rstd is None else rstd.reshape(-1))
+    return [dw.view(weights.shape), nothing(grad) if dnw is None else dnw]
 
 
 def _save_inputs(ctx, inputs, output):
@@ -335,15 +380,25 @@ def stream_gradient(ctx, streams, backward, backward_into, *args):
     return grad_sink.returned(ctx.sinks, [into], ctx.needs_input_grad[0])[0], rest
 
 
-def _in_backward(ctx, grad):
-    streams, weights = ctx.saved_tensors
-    ds, (dw,) = stream_gradient(ctx, streams, streams_in_backward_op, streams_in_backward_into_op, grad, streams,
-                                 weights)
+def _in_setup(ctx, inputs, output):
+    streams, weights, norm_weight, _ = inputs
+    ctx.save_for_backward(streams, weights, norm_weight, None if norm_weight is None else output[1])
+    ctx.sinks = grad_sink.sinks_of([streams])
+    ctx.set_materialize_grads(False)
+
+
+def _in_backward(ctx, grads):
+    streams, weights, norm_weight, rstd = ctx.saved_tensors
+    grad = grads[0]  # (1 / RMS has none)
+    if grad is None:
+        return None, None, None, None
+    ds, (dw, dnw) = stream_gradient(ctx, streams, streams_in_backward_op, streams_in_backward_into_op, grad, streams,
+                                    weights, norm_weight, rstd)
     need = ctx.needs_input_grad
-    return ds if need[0] else None, cast_grad(dw, weights, need[1])
+    return ds if need[0] else None, cast_grad(dw, weights, need[1]), cast_grad(dnw, norm_weight, need[2]), None
 
 
-autograd(streams_in_op, _in_backward, _save_inputs)
+autograd(streams_in_op, _in_backward, _in_setup)
 
 
 @torch.library.custom_op("mega_depth::hc_streams_out", mutates_args=())
@@ -418,7 +473,17 @@ def sunk(streams: Tensor) -> Tensor:
 def streams_in(streams: Tensor, weights: Tensor) -> Tensor:
     """== mixing.streams_in(...): streams [n, *, d], weights [n, *] (or broadcastable, [n, 1...]) -> [*, d]."""
     streams = sunk(streams)
-    return call(streams_in_op, streams, weights.expand(streams.shape[:-1]))  # autograd sums a broadcast back
+    # autograd sums a broadcast back
+    return call(streams_in_op, streams, weights.expand(streams.shape[:-1]), None, 0.)[0]
+
+
+def streams_in_normed(norm_weight: Tensor, norm_eps: float, streams: Tensor, weights: Tensor) -> Tensor:
+    """The host's RMSNorm (weight norm_weight [d], Llama's casting: megatron/norm.py's fused norm) of
+    streams_in(streams, weights), in one kernel each way: the read stays in registers, so it is neither written,
+    read by the norm, nor made again (from the n streams) for the norm's backward. Where the host's norm runs fused
+    (a `Recomputed`'s `normalised`: HC / mHC's sublayer input)."""
+    streams = sunk(streams)
+    return call(streams_in_op, streams, weights.expand(streams.shape[:-1]), norm_weight, float(norm_eps))[0]
 
 
 def streams_out(streams: Tensor, output: Tensor, mix: Tensor, post: Tensor) -> Tensor:

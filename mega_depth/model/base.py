@@ -404,9 +404,12 @@ class Mechanism:
         readers of one source, in recomputed regions or not, add their gradients into one buffer)."""
         return self.kernel("recompute", recompute)(fn, *tensors)
 
-    def recomputed(self, make: Callable[..., Tensor], *sources: Optional[Tensor]) -> Recomputed:
-        """A sublayer input make(*sources), recomputed in backward through this mechanism's checkpoint."""
-        return Recomputed(make, sources, self.kernel("recompute", recompute), remakes=self.fused)
+    def recomputed(self, make: Callable[..., Tensor], *sources: Optional[Tensor],
+                   normalised: Optional[Callable[..., Tensor]] = None) -> Recomputed:
+        """A sublayer input make(*sources), recomputed in backward through this mechanism's checkpoint; normalised:
+        the fast path's op that makes it and normalises it as the host's norm (`Recomputed.normalised`)."""
+        return Recomputed(make, sources, self.kernel("recompute", recompute), remakes=self.fused,
+                          normalised=normalised if self.fused else None)
 
 
 def option_fields(mechanisms: Sequence[type]) -> List[Tuple[str, Any, dataclasses.Field]]:

@@ -107,9 +107,11 @@ class StreamMechanism(Mechanism):
 
     def update(self, streams: Tensor, run, weights_in: Tensor, mix: Tensor, weights_out: Tensor) -> Tensor:
         """The sublayer on the streams' weighted sum, its output written into the mixed streams. On the fast path
-        the sublayer's input is `Recomputed`: its pre-norm keeps the streams, not the sum."""
+        the sublayer's input is `Recomputed`: its pre-norm keeps the streams, not the sum (and where the host's
+        norm is the fused one, reads and normalises in one kernel: the sum is never written)."""
         read, write = self.kernel("streams_in", streams_in), self.kernel("streams_out", streams_out)
-        x = self.recomputed(read, streams, weights_in) if self.recomputes else read(streams, weights_in)
+        x = self.recomputed(read, streams, weights_in, normalised=getattr(self.kernels, "streams_in_normed", None)) \
+            if self.recomputes else read(streams, weights_in)
         return write(streams, run(x), mix, weights_out)
 
     def io_units(self, fused=True):
@@ -122,15 +124,16 @@ class StreamMechanism(Mechanism):
 
     def kernel_io_units(self, recompute=True):
         """Per sublayer, on n streams (the first sublayer's are the embedding expanded: read as one): the read
-        (run again in the recomputation) reads the streams and writes the input, its backward reads them and the
-        input's gradient; the write reads the streams and the output and writes n streams, its backward reads them,
+        reads the streams and writes the input (with the recomputation, where the host's norm is the fused one, the
+        normalised input: `streams_in_normed`, nothing made again), its backward reads them and the input's
+        gradient; the write reads the streams and the output and writes n streams, its backward reads them,
         the output and the n streams' gradients and writes the output's; the streams' gradient is stored by the
         write's backward and added to by the read's and the coefficients' (coefficient_io_units). Plus the learned
         collapse head's read and projection, once."""
         n, total = self.n, 0.0
         for sub in range(1, self.shape.num_sublayers + 1):
             read = 1 if sub == 1 else n
-            total += (2 if recompute else 1) * (read + 1) + (read + 1 + 2 * n)  # the read; its backward adds
+            total += (read + 1) + (read + 1 + 2 * n)  # the read; its backward adds
             total += (read + 1 + n) + (read + 1 + n + n + 1)  # the write; its backward stores
             total += self.coefficient_io_units(read, recompute)
         if self.collapse() == "learned":  # the read (its backward stores) and the projection (its backward adds)

@@ -217,6 +217,42 @@ def test_a_block_attnres_merge_is_normalised_in_its_own_kernel(fused, monkeypatc
         torch.testing.assert_close(t.grad, want, rtol=1e-5, atol=1e-5)
 
 
+def test_an_hc_stream_read_is_normalised_in_its_own_kernel(fused, monkeypatch):
+    """The same for HC / mHC's sublayer input (the streams' weighted sum, `streams_in_normed`), its streams an
+    expanded embedding as in the first layer: no norm kernel, rstd only kept, one backward pass, and the values and
+    gradients of the eager norm of the eager read."""
+    from kernel_checks import saved_storages
+
+    from mega_depth.kernels.streams import streams_in, streams_in_normed
+    from mega_depth.megatron.norm import RMSNorm
+    from mega_depth.model.base import Recomputed, normed
+
+    torch.manual_seed(0)
+    n, tokens, d = 4, 5, 64
+    embedding, weights = torch.randn(tokens, d).requires_grad_(), torch.rand(n, tokens).requires_grad_()
+    host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
+    with torch.no_grad():
+        host_norm.weight.uniform_(0.5, 1.5)
+    inputs = (embedding, weights, host_norm.weight)
+    norm_kernels = []
+    monkeypatch.setattr(norm, "fused_forward", lambda *a: norm_kernels.append(1))
+    monkeypatch.setattr(norm, "fused_backward", lambda *a: norm_kernels.append(1))
+    passes = backward_passes(monkeypatch)
+    streams = embedding.unsqueeze(0).expand(n, tokens, d)
+    saved, y = saved_storages(lambda: normed(host_norm, Recomputed(streams_in, (streams, weights), remakes=True,
+                                                                   normalised=streams_in_normed)))
+    g = torch.randn(tokens, d)
+    y.backward(g)
+    assert norm_kernels == [] and len(passes) == 1
+    given = {t.untyped_storage().data_ptr() for t in inputs}
+    assert {ptr: size for ptr, size in saved.items() if ptr not in given and size > tokens} == {}  # rstd only
+    ref = eager(mixing.streams_in(embedding.unsqueeze(0).expand(n, tokens, d), weights), host_norm.weight,
+                host_norm.eps)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for t, want in zip(inputs, torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(t.grad, want, rtol=1e-5, atol=1e-5)
+
+
 def test_dcas_projection_makes_its_inputs_again_without_a_nested_backward(fused, monkeypatch):
     """RemadeQKVProjection (DCA's fused path): the three inputs, made by a fused op from the sources, normalised and
     met by their rows of linear_qkv, equal the eager composition (project_separate, autograd throughout) in values

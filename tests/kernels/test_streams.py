@@ -5,8 +5,9 @@ import torch
 from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, close, detached, gradcheck, leaf, opcheck,
                            saves_only_inputs)
 
-from mega_depth.kernels.streams import (stream_rows, streams_in, streams_in_backward_op, streams_in_op, streams_out,
-                                        streams_out_backward_op, streams_out_op)
+from mega_depth.kernels.streams import (stream_rows, streams_in, streams_in_backward_into_op, streams_in_backward_op,
+                                        streams_in_normed, streams_in_op, streams_out, streams_out_backward_op,
+                                        streams_out_op)
 from mega_depth.model import mixing
 
 
@@ -59,10 +60,46 @@ def test_gradcheck(twin, scale):
 
 def test_opcheck(twin):
     streams, output, weights, mix, post = leaf(3, 4, 6), leaf(4, 6), leaf(3, 4), leaf(3, 4, 3), leaf(3, 4)
-    opcheck(streams_in_op, (streams, weights))
-    opcheck(streams_in_backward_op, (torch.randn(4, 6), *detached([streams, weights])))
+    norm_weight = leaf(6, scale=0.3, shift=1.0)
+    opcheck(streams_in_op, (streams, weights, None, 0.))
+    opcheck(streams_in_backward_op, (torch.randn(4, 6), *detached([streams, weights]), None, None))
+    opcheck(streams_in_op, (streams, weights, norm_weight, 1e-5))
+    rstd = streams_in_op(*detached([streams, weights, norm_weight]), 1e-5)[1]
+    opcheck(streams_in_backward_op, (torch.randn(4, 6), *detached([streams, weights, norm_weight]), rstd))
+    opcheck(streams_in_backward_into_op, (torch.randn(4, 6), *detached([streams, weights, norm_weight]), rstd,
+                                          torch.randn(3, 4, 6), True), eager_only=True)
     opcheck(streams_out_op, (streams, output, mix, post))
     opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, mix, post])))
+
+
+def rms_normed(x, weight, eps):
+    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled)."""
+    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_the_read_and_its_norm_in_one_op(path, n, per_token):
+    """streams_in_normed: the values and gradients (the norm weight's included) of the host's norm of the read,
+    on per-token and broadcast weights, through an expanded embedding too. (Not one stream: the norm undoes its
+    weight, whose gradient is then zero but for eps, and a check of it would compare fp32 noise.)"""
+    lead, d = (5, 2), 24
+    streams, norm_weight = leaf(n, *lead, d), leaf(d, scale=0.3, shift=1.0)
+    weights = leaf(n, *(lead if per_token else (1,) * len(lead)))
+    check(lambda w, s, c: streams_in_normed(w, 1e-5, s, c),
+          lambda w, s, c: rms_normed(mixing.streams_in(s, c), w, 1e-5), [norm_weight, streams, weights],
+          f"streams_in_normed n={n}")
+    embedding = leaf(*lead, d)
+    check(lambda w, e, c: streams_in_normed(w, 1e-5, e.unsqueeze(0).expand(n, *e.shape), c),
+          lambda w, e, c: rms_normed(mixing.streams_in(e.unsqueeze(0).expand(n, *e.shape), c), w, 1e-5),
+          [norm_weight, embedding, weights], f"streams_in_normed expanded n={n}")
+
+
+def test_gradcheck_the_read_and_its_norm(twin):
+    f64 = torch.float64
+    gradcheck(lambda w, s, c: streams_in_normed(w, 1e-5, s, c),
+              [leaf(6, scale=0.3, shift=1.0, dtype=f64), leaf(3, 4, 6, dtype=f64), leaf(3, 4, dtype=f64)],
+              "streams_in_normed")
 
 
 def test_save_only_their_inputs(path):

@@ -71,7 +71,7 @@ class _FusedPaths:
     FUSED_NORM_INTERPRETED=1)."""
 
     def __init__(self):
-        from mega_depth.kernels import attnres_block
+        from mega_depth.kernels import attnres_block, streams
         from mega_depth.megatron import norm
         from mega_depth.megatron.qkv_projection import RemadeQKVProjection
 
@@ -81,6 +81,7 @@ class _FusedPaths:
         norm._outputs_made_again = self._counted("made_again", norm._outputs_made_again)
         # the ops that make a sublayer input and normalise it in one (a `Recomputed`'s `normalised`)
         attnres_block.attnres_phase2_normed = self._counted("normalised", attnres_block.attnres_phase2_normed)
+        streams.streams_in_normed = self._counted("normalised", streams.streams_in_normed)
 
     def _counted(self, key, fn):
         def counted(*args, **kwargs):
