@@ -74,24 +74,28 @@ def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, nw_ptr, rstd_ptr, ds_ptr, dw_ptr, wpart
                    NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, NORMED: tl.constexpr):
     """The n streams as one [BN, BD] tile: their weight gradients in one reduction (one a stream took a barrier
     each). ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py).
-    NORMED: go_ptr holds the gradient of the host norm's output; the read is made again from the tile and the
-    norm's backward run on it (common.rms_norm_grad), the norm weight's gradient over the program's tokens into its
-    row of wpart_ptr [programs, D]."""
+    NORMED: go_ptr holds the gradient of the host norm's output; the read is made again, row by row as the forward
+    made it (the same sums, one row live at a time: at 7B in fp32 with the tile held as well it spilled on sm_80),
+    and the norm's backward run on it (common.rms_norm_grad); the tile's load then meets those rows in cache. The
+    norm weight's gradient over the program's tokens goes to its row of wpart_ptr [programs, D]."""
     oi, od, imask, dmask = _lanes(NS, D, BN, BD)
     if NORMED:
-        nw = tl.load(nw_ptr + od, mask=dmask, other=0.).to(tl.float32)
         wtotal = tl.zeros([BD], dtype=tl.float32)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
         tile = imask[:, None] & dmask[None, :] & valid
         go = tl.load(go_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
-        w = tl.load(w_ptr + oi * N + n, mask=imask & valid, other=0.).to(go_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(s_ptr + oi[:, None].to(tl.int64) * SN + n * ST + od[None, :], mask=tile, other=0.).to(tl.float32)
-        if NORMED:
-            go, dnw = rms_norm_grad(tl.sum(w[:, None] * x, axis=0), go, nw,
+        if NORMED:  # (the norm weight loaded a token, from cache: held, it spilled too)
+            h = tl.zeros([BD], dtype=tl.float32)
+            for i in tl.static_range(NS):
+                wi, xi = _stream_row(s_ptr, w_ptr, i, n, N, SN, ST, od, dmask, valid, go_ptr)
+                h += wi * xi
+            go, dnw = rms_norm_grad(h, go, tl.load(nw_ptr + od, mask=dmask, other=0.).to(tl.float32),
                                     tl.load(rstd_ptr + n, mask=valid, other=0.), D, go_ptr)
             wtotal += dnw
+        w = tl.load(w_ptr + oi * N + n, mask=imask & valid, other=0.).to(go_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.load(s_ptr + oi[:, None].to(tl.int64) * SN + n * ST + od[None, :], mask=tile, other=0.).to(tl.float32)
         store_or_add(ds_ptr + (oi[:, None].to(tl.int64) * N + n) * D + od[None, :], w[:, None] * go[None, :], tile, ADD)
         tl.store(dw_ptr + oi * N + n, tl.sum(x * go[None, :], axis=1), mask=imask & valid)
     if NORMED:
