@@ -3,6 +3,8 @@
 
     streams_in:  x = sum_i w_i X_i                              reads each stream once, writes d
     streams_out: X'_j = post_j y + sum_i mix[i, j] X_i           reads each stream and y once, writes the n streams
+    streams_in_normed: the host's RMSNorm of streams_in, in the same kernels (the sublayer's normalised input; the
+                 read itself is never written)
 
 Streams come as [n, *, d] with free stream and token strides (an expanded embedding, a pipeline tensor's view: read
 in place); coefficients [n, *] and [n, *, n] may broadcast over the tokens. A coefficient is rounded to the
