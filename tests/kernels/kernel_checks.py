@@ -61,6 +61,11 @@ def twin(monkeypatch):
     monkeypatch.setattr(common, "FORCE_TRITON", False)
 
 
+def rms_normed(x, weight, eps):
+    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled)."""
+    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def leaf(*shape, scale=1.0, shift=0.0, dtype=torch.float32):
     return (torch.randn(*shape, dtype=dtype) * scale + shift).requires_grad_()
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_checks import (EPS, SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
+from kernel_checks import (EPS, SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, rms_normed,
                            saves_only_inputs, sources_of)
 
 from mega_depth.kernels.attnres_block import (attnres_phase1_sources, attnres_phase2, attnres_phase2_normed,
@@ -67,11 +67,6 @@ def test_phases_chained(path, weight):
           chain(lambda b, q, g: mixing.attnres_block_phase1(torch.stack(b), q, g, EPS, weight, heads),
                 lambda *a: mixing.attnres_block_phase2(*a, EPS, weight, heads)),
           [queries, gains, partial, *blocks], f"phases chained {weight}")
-
-
-def rms_normed(x, weight, eps):
-    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled)."""
-    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @pytest.mark.parametrize("heads, weight, norm", [(1, "softmax", True), (2, "softmax", True), (1, "sigmoid", True),

@@ -4,6 +4,7 @@
 import pytest
 import torch
 from kernel_checks import GPU, interpreted  # first: it switches the interpreter on before triton is imported
+from kernel_checks import rms_normed as eager
 
 from mega_depth.kernels import common
 from mega_depth.megatron import norm, swiglu
@@ -33,9 +34,18 @@ def backward_passes(monkeypatch):
     return passes
 
 
-def eager(x, weight, eps):
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+def host_norm_without_its_kernels(monkeypatch, d):
+    """A host RMSNorm [d] (weight drawn in 0.5..1.5) and a list that gets an entry for each call of its own fused
+    kernels (forward or backward), which then do not run."""
+    from mega_depth.megatron.norm import RMSNorm
+
+    host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
+    with torch.no_grad():
+        host_norm.weight.uniform_(0.5, 1.5)
+    calls = []
+    monkeypatch.setattr(norm, "fused_forward", lambda *a: calls.append(1))
+    monkeypatch.setattr(norm, "fused_backward", lambda *a: calls.append(1))
+    return host_norm, calls
 
 
 @pytest.mark.parametrize("shape", [(5, 64), (3, 2, 4, 24)])  # rows of d, and the q/k norms' [s, b, heads, hn]
@@ -180,7 +190,6 @@ def test_a_block_attnres_merge_is_normalised_in_its_own_kernel(fused, monkeypatc
     from kernel_checks import saved_storages
 
     from mega_depth.kernels.attnres_block import attnres_phase2, attnres_phase2_normed
-    from mega_depth.megatron.norm import RMSNorm
     from mega_depth.model.base import Recomputed, normed
 
     torch.manual_seed(0)
@@ -188,13 +197,8 @@ def test_a_block_attnres_merge_is_normalised_in_its_own_kernel(fused, monkeypatc
     m, z = torch.randn(tokens, heads).requires_grad_(), (torch.rand(tokens, heads) + 1).requires_grad_()
     o, partial = (torch.randn(tokens, d) * 2).requires_grad_(), torch.randn(tokens, d).requires_grad_()
     query, gain = torch.randn(d).requires_grad_(), (torch.rand(d) + 0.5).requires_grad_()
-    host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
-    with torch.no_grad():
-        host_norm.weight.uniform_(0.5, 1.5)
+    host_norm, norm_kernels = host_norm_without_its_kernels(monkeypatch, d)
     inputs = (m, z, o, partial, query, gain, host_norm.weight)
-    norm_kernels = []
-    monkeypatch.setattr(norm, "fused_forward", lambda *a: norm_kernels.append(1))
-    monkeypatch.setattr(norm, "fused_backward", lambda *a: norm_kernels.append(1))
     passes = backward_passes(monkeypatch)
 
     def merge(*sources):
@@ -224,19 +228,13 @@ def test_an_hc_stream_read_is_normalised_in_its_own_kernel(fused, monkeypatch):
     from kernel_checks import saved_storages
 
     from mega_depth.kernels.streams import streams_in, streams_in_normed
-    from mega_depth.megatron.norm import RMSNorm
     from mega_depth.model.base import Recomputed, normed
 
     torch.manual_seed(0)
     n, tokens, d = 4, 5, 64
     embedding, weights = torch.randn(tokens, d).requires_grad_(), torch.rand(n, tokens).requires_grad_()
-    host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
-    with torch.no_grad():
-        host_norm.weight.uniform_(0.5, 1.5)
+    host_norm, norm_kernels = host_norm_without_its_kernels(monkeypatch, d)
     inputs = (embedding, weights, host_norm.weight)
-    norm_kernels = []
-    monkeypatch.setattr(norm, "fused_forward", lambda *a: norm_kernels.append(1))
-    monkeypatch.setattr(norm, "fused_backward", lambda *a: norm_kernels.append(1))
     passes = backward_passes(monkeypatch)
     streams = embedding.unsqueeze(0).expand(n, tokens, d)
     saved, y = saved_storages(lambda: normed(host_norm, Recomputed(streams_in, (streams, weights), remakes=True,

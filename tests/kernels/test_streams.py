@@ -3,7 +3,7 @@
 import pytest
 import torch
 from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, close, detached, gradcheck, leaf, opcheck,
-                           saves_only_inputs)
+                           rms_normed, saves_only_inputs)
 
 from mega_depth.kernels.streams import (stream_rows, streams_in, streams_in_backward_into_op, streams_in_backward_op,
                                         streams_in_normed, streams_in_op, streams_out, streams_out_backward_op,
@@ -70,11 +70,6 @@ def test_opcheck(twin):
                                           torch.randn(3, 4, 6), True), eager_only=True)
     opcheck(streams_out_op, (streams, output, mix, post))
     opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, mix, post])))
-
-
-def rms_normed(x, weight, eps):
-    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled)."""
-    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @pytest.mark.parametrize("n", [3, 4])
