@@ -72,7 +72,7 @@ def _survey_one(job):
     """(rows, a log line) of one (sizes, dtype, target) job."""
     import torch
 
-    from mega_depth.kernels import aot
+    from mega_depth.kernels import aot, tuning
     from mega_depth.kernels.common import launch_bytes
 
     sizes, dtype, target = job
@@ -88,6 +88,8 @@ def _survey_one(job):
     for key, (launch, names) in seen.items():
         row = {"configs": sorted(names), "dtype": dtype, "target": f"sm_{target}",
                "kernel": aot.describe(aot.tuned(launch, target)),  # the warps it runs with there
+               # those warps measured fastest on a GPU of the target (kernels/tuned.json), not the launcher's guess
+               "tuned": tuning.measured(launch.kernel, launch.args, launch.constexprs, f"sm_{target}"),
                "fewest_programs_of_a_big_launch": fewest.get(key)}
         try:
             row.update(aot.resources(aot.compile_launch(launch, target), target))

@@ -110,6 +110,11 @@ def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: S
     return chosen
 
 
+def measured(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], target_name: str) -> bool:
+    """Whether the table holds a GPU-measured setting for this launch on target_name (else it runs the guess)."""
+    return key(kernel, args, constexprs) in TABLE.get(target_name, {})
+
+
 def launched(compiled) -> None:
     """After a launch made while observing: the spills of its compile (Triton's n_spills on a GPU; nothing under
     the interpreter), which the tuner holds against a candidate: a faster setting that spills is not taken."""

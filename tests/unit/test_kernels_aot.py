@@ -54,10 +54,15 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
            and "KB=1," not in r["kernel"]]
     assert grn and all(min(map(int, widths)) >= (4 if k.startswith("grn._bwd_kernel") else 8) and widths.get("16")
                        for k, widths in grn), grn
-    # loads in flight come from resident warps: every kernel of the 1B step keeps at least 16 an SM (4 blocks of 4,
-    # 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept 8 (12 %).
-    assert all(r["occupancy"] >= 25 for r in step), [(r["kernel"], r["occupancy"]) for r in step if
-                                                     r["occupancy"] < 25]
+    # loads in flight come from resident warps: every launcher's guess for the 1B step keeps at least 16 an SM
+    # (4 blocks of 4, 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept
+    # 8 (12 %). A setting the tuner measured faster on that target's GPU (kernels/tuned.json) outranks the rule: on
+    # the H200 the AttnRes mix forward ran 1.75x faster at 12 resident warps than at 24.
+    guessed = [r for r in rows if r["dtype"] == "bf16" and not r["tuned"] and any(c.startswith("1b-")
+                                                                                   for c in r["configs"])]
+    assert {r["target"] for r in guessed} == {"sm_80", "sm_90", "sm_100"}
+    assert all(r["occupancy"] >= 25 for r in guessed), [(r["kernel"], r["target"], r["occupancy"])
+                                                        for r in guessed if r["occupancy"] < 25]
     # a launch that moves 32 MB or more has a program for every SM of its target at the 1B and 7B sizes: mHC's
     # projection had 128 programs (7B: 32) for 132 SMs, each walking the four streams in turn
     from mega_depth.kernels.aot import TARGETS
