@@ -238,6 +238,7 @@ class Timing(NamedTuple):
     host_seconds: float  # the host's time to issue one call (Python, autograd, the launches)
 
 
+PASSES = ("ours", "peers", "torch.compile")  # the table's rows, in the order they are measured
 SERIES = 3  # timed series per measurement; the median series counts
 
 
@@ -545,6 +546,10 @@ def main(argv=None) -> int:
                         help="calls in each of the timed series per implementation and phase")
     parser.add_argument("--toy", action="store_true", help="toy sizes in fp32 on the CPU: run and check, no timing")
     parser.add_argument("--no-compile-floor", action="store_true", help="skip torch.compile of the eager math")
+    parser.add_argument("--passes", default=",".join(PASSES),
+                        help=f"which rows, comma-separated ({', '.join(PASSES)}): our kernels, the published "
+                        "peers, torch.compile of the eager math (a device check runs ours first, the peers later: "
+                        "their first compiles and autotuning take minutes)")
     parser.add_argument("--out", default=None, help="write the rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table")
     parser.add_argument("--host", action="store_true",
@@ -558,6 +563,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.ops.split(",")) - set(OPS))
     if unknown:
         parser.error(f"unknown --ops {unknown}; choose from {', '.join(OPS)}")
+    unknown = sorted(set(args.passes.split(",")) - set(PASSES))
+    if unknown:
+        parser.error(f"unknown --passes {unknown}; choose from {', '.join(PASSES)}")
     import torch
 
     from mega_depth.quiet import quiet_known_warnings
@@ -598,6 +606,7 @@ def main(argv=None) -> int:
               ("peers", lambda c: measure_peers(c, device, args.repeats, tol))]
     if not args.no_compile_floor and not args.toy:
         passes.append(("torch.compile", lambda c: [compile_floor(c, device, args.repeats)]))
+    passes = [(label, run) for label, run in passes if label in args.passes.split(",")]
     for label, run_pass in passes:
         for shape, shape_cases in chosen.items():
             for case in shape_cases:

@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
-# important first, so that the first 165 s give the kernel table and the next 230 s the 1B step ratios:
+# important first, so that the first 75 s give our kernels' table and the next 230 s the 1B step ratios:
 #   1. environment;
-#   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes and
-#      the published peers, then torch.compile of the eager math (tools/bench_kernels.py): the kernel table;
+#   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes
+#      (tools/bench_kernels.py --passes ours): our rows of the kernel table;
 #   3. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
 #      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton (Block AttnRes, Depth-Attention and
 #      2-DCA first), same run, interleaved, one mechanism and the baseline resident at a time; MFU,
 #      saved-for-backward bytes, the analytic bound;
-#   4. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
+#   4. the published peers on the same ops, each checked equal to ours first, then torch.compile of the eager math
+#      (--passes peers,torch.compile): the rest of the kernel table. Their first compiles and autotuning take
+#      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios;
+#   5. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
 #      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
-#   5. a torch.profiler trace of one 1B-size step, baseline, Block AttnRes and Depth-Attention: top kernels, each
-#      mixing kernel's device time and launches in the step (free of the host time that the kernel table's
-#      one-call timings carried on 2026-11-30), device idle time and the longest gaps (tools/profile_step.py), so a
-#      missed ratio says where its time went;
-#   6. host syncs: one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"), the loss read
-#      excluded (tools/sync_check.py); the optimizer step's syncs counted (0 for every setting in the last three
-#      GPU runs; the last box's 51 s covered all ten, and a cut-off run keeps the settings it finished).
-#   FULL=1 adds the kernels' launch settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in
-#   the results, to commit as mega_depth/kernels/tuned.json) and the kernel table again with them
-#   (ONLY=tune_kernels,kernels_tuned FULL=1 runs those two alone, ~270 s), throughput at d = 512 (12 layers, every
-#   mechanism), --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole), the
-#   quickstart's train -> export -> sample, a short GPU quality run and the mixing's cost on MoE layers at the 1B
-#   class (ONLY=throughput_moe FULL=1 runs that alone; past the 580 s box). The boxes are sized from the last GPU
-#   runs (H200, 2026-11-29 and -30, docs/benchmarks.md): a 1B pair takes 38-70 s (the machine of 2026-11-30 was
-#   slower), our kernels' rows of the table ~25 s and the peers' ~70 s (most of it Triton's first compiles and fla's
-#   autotuning), a profiled setting ~30 s, the tuner 54 s for its former 6 candidates a kernel (now up to 12: 150 s).
+#   6. a torch.profiler trace of one 1B-size step, baseline, Block AttnRes and Depth-Attention: top kernels, each
+#      mixing kernel's device time and launches in the step, device idle time and the longest gaps
+#      (tools/profile_step.py), so a missed ratio says where its time went.
+#   FULL=1 adds: host syncs (one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"),
+#   tools/sync_check.py; 0 in every GPU run since 2026-11-27, and the CPU suite checks it); the kernels' launch
+#   settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in the results, to commit as
+#   mega_depth/kernels/tuned.json) and our rows again with them (ONLY=tune_kernels,kernels_tuned FULL=1 runs those
+#   two alone, ~190 s), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block
+#   AttnRes and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU
+#   quality run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone;
+#   past the 580 s box). The boxes are sized from the last GPU runs (H200, 2026-11-29 and -30, docs/benchmarks.md):
+#   a 1B pair takes 38-70 s (230 s gave six settings of seven on 2026-11-30, second session), our kernels' rows
+#   ~22 s after ~15 s of imports, the peers' 62 s for the AttnRes mix alone, a profiled setting ~33 s, the tuner
+#   131 s for 35 kernels.
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
 #                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
@@ -115,25 +116,31 @@ step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
   $PY -c 'import sys, torch, triton; from importlib.metadata import version as v; print(sys.version.split()[0],
   torch.__version__, torch.cuda.is_available(), \"triton\", triton.__version__, *(p + \" \" + v(p) for p in
   (\"megatron-core\", \"transformers\", \"liger-kernel\", \"fla-core\", \"flash-attn-res\")))'"
-# (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op: ours for every
-# op first, then the peers, the torch.compile floor last)
-step bench_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
-  "$PY" tools/bench_kernels.py "${KERNELS[@]}" --out "$WORK/kernels.json" --markdown
+# (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op.) Our rows
+# first, alone: 22 s of kernels on the H200 of 2026-11-30 (second session), where the peers' first compiles and
+# autotuning (fla tries 24 settings a kernel) took 62 s for the AttnRes mix alone and cut the whole table at 150 s
+step bench_kernels 60 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+  "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours --out "$WORK/kernels.json" --markdown
 step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
+# the peers and the torch.compile floor, beside our rows of the first step (the table merges the two JSONs)
+step kernel_peers 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+  "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes peers,torch.compile --out "$WORK/kernel_peers.json" \
+  --markdown
 step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
   "${KERNEL_TESTS[@]}"
-step profile_1b 100 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block,depth-attention \
+step profile_1b 90 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block,depth-attention \
   --mixing-impl triton --out-dir "$WORK"
-step sync_check 50 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
 if [ "${FULL:-0}" = 1 ]; then
   # the tuner starts from the shipped table (its entries are the settings it searches around) and merges its
   # winners into a copy; kernels_tuned then measures the table with that copy, before anyone commits it
   cp mega_depth/kernels/tuned.json "$WORK/tuned.json"
+  # no sync in a step of any setting: 0 in every GPU run since 2026-11-27 (the CPU suite checks it on every change)
+  step sync_check 50 "$PY" tools/sync_check.py "${SYNC[@]}" --out "$WORK/sync_check.json"
   step tune_kernels 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
     "$PY" tools/bench_kernels.py "${KERNELS[@]}" --tune "$WORK/tuned.json"
-  step kernels_tuned 120 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
-    MEGA_DEPTH_TUNED_TABLE="$WORK/tuned.json" "$PY" tools/bench_kernels.py "${KERNELS[@]}" --no-compile-floor \
+  step kernels_tuned 60 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+    MEGA_DEPTH_TUNED_TABLE="$WORK/tuned.json" "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours \
     --out "$WORK/kernels_tuned.json" --markdown
   step throughput_d512 80 "$PY" tools/bench_throughput.py "${TP_SMALL[@]}" --mixing-impl triton \
     --out "$WORK/throughput_d512.json"

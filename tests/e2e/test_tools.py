@@ -153,12 +153,14 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
 
     from fixtures import ENV, PY, ROOT
 
+    default = ["environment", "bench_kernels", "throughput_1b", "kernel_peers", "kernels", "profile_1b"]
+    # the sync check is FULL=1's first step (0 syncs in every GPU run); the rest of FULL=1 is left to the GPU
     proc = subprocess.run(["bash", "tools/device_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=dict(ENV, SCALE="tiny", OUT=str(tmp_path), PY=PY))
+                          env=dict(ENV, SCALE="tiny", OUT=str(tmp_path), PY=PY, FULL="1",
+                                   ONLY=",".join(default + ["sync_check"])))
     summary = (tmp_path / "device_check.log").read_text()
     steps = dict(line.split(": exit ") for line in summary.strip().splitlines())
-    assert set(steps) == {"environment", "kernels", "bench_kernels", "throughput_1b", "profile_1b",
-                          "sync_check"}, summary
+    assert list(steps) == default + ["sync_check"], summary
     assert all(v.startswith("0 ") for v in steps.values()), (summary, proc.stdout[-3000:])
     with tarfile.open(tmp_path / "device_check.tar.gz") as tar:
         tar.extractall(tmp_path / "results")
@@ -176,5 +178,9 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     assert {k["name"] for k in profile["attnres-block"]["mixing_kernels"]} >= {"mega_depth::attnres_phase1"}
     assert all(k["calls"] >= 1 for k in profile["attnres-block"]["mixing_kernels"])
     kernels = json.loads((tmp_path / "results" / "kernels.json").read_text())["rows"]
-    assert {(r["op"], r["status"]) for r in kernels if r["impl"] == "mega_depth"} == {("attnres_mix", "ok"),
-                                                                                      ("attnres_block", "ok")}
+    assert {(r["impl"], r["op"], r["status"]) for r in kernels} == {("mega_depth", "attnres_mix", "ok"),
+                                                                    ("mega_depth", "attnres_block", "ok")}
+    # the peers' rows, in a step of their own after the ratios: each checked against ours or said to be skipped
+    peers = json.loads((tmp_path / "results" / "kernel_peers.json").read_text())["rows"]
+    assert peers and {r["impl"] for r in peers}.isdisjoint({"mega_depth"}), peers
+    assert all(r["status"].startswith(("equal", "skipped")) for r in peers), peers
