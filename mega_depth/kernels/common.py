@@ -115,7 +115,7 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, add
         kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps))
         return
     # a GPU-measured setting for this kernel and GPU (kernels/tuned.json), or the tuner's candidate
-    num_warps, resident_warps = tuning.setting(kernel, args, constexprs, (num_warps, resident_warps))
+    num_warps, resident_warps = tuning.launch_setting(kernel, args, constexprs, (num_warps, resident_warps))
     tuning.launched(kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps)))
 
 

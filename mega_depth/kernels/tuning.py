@@ -110,6 +110,32 @@ def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: S
     return chosen
 
 
+_CHOSEN: Dict[tuple, Setting] = {}  # a launch's cheap key -> setting(), for the table in _CHOSEN_FROM
+_CHOSEN_FROM: List[Any] = [None]
+
+
+def launch_setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: Setting) -> Setting:
+    """setting() for a launch on the running GPU, remembered per kernel, constexprs, tensor dtypes, device and guess.
+    key()'s string took 9 us a launch on the development VM, about 3 ms of host time in a 1B step of Block AttnRes
+    (365 launches); this key is a tuple, about a third of that. Forced and observed launches take the slow path, as
+    does the first launch of each kind."""
+    if _FORCED or _OBSERVERS:
+        return setting(kernel, args, constexprs, guess)
+    if _CHOSEN_FROM[0] is not TABLE:  # the table was replaced (a test's): what was chosen from the old one is stale
+        _CHOSEN.clear()
+        _CHOSEN_FROM[0] = TABLE
+    dtypes, device = [], None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dtypes.append(a.dtype)
+            device = device or a.device
+    cheap = (kernel, tuple(constexprs.items()), tuple(dtypes), device, guess)
+    chosen = _CHOSEN.get(cheap)
+    if chosen is None:
+        chosen = _CHOSEN[cheap] = setting(kernel, args, constexprs, guess)
+    return chosen
+
+
 def measured(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], target_name: str) -> bool:
     """Whether the table holds a GPU-measured setting for this launch on target_name (else it runs the guess)."""
     return key(kernel, args, constexprs) in TABLE.get(target_name, {})

@@ -144,6 +144,38 @@ def test_a_tuned_setting_is_what_its_target_compiles():
     """)], env={"TRITON_INTERPRET": "0", "MEGA_DEPTH_KERNELS_FORCE_TRITON": "0"}, timeout=300)
 
 
+def test_a_launch_takes_the_table_entry_of_its_own_specialisation(monkeypatch):
+    """common.launch looks its setting up by a cheap key (tuning.launch_setting) and gets what tuning.setting gives:
+    the entry of the kernel, constexprs and dtypes on the running GPU, the guess for another dtype, a new table's
+    entry once the table is replaced, a forced candidate while forcing."""
+    import torch
+
+    from mega_depth.kernels import common, tuning
+    from mega_depth.kernels.streams import streams_out
+
+    def launched(dtype):
+        with torch.device("meta"):
+            args = (torch.zeros(4, 8, 256, dtype=dtype), torch.zeros(8, 256, dtype=dtype), torch.zeros(4, 8, 4),
+                    torch.zeros(4, 8))
+        with common.recording(132) as launches:
+            streams_out(*args)
+        return launches[0]
+
+    bf16, fp32 = launched(torch.bfloat16), launched(torch.float32)
+    monkeypatch.setattr(tuning, "_running_target", lambda args: "sm_90")
+    monkeypatch.setattr(tuning, "TABLE", {"sm_90": {tuning.key(bf16.kernel, bf16.args, bf16.constexprs): (2, 32)}})
+
+    def chosen(launch):
+        return tuning.launch_setting(launch.kernel, launch.args, launch.constexprs, (launch.num_warps, 16))
+
+    assert chosen(bf16) == chosen(bf16) == (2, 32) and chosen(fp32) == (fp32.num_warps, 16)
+    monkeypatch.setattr(tuning, "TABLE", {"sm_90": {tuning.key(fp32.kernel, fp32.args, fp32.constexprs): (8, 8)}})
+    assert chosen(bf16) == (bf16.num_warps, 16) and chosen(fp32) == (8, 8)
+    with tuning.forcing({tuning.key(fp32.kernel, fp32.args, fp32.constexprs): (1, 64)}):
+        assert chosen(fp32) == (1, 64)
+    assert chosen(fp32) == (8, 8)
+
+
 def test_a_malformed_tuning_table_names_the_fix(tmp_path):
     from mega_depth.kernels import tuning
 
