@@ -197,7 +197,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
+        if isinstance(x, _Remaking):
+            return x.normalise(self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     outputs_made_again = staticmethod(outputs_made_again)  # model/base.norm_outputs_made_again asks the norms
@@ -210,9 +212,22 @@ class RMSNorm(nn.Module):
         first = next((t for t in sources if t is not None), None)
         if first is None or not fused_applies(first):
             return None
-        if normalised is not None:
-            return normalised(self.weight, self.eps, *sources)
-        x = make(*sources)
+        # through the module's call, as any use of the norm: its hooks run (DeepSpeed ZeRO-3 gathers the weight in
+        # one, and registers the hook that gathers it again for backward)
+        return self(_Remaking(make, sources, normalised))
+
+
+class _Remaking:
+    """RMSNorm.remade's input, handed through the module's call: make(*sources), or normalised(weight, eps,
+    *sources) where the mechanism has that op."""
+
+    def __init__(self, make, sources, normalised):
+        self.make, self.sources, self.normalised = make, sources, normalised
+
+    def normalise(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.normalised is not None:
+            return self.normalised(weight, eps, *self.sources)
+        x = self.make(*self.sources)
         if not torch.is_grad_enabled():
-            return self(x)
-        return _RemadeNorm.apply(x, self.weight, self.eps, make, *sources)
+            return rms_norm(x, weight, eps)
+        return _RemadeNorm.apply(x, weight, eps, self.make, *self.sources)

@@ -36,7 +36,8 @@ def backward_passes(monkeypatch):
 
 def host_norm_without_its_kernels(monkeypatch, d):
     """A host RMSNorm [d] (weight drawn in 0.5..1.5) and a list that gets an entry for each call of its own fused
-    kernels (forward or backward), which then do not run."""
+    kernels (forward or backward), which then do not run; `host_norm.hooked` gets one for each run of the module's
+    forward pre-hooks."""
     from mega_depth.megatron.norm import RMSNorm
 
     host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
@@ -45,7 +46,15 @@ def host_norm_without_its_kernels(monkeypatch, d):
     calls = []
     monkeypatch.setattr(norm, "fused_forward", lambda *a: calls.append(1))
     monkeypatch.setattr(norm, "fused_backward", lambda *a: calls.append(1))
+    hooked(host_norm)
     return host_norm, calls
+
+
+def hooked(module):
+    """module.hooked: a list that gets an entry each time the module's forward pre-hooks run (where DeepSpeed ZeRO-3
+    gathers a partitioned weight: a norm used without its call would read the empty partition)."""
+    module.hooked = []
+    module.register_forward_pre_hook(lambda m, args: m.hooked.append(1))
 
 
 @pytest.mark.parametrize("shape", [(5, 64), (3, 2, 4, 24)])  # rows of d, and the q/k norms' [s, b, heads, hn]
@@ -158,6 +167,7 @@ def test_a_recomputed_sublayer_input_is_made_again_by_the_norm_without_a_nested_
     host_norm = RMSNorm(type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False}), d)
     with torch.no_grad():
         host_norm.weight.uniform_(0.5, 1.5)
+    hooked(host_norm)
     passes = backward_passes(monkeypatch)
     g = torch.randn(tokens, d)
     inputs = (streams, weights, host_norm.weight)
@@ -165,6 +175,8 @@ def test_a_recomputed_sublayer_input_is_made_again_by_the_norm_without_a_nested_
     for remakes in (True, False):
         saved, y = saved_storages(lambda: normed(host_norm, Recomputed(streams_in, (streams, weights),
                                                                        remakes=remakes)))
+        if remakes:
+            assert host_norm.hooked == [1]  # the remade norm runs through the module's call, as the eager one
         passes.clear()
         y.backward(g)
         results[remakes] = (y.detach(), [t.grad.clone() for t in inputs], len(passes), saved)
@@ -211,7 +223,7 @@ def test_a_block_attnres_merge_is_normalised_in_its_own_kernel(fused, monkeypatc
                                                                    normalised=merge_normed)))
     g = torch.randn(tokens, d)
     y.backward(g)
-    assert norm_kernels == [] and len(passes) == 1
+    assert norm_kernels == [] and len(passes) == 1 and host_norm.hooked == [1]
     given = {t.untyped_storage().data_ptr() for t in inputs}
     assert {ptr: size for ptr, size in saved.items() if ptr not in given and size > tokens} == {}  # rstd only
     ref = eager(mixing.attnres_block_phase2(m, z, o, partial, query, gain, 1e-6, heads=heads), host_norm.weight,
@@ -241,7 +253,7 @@ def test_an_hc_stream_read_is_normalised_in_its_own_kernel(fused, monkeypatch):
                                                                    normalised=streams_in_normed)))
     g = torch.randn(tokens, d)
     y.backward(g)
-    assert norm_kernels == [] and len(passes) == 1
+    assert norm_kernels == [] and len(passes) == 1 and host_norm.hooked == [1]
     given = {t.untyped_storage().data_ptr() for t in inputs}
     assert {ptr: size for ptr, size in saved.items() if ptr not in given and size > tokens} == {}  # rstd only
     ref = eager(mixing.streams_in(embedding.unsqueeze(0).expand(n, tokens, d), weights), host_norm.weight,
