@@ -236,6 +236,29 @@ def reference(op: str):
 class Timing(NamedTuple):
     seconds: float  # a call's time within a series of back-to-back calls
     host_seconds: float  # the host's time to issue one call (Python, autograd, the launches)
+    host_profile: Optional[List[list]] = None  # --host-profile: where that time went (host_profile())
+
+
+HOST_PROFILE = False  # --host-profile: each timed call's host time by function, on the GPU machine's own host
+
+
+def host_profile(fn, repeats: int, top: int = 12) -> List[list]:
+    """[function, calls a call, microseconds a call in the function itself] of the `top` functions by own time,
+    over `repeats` calls of fn under cProfile: where the host's time to issue a call goes (Python, autograd, the
+    allocators, Triton's launcher, the driver's calls). The development VM records launches instead of running them;
+    this is the real launch path's."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ...)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [[f"{os.path.basename(file)}:{line}({name})", calls / repeats, 1e6 * own / repeats]
+            for (file, line, name), (_, calls, own, _, _) in rows]
 
 
 PASSES = ("ours", "peers", "torch.compile")  # the table's rows, in the order they are measured
@@ -269,7 +292,11 @@ def timed(fn, device, repeats: int) -> Optional[Timing]:
         host = (time.perf_counter() - began) / repeats
         end.synchronize()
         series.append(Timing(start.elapsed_time(end) / 1e3 / repeats, host))
-    return sorted(series)[len(series) // 2]
+    median = sorted(series, key=lambda t: t.seconds)[len(series) // 2]
+    if HOST_PROFILE:
+        median = median._replace(host_profile=host_profile(fn, repeats))
+        torch.cuda.synchronize()
+    return median
 
 
 def timing_fields(fwd: Optional[Timing], bwd: Optional[Timing]) -> dict:
@@ -278,6 +305,8 @@ def timing_fields(fwd: Optional[Timing], bwd: Optional[Timing]) -> dict:
     for phase, t in (("fwd", fwd), ("bwd", bwd)):
         fields[f"{phase}_s"] = None if t is None else t.seconds
         fields[f"{phase}_host_s"] = None if t is None else t.host_seconds
+        if t is not None and t.host_profile is not None:
+            fields[f"{phase}_host_profile"] = t.host_profile
     return fields
 
 
@@ -546,6 +575,9 @@ def main(argv=None) -> int:
                         help="calls in each of the timed series per implementation and phase")
     parser.add_argument("--toy", action="store_true", help="toy sizes in fp32 on the CPU: run and check, no timing")
     parser.add_argument("--no-compile-floor", action="store_true", help="skip torch.compile of the eager math")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="with each timing, where the host's time to issue a call went (cProfile: the top "
+                        "functions by own time), in the JSON rows as fwd_host_profile / bwd_host_profile")
     parser.add_argument("--passes", default=",".join(PASSES),
                         help=f"which rows, comma-separated ({', '.join(PASSES)}): our kernels, the published "
                         "peers, torch.compile of the eager math (a device check runs ours first, the peers later: "
@@ -576,6 +608,8 @@ def main(argv=None) -> int:
 
     if args.host:
         return _host_all(args)
+    global HOST_PROFILE
+    HOST_PROFILE = args.host_profile
     device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
     if device.type != "cuda" and not args.toy:
         parser.error("no GPU: pass --toy (toy sizes on the CPU under TRITON_INTERPRET=1, checks only)")
@@ -615,6 +649,10 @@ def main(argv=None) -> int:
                 rows += with_rates(found, refs[shape]["copy_GBps"])
                 print(f"{shape} {case.op} ({label}, {time.time() - began:.1f} s): "
                       + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
+                for r in found:  # --host-profile: the top of each profile, the rest in the JSON
+                    for phase in ("fwd", "bwd"):
+                        for name, calls, us in r.get(f"{phase}_host_profile", [])[:5]:
+                            print(f"    {r['impl']} {phase} host: {us:7.1f} us in {name} ({calls:g} a call)")
                 save()
     if args.markdown:
         print(markdown(sorted(rows, key=_table_order)))

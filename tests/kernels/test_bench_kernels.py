@@ -62,7 +62,29 @@ def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls_since_sync.__setitem__(0, 0))
     timing = bench_kernels.timed(call, torch.device("cuda"), 4)
     assert series_lengths == [4, 4, 4]
-    assert abs(timing.seconds - 3e-3) < 1e-12 and timing.host_seconds >= 0
+    assert abs(timing.seconds - 3e-3) < 1e-12 and timing.host_seconds >= 0 and timing.host_profile is None
+    # --host-profile: one more series, under the profiler, after the timed ones
+    per_call = iter([1e-3] * 3 + [2e-3] * 4 + [9e-3] * 4 + [3e-3] * 4 + [5e-3] * 4)
+    monkeypatch.setattr(bench_kernels, "HOST_PROFILE", True)
+    timing = bench_kernels.timed(call, torch.device("cuda"), 4)
+    assert abs(timing.seconds - 3e-3) < 1e-12
+    assert {name.split("(")[-1]: calls for name, calls, _ in timing.host_profile}["call)"] == 1
+
+
+def test_host_profile_says_where_the_host_time_of_a_call_went():
+    """--host-profile: the functions a call spends its host time in, by own time, counted per call (the GPU
+    machine's launch path, which the development VM records instead of running)."""
+    def slow():
+        sum(range(20000))
+
+    def call():
+        slow()
+        slow()
+
+    profile = bench_kernels.host_profile(call, repeats=3)
+    names = {name.split("(")[-1].rstrip(")"): (calls, us) for name, calls, us in profile}
+    assert names["slow"][0] == 2 and names["call"][0] == 1, profile
+    assert [us for _, _, us in profile] == sorted((us for _, _, us in profile), reverse=True)  # by own time
 
 
 def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
