@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from dataclasses import dataclass, field
@@ -326,24 +327,47 @@ def _sum_rows_blocks(p: int, k: int) -> Tuple[int, int]:
     return br, max(16, min(pow2(k), SUM_TILE // br))
 
 
+TABLES_KEPT = 4096  # pointer tables kept on their devices (a 1B step builds 35-160; each a 512-byte block)
+_TABLES: "collections.OrderedDict[tuple, Tensor]" = collections.OrderedDict()  # (place, pointers) -> table
+
+
 def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] = None) -> Tensor:
     """The data pointers of `tensors` as an int64 tensor on their device: how a kernel reads a set unstacked.
 
     Built on the host and copied from pinned memory with non_blocking=True, so the host does not wait for the GPU
     (a plain torch.tensor(list, device=cuda) copies from pageable memory, which synchronises the stream: once per
     mixing call, forward, backward and recompute). The caching host allocator keeps the pinned block until the
-    copy has run."""
+    copy has run.
+
+    A table is kept, keyed by its pointers (and the stream that copied it), and handed out again for the same
+    pointers: a training step allocates its activations in the same order every step, so from the second step on
+    a mixing call finds its tables made, without the pinned allocation, the copy and its event on the host. The
+    table holds exactly its key, so a hit is right whatever the tensors are now; tables are read, never written."""
     device = tensors[0].device
     misaligned = [i for i, t in enumerate(tensors) if t.data_ptr() % 16]
     if misaligned:  # the kernels load rows through the table in 16-byte vectors (pointer_at's hint)
         raise ValueError(f"pointer_table: tensors {misaligned} do not start on a 16-byte boundary; pass "
                          "contiguous tensors of their own (.contiguous() or .clone())")
     bits = [0] * len(tensors) if low_bits is None else [int(b) for b in low_bits]
-    host = torch.tensor([t.data_ptr() | b for t, b in zip(tensors, bits)], dtype=torch.int64,
-                        pin_memory=device.type == "cuda")
+    pointers = tuple(t.data_ptr() | b for t, b in zip(tensors, bits))
+    # not while recording (meta tensors, whose pointers are all 0, and the recorded rows ride on the table)
+    keyed = _RECORDER is None and device.type in ("cuda", "cpu")
+    if keyed:
+        place = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device,)
+        key = (place, pointers)
+        table = _TABLES.get(key)
+        if table is not None:
+            _TABLES.move_to_end(key)
+            return table
+    host = torch.tensor(pointers, dtype=torch.int64, pin_memory=device.type == "cuda")
     table = host if device.type == "cpu" else host.to(device, non_blocking=True)
     if _RECORDER is not None:  # a recorded launch's bytes include the rows behind its tables (launch_bytes)
         table._mega_depth_rows = (list(tensors), bits)
+    if keyed:
+        _TABLES[key] = table
+        if len(_TABLES) > TABLES_KEPT:  # the least recently used goes (a kernel queued on it runs first: the
+            # allocator reuses its block only for later work on that stream)
+            _TABLES.popitem(last=False)
     return table
 
 

@@ -42,6 +42,26 @@ def test_pointer_tables_reach_a_device_without_a_sync():
     assert not found, "\n".join(map(str, found))
 
 
+def test_a_pointer_table_is_made_once_for_the_same_pointers(monkeypatch):
+    """A step allocates its activations in the same order every step: a mixing call finds its table made (no pinned
+    allocation, copy or event on a GPU's host). The table holds exactly its key's pointers and low bits, the least
+    recently used goes past TABLES_KEPT, and a table is right for whatever tensor now lies at its pointers."""
+    monkeypatch.setattr(common, "_TABLES", type(common._TABLES)())
+    monkeypatch.setattr(common, "TABLES_KEPT", 3)
+    a, b = torch.zeros(4), torch.zeros(4)
+    first = common.pointer_table([a, b])
+    assert common.pointer_table([a, b]) is first and first.tolist() == [a.data_ptr(), b.data_ptr()]
+    added = common.gradient_table([a, b], [False, True])  # other low bits: another table
+    assert added is not first and added.tolist() == [a.data_ptr(), b.data_ptr() | 1]
+    assert common.pointer_table([b, a]).tolist() == [b.data_ptr(), a.data_ptr()]
+    common.pointer_table([a])  # a fourth table: the least recently used ([a, b] was used last before the others)
+    assert common.pointer_table([a, b]) is not first
+    for _ in range(3):  # a table outlives its tensors and serves whatever tensors lie at its pointers later
+        c, d = torch.zeros(64), torch.zeros(64)
+        assert common.pointer_table([c, d]).tolist() == [c.data_ptr(), d.data_ptr()]
+        del c, d
+
+
 def old_table(tensors, low_bits=None):
     """The pointer table as it was built before: one blocking copy per mixing call on a GPU."""
     bits = low_bits or [False] * len(tensors)
