@@ -14,9 +14,10 @@
 #      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios;
 #   5. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
 #      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
-#   6. a torch.profiler trace of one 1B-size step, baseline, Block AttnRes and Depth-Attention: top kernels, each
-#      mixing kernel's device time and launches in the step, device idle time and the longest gaps
-#      (tools/profile_step.py), so a missed ratio says where its time went.
+#   6. a torch.profiler trace of one 1B-size step, the baseline and PROFILE_MECHS (2-DCA and mHC: Block AttnRes and
+#      Depth-Attention were profiled on 2026-11-30, second session): top kernels, each mixing kernel's device time
+#      and launches in the step, the kernels whose time differs most from the baseline's, device idle time and the
+#      longest gaps (tools/profile_step.py), so a missed ratio says where its time went.
 #   FULL=1 adds: host syncs (one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"),
 #   tools/sync_check.py; 0 in every GPU run since 2026-11-27, and the CPU suite checks it); the kernels' launch
 #   settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in the results, to commit as
@@ -125,12 +126,12 @@ step bench_kernels 60 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_T
 step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
 # the peers and the torch.compile floor, beside our rows of the first step (the table merges the two JSONs)
-step kernel_peers 150 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+step kernel_peers 140 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes peers,torch.compile --out "$WORK/kernel_peers.json" \
   --markdown
 step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
   "${KERNEL_TESTS[@]}"
-step profile_1b 90 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms attnres-block,depth-attention \
+step profile_1b 100 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms "${PROFILE_MECHS:-dca-2,mhc}" \
   --mixing-impl triton --out-dir "$WORK"
 if [ "${FULL:-0}" = 1 ]; then
   # the tuner starts from the shipped table (its entries are the settings it searches around) and merges its

@@ -108,7 +108,21 @@ def profile(backend, sampler, step: int, gpu: bool) -> dict:
                                for n, t in sorted(totals.items(), key=lambda kv: -kv[1]) if is_mixing(n, kernels)],
             "longest_gaps": [{"us": g, "after": a[:80], "before": b[:80]} for g, a, b in gaps],
             "top_kernels": [{"name": n[:120], "ms": t / 1e3, "pct_of_busy": 100 * t / busy if busy else None}
-                            for n, t in top]}
+                            for n, t in top],
+            # every kernel (GPU) or top-level operator (CPU), so that a setting's extra device time can be put
+            # down kernel by kernel against the baseline's (markdown: "Over the baseline")
+            "every_kernel": {n[:120]: {"ms": t / 1e3, "calls": calls[n]}
+                             for n, t in sorted(totals.items(), key=lambda kv: -kv[1])}}
+
+
+def over_baseline(own: dict, base: dict, top: int = 12) -> list:
+    """[(name, ms over the baseline's, own ms, own calls)] of the kernels whose device time in the step differs most
+    from the baseline's (new kernels, and the baseline's kernels run more or less often)."""
+    own_k, base_k = own.get("every_kernel", {}), base.get("every_kernel", {})
+    names = set(own_k) | set(base_k)
+    rows = [(n, own_k.get(n, {}).get("ms", 0.0) - base_k.get(n, {}).get("ms", 0.0), own_k.get(n, {}).get("ms", 0.0),
+             own_k.get(n, {}).get("calls", 0)) for n in names]
+    return sorted(rows, key=lambda r: -abs(r[1]))[:top]
 
 
 def markdown(results: dict, device: str, shape: str) -> str:
@@ -126,6 +140,12 @@ def markdown(results: dict, device: str, shape: str) -> str:
             layers = r.get("layers") or 1
             lines += ["", f"A layer's share: {r['mixing_kernels_ms'] / layers:.2f} ms of mixing kernels in "
                           f"{r['busy_ms'] / layers:.2f} ms of device time a layer ({layers} layers)."]
+        if name != "standard" and "standard" in results:
+            extra = r["busy_ms"] - results["standard"]["busy_ms"]
+            lines += ["", f"Over the baseline: {extra:+.2f} ms of device busy time. The kernels that differ most:", "",
+                      "| kernel | ms over the baseline | ms | launches |", "|---|---:|---:|---:|"]
+            lines += [f"| `{n[:100]}` | {d:+.2f} | {t:.2f} | {c} |"
+                      for n, d, t, c in over_baseline(r, results["standard"])]
         gaps = ", ".join(f"{g['us']:.0f} us after `{g['after'][:40]}`" for g in r["longest_gaps"][:3])
         lines += ["", f"Longest idle gaps: {gaps or 'none'}.", ""]
     return "\n".join(lines)

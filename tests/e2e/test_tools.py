@@ -1,11 +1,13 @@
 """The benchmark tools run (tiny sizes), so that they cannot rot."""
 
 import json
+import os
 import statistics
+import sys
 
 import pytest
 
-from fixtures import run
+from fixtures import ROOT, run
 from mega_depth.catalogue import SETTINGS
 
 
@@ -144,6 +146,21 @@ def test_bench_quality_trains_every_seed_and_reports_the_spread(data, tmp_path):
     assert "vs baseline" in stdout
 
 
+def test_the_profile_puts_a_settings_extra_device_time_down_kernel_by_kernel():
+    """profile_step.over_baseline: the kernels whose time in the step differs most from the baseline's, new ones
+    (the mixing's) and the baseline's own run more or less, largest difference first."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from profile_step import over_baseline
+
+    base = {"every_kernel": {"gemm": {"ms": 10.0, "calls": 4}, "add": {"ms": 2.0, "calls": 8},
+                             "norm": {"ms": 1.0, "calls": 2}}}
+    own = {"every_kernel": {"gemm": {"ms": 10.1, "calls": 4}, "add": {"ms": 0.5, "calls": 2},
+                            "norm": {"ms": 1.0, "calls": 2}, "_phase2_bwd_kernel": {"ms": 4.0, "calls": 48}}}
+    rows = over_baseline(own, base, top=3)
+    assert [(n, round(d, 6), t, c) for n, d, t, c in rows] == [("_phase2_bwd_kernel", 4.0, 4.0, 48),
+                                                               ("add", -1.5, 0.5, 2), ("gemm", 0.1, 10.1, 4)]
+
+
 def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     """tools/device_check.sh at toy sizes on the CPU (SCALE=tiny): every step exits 0 and leaves its results, so the
     scarce GPU run does not fail on the script. The sync check found no host sync in any mechanism's forward and
@@ -151,7 +168,7 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     import subprocess
     import tarfile
 
-    from fixtures import ENV, PY, ROOT
+    from fixtures import ENV, PY
 
     default = ["environment", "bench_kernels", "throughput_1b", "kernel_peers", "kernels", "profile_1b"]
     # the sync check is FULL=1's first step (0 syncs in every GPU run); the rest of FULL=1 is left to the GPU
@@ -169,14 +186,17 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     # no TE, no apex: the grad norm and its clip stay on the device (megatron/grad_norm.py)
     assert all(r["optimizer_syncs"] == [] for r in syncs.values()), {k: r["optimizer_syncs"] for k, r in syncs.items()}
     profile = json.loads((tmp_path / "results" / "profile.json").read_text())["results"]
-    assert list(profile) == ["standard", "attnres-block", "depth-attention"]
-    # (on a CPU only top-level operators are timed: Depth-Attention's mix runs inside its recompute wrapper's, so it
-    # is found on a GPU's kernel timeline only)
-    assert profile["attnres-block"]["mixing_kernels_ms"] > 0 == profile["standard"]["mixing_kernels_ms"]
-    assert "| kernel | ms | % of busy |" in (tmp_path / "results" / "profile.md").read_text()
+    assert list(profile) == ["standard", "dca-2", "mhc"]
+    assert profile["mhc"]["mixing_kernels_ms"] > 0 == profile["standard"]["mixing_kernels_ms"]
+    markdown = (tmp_path / "results" / "profile.md").read_text()
+    assert "| kernel | ms | % of busy |" in markdown
     # each mixing kernel (on a CPU: each mixing op) with its time and launches in the step
-    assert {k["name"] for k in profile["attnres-block"]["mixing_kernels"]} >= {"mega_depth::attnres_phase1"}
-    assert all(k["calls"] >= 1 for k in profile["attnres-block"]["mixing_kernels"])
+    assert {k["name"] for k in profile["mhc"]["mixing_kernels"]} >= {"mega_depth::mhc_projection"}
+    assert {k["name"] for k in profile["dca-2"]["mixing_kernels"]} >= {"mega_depth::dca_grn"}
+    assert all(k["calls"] >= 1 for k in profile["mhc"]["mixing_kernels"])
+    # and what differs from the baseline's step, kernel by kernel (profile_step.over_baseline), for each mechanism
+    assert markdown.count("| kernel | ms over the baseline | ms | launches |") == 2
+    assert all(profile[m]["every_kernel"] for m in profile)
     kernels = json.loads((tmp_path / "results" / "kernels.json").read_text())["rows"]
     assert {(r["impl"], r["op"], r["status"]) for r in kernels} == {("mega_depth", "attnres_mix", "ok"),
                                                                     ("mega_depth", "attnres_block", "ok")}
