@@ -10,7 +10,9 @@ A case is one op at the size a config's step launches it (tokens = micro-batch x
 width, a middle layer's number of sources). Bytes are what the op must move at the least: each input read once and
 each output written once, in the run's dtype (bf16); backward (which recomputes what forward did not keep) reads
 the sources and the output gradient and writes the sources' gradients. The bandwidth references, in the same run:
-a copy of the same bytes (read + write), and a sum of 8 sources into one (a mix with no arithmetic). Each op runs
+a copy of the same bytes (read + write), and a sum of 8 sources into one (a mix with no arithmetic); and the host's
+time to issue one tiny launch: an aten add, Triton's launcher alone, and a kernel of ours through its Python
+(launch_references). Each op runs
 on our kernels (mega_depth/kernels), on `torch.compile` of the eager math (mega_depth/model/mixing.py: the floor a
 user gets for free), and on every peer that computes the same function (tools/kernel_peers.py): a peer's output
 and gradients are checked equal to ours before it is timed; one that differs is reported so, not timed; one that
@@ -529,7 +531,33 @@ def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[st
     copy = timed(lambda: dst.copy_(src), device, repeats)
     add = timed(lambda: torch.sum(src.view(8, n), dim=0, out=out), device, repeats)
     return {"copy_GBps": None if copy is None else 2 * 8 * row_bytes / copy.seconds / 1e9,
-            "sum8_GBps": None if add is None else 9 * row_bytes / add.seconds / 1e9}
+            "sum8_GBps": None if add is None else 9 * row_bytes / add.seconds / 1e9, **launch_references(device)}
+
+
+def launch_references(device) -> Dict[str, Optional[float]]:
+    """The host's microseconds to issue one tiny launch, three ways: an aten add; Triton's launcher alone
+    (kernel[grid](...) of common._sum_rows_kernel); the same kernel through common.sum_rows (our Python, the
+    tuned-setting lookup, then the launcher). What a mixing call's host time is made of, on this host (None off a
+    GPU: the development VM records launches instead of running them)."""
+    import torch
+
+    from mega_depth.kernels import common
+
+    parts = torch.ones(2, 16, device=device)
+    out = torch.empty(16, device=device)
+    br, bk = common._sum_rows_blocks(2, 16)
+    warps = max(1, br * bk // 1024)
+
+    def triton_alone():
+        common._sum_rows_kernel[(common.cdiv(16, bk),)](parts, out, out, parts, parts, 2, 16, 16, BR=br, BK=bk,
+                                                         SCALES=0, **common.options(warps))
+
+    found = {"torch_add": timed(lambda: torch.add(parts, parts, out=parts), device, 20), "triton_launch": None,
+             "sum_rows": None}
+    if common.uses_triton(parts):
+        found["triton_launch"] = timed(triton_alone, device, 20)
+        found["sum_rows"] = timed(lambda: common.sum_rows(parts), device, 20)
+    return {f"{name}_host_us": None if t is None else 1e6 * t.host_seconds for name, t in found.items()}
 
 
 def with_rates(rows: List[dict], copy_gbps: Optional[float]) -> List[dict]:
@@ -634,6 +662,8 @@ def main(argv=None) -> int:
         found_sizes = sizes(shape, args.toy)
         refs[shape] = bandwidth_references(device, dtype, found_sizes["tokens"] * found_sizes["d"] * dtype.itemsize,
                                            args.repeats)
+        print(f"{shape} references: " + ", ".join(f"{k} {v:.1f}" for k, v in refs[shape].items() if v is not None),
+              flush=True)
     # three passes, each over every op: ours, the peers, then the torch.compile floor (compiling every op's eager
     # math takes longest), so that a run cut short by its time box has every op's own row first
     passes = [("ours", lambda c: [measure_ours(c, device, args.repeats, tol)]),

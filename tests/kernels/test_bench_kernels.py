@@ -31,6 +31,10 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path, c
     assert status[("attnres_mix", "fla fused_attnres")].startswith("skipped") and "CUDA" in \
         status[("attnres_mix", "fla fused_attnres")]
     assert all(r["fwd_s"] is None for r in found["rows"])  # nothing is timed on a CPU
+    # the launch references ran (Triton's launcher with the arguments common.sum_rows passes, under the
+    # interpreter), untimed here
+    assert found["references"]["toy"] == {"copy_GBps": None, "sum8_GBps": None, "torch_add_host_us": None,
+                                          "triton_launch_host_us": None, "sum_rows_host_us": None}
 
 
 def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
