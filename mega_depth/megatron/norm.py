@@ -213,7 +213,8 @@ class RMSNorm(nn.Module):
         if first is None or not fused_applies(first):
             return None
         # through the module's call, as any use of the norm: its hooks run (DeepSpeed ZeRO-3 gathers the weight in
-        # one, and registers the hook that gathers it again for backward)
+        # one and registers the one that gathers it again for backward; Megatron's --overlap-param-gather waits in
+        # one for the weight's all-gather)
         return self(_Remaking(make, sources, normalised))
 
 
