@@ -195,9 +195,9 @@ def _rms_applied(projection):
 
 def rms_normed(x, weight, eps):
     """The host's eager RMSNorm (megatron/norm.py): normalised in fp32, cast back, then scaled."""
-    import torch
+    from mega_depth.megatron.norm import eager_rms_norm
 
-    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return eager_rms_norm(x, weight, eps)
 
 
 def _merged(phase1, phase2, args, blocks: int):

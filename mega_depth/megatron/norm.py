@@ -186,6 +186,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if _MADE_AGAIN:
             _MADE_AGAIN[-1][_where(y)] = (y, _Remake(x, weight, eps))
         return y
+    return eager_rms_norm(x, weight, eps)
+
+
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The eager form (the CPU path, and the reference of every fused form): Llama's casting."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 

@@ -62,8 +62,10 @@ def twin(monkeypatch):
 
 
 def rms_normed(x, weight, eps):
-    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled)."""
-    return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """The host's eager RMSNorm (megatron/norm.py: normalised in fp32, cast back, then scaled), never fused."""
+    from mega_depth.megatron.norm import eager_rms_norm
+
+    return eager_rms_norm(x, weight, eps)
 
 
 def leaf(*shape, scale=1.0, shift=0.0, dtype=torch.float32):
