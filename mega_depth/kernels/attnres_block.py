@@ -32,7 +32,7 @@ from torch import Tensor
 from mega_depth.kernels.attnres_mix import accumulate
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
-                                       dot_dim, dot_t, folded_query, folded_query_torch, jit, launch, nothing,
+                                       dot_dim, dot_t, folded_query, folded_query_torch, in_dtype, jit, launch, nothing,
                                        partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
                                        reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
                                        rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, sum_rows,
@@ -820,8 +820,8 @@ def phase1_backward_op(go: Tensor, gz: Optional[Tensor], m: Tensor, completed: L
     gz = None if gz is None else gz.reshape(s, -1, heads).to(m.dtype).contiguous()
     grads, dq, dg = bwd(go.reshape(s, -1, d).contiguous(), gz, m.reshape(s, -1, heads), srcs, queries.contiguous(),
                         contiguous(key_norm_weights), eps, sigmoid, heads)
-    return ([gr.view(b.shape) for gr, b in zip(grads, completed)]
-            + [dq.to(queries.dtype), nothing(go) if dg is None else dg.to(key_norm_weights.dtype)])
+    return ([gr.view_as(b) for gr, b in zip(grads, completed)]
+            + [in_dtype(dq, queries.dtype), nothing(go) if dg is None else in_dtype(dg, key_norm_weights.dtype)])
 
 
 @register_fake(phase1_backward_op)
@@ -867,9 +867,11 @@ def phase2_op(m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query:
     fwd = _triton_phase2_fwd if uses_triton(ro) else _torch_phase2_fwd
     x = rows(partial, d) if partial is not None else None
     ct = accumulation_dtype(o.dtype)
-    out, rstd = fwd(rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(),
+    out, rstd = fwd(in_dtype(rows(m, heads), ct), in_dtype(rows(z, heads), ct), ro, x, query.contiguous(),
                     contiguous(key_norm_weight), eps, sigmoid, heads, contiguous(norm_weight), norm_eps)
-    return [out.view(o.shape), nothing(o) if rstd is None else rstd.view(o.shape[:-1])]
+    if o.dim() == 2:  # (already its shape: a view is host time)
+        return [out, nothing(o) if rstd is None else rstd]
+    return [out.view_as(o), nothing(o) if rstd is None else rstd.view(*o.shape[:-1])]
 
 
 @register_fake(phase2_op)
@@ -889,13 +891,13 @@ def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: O
     bwd = _triton_phase2_bwd if uses_triton(ro) else _torch_phase2_bwd
     x = rows(partial, d) if partial is not None else None
     ct = accumulation_dtype(o.dtype)
-    grads = bwd(rows(grad, d), rows(m, heads).to(ct), rows(z, heads).to(ct), ro, x, query.contiguous(),
-                contiguous(key_norm_weight), eps, sigmoid, heads, contiguous(norm_weight),
+    grads = bwd(rows(grad, d), in_dtype(rows(m, heads), ct), in_dtype(rows(z, heads), ct), ro, x,
+                query.contiguous(), contiguous(key_norm_weight), eps, sigmoid, heads, contiguous(norm_weight),
                 None if rstd is None else rstd.reshape(-1))
     dm, dz, do, dx, dq, dg, dw = grads
-    dq = None if dq is None else dq.to(query.dtype)  # the parameters' dtypes
-    dg = None if dg is None else dg.to(key_norm_weight.dtype)
-    dw = None if dw is None else dw.to(norm_weight.dtype)
+    dq = None if dq is None else in_dtype(dq, query.dtype)  # the parameters' dtypes
+    dg = None if dg is None else in_dtype(dg, key_norm_weight.dtype)
+    dw = None if dw is None else in_dtype(dw, norm_weight.dtype)
     return [nothing(grad) if t is None else t for t in (dm, dz, do, dx, dq, dg, dw)]
 
 
@@ -981,6 +983,10 @@ def attnres_phase2_normed(norm_weight: Tensor, norm_eps: float, m: Tensor, z: Te
 def _phase2(m, z, o, partial, query, key_norm_weight, norm_weight, eps, norm_eps, sigmoid, heads) -> Tensor:
     if partial is not None and partial.shape != o.shape:
         partial = partial.expand(o.shape)
-    m, z = m.expand(*o.shape[:-1], heads), z.expand(*o.shape[:-1], heads)
+    lead = o.shape[:-1]
+    if m.shape[:-1] != lead or m.shape[-1] != heads:  # (an expand to its own shape is host time)
+        m = m.expand(*lead, heads)
+    if z.shape[:-1] != lead or z.shape[-1] != heads:
+        z = z.expand(*lead, heads)
     return call(phase2_op, m, z, o, partial, query, key_norm_weight, norm_weight, float(eps), norm_eps, sigmoid,
                 heads)[0]

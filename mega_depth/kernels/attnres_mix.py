@@ -23,11 +23,11 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad,
-                                       channel_block, check_heads, depth_weight_is_sigmoid, folded_query, folded_query_torch,
-                                       gradient_table, gradients_at, jit, launch, nothing, partial_sums,
-                                       pointer_table, pointers_at, pow2, programs, register_fake, rms_inverse_torch,
-                                       row_warps, rows, sum_rows, sums2, sums3, tl, token, uses_triton,
-                                       warps)
+                                       channel_block, check_heads, depth_weight_is_sigmoid, folded_query,
+                                       folded_query_torch, gradient_table, gradients_at, in_dtype, jit, launch,
+                                       nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
+                                       register_fake, rms_inverse_torch, row_warps, rows, sum_rows, sums2, sums3, tl,
+                                       token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def attnres_mix_op(sources: List[Tensor], query: Tensor, key_norm_weight: Option
     fwd = _triton_fwd if uses_triton(srcs[0]) else _torch_fwd
     g = None if key_norm_weight is None else key_norm_weight.contiguous()
     out, lse = fwd(srcs, _query_rows(query, d), g, eps, sigmoid, heads)
-    return [out.view(sources[0].shape), lse if sigmoid else lse.view(*sources[0].shape[:-1], heads)]
+    return [out.view_as(sources[0]), lse if sigmoid else lse.view(*sources[0].shape[:-1], heads)]
 
 
 @register_fake(attnres_mix_op)
@@ -382,7 +382,8 @@ def _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse
     dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, out, lse, eps, sigmoid, heads,
                  [t.view(-1, d) for t in into], adding)
     # in the parameters' dtypes (the static query's sum_rows already made them so; the rest are fp32 until here)
-    return [dq.view(query.shape).to(query.dtype), nothing(grad) if dg is None else dg.to(key_norm_weight.dtype)]
+    return [in_dtype(dq.view_as(query), query.dtype),
+            nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]
 
 
 def _setup(ctx, inputs, output):

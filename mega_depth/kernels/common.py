@@ -56,8 +56,14 @@ def triton_available() -> bool:
     return triton is not None
 
 
+# Read once, at import, as triton.jit reads it when it decorates the kernels (an environment read is a
+# microsecond of host time, and launches asked several times each)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    return _INTERPRETING
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -400,8 +406,14 @@ def as_list(sources: Sources) -> List[Tensor]:
 def rows(t: Tensor, d: int) -> Tensor:
     """[*, d] as contiguous token rows [N, d], 16-byte aligned: a view when the layout allows, else a transient
     copy."""
-    t = t.reshape(-1, d)
+    if t.dim() != 2 or t.shape[1] != d:  # (a reshape costs the host as much as these checks ten times)
+        t = t.reshape(-1, d)
     return aligned(t if t.is_contiguous() else t.contiguous())
+
+
+def in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype), without the call where t has it (the host's time: most op arguments have it already)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def aligned(t: Tensor) -> Tensor:
@@ -430,7 +442,9 @@ def cast_grad(grad: Optional[Tensor], like: Optional[Tensor], needed: bool) -> O
     """A kernel's gradient (often fp32, in rows) as the gradient of `like`: its shape and dtype."""
     if grad is None or like is None or not needed or grad.numel() == 0:
         return None
-    return grad.reshape(like.shape).to(like.dtype)
+    if grad.shape != like.shape:
+        grad = grad.reshape(like.shape)
+    return in_dtype(grad, like.dtype)
 
 
 def nothing(like: Tensor) -> Tensor:

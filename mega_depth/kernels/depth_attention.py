@@ -573,7 +573,7 @@ def _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding
     c = len(ck)
     dq, dk, dv = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group, rows[:c], rows[c:],
                                                                  adding)
-    return [dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)]
+    return [dq.view_as(query), dk.view_as(key), dv.view_as(value)]
 
 
 def _setup(ctx, inputs, output):

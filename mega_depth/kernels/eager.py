@@ -10,11 +10,18 @@ traces the call, and the op itself where something does.
 
     autograd(op, backward, setup_context)    # in place of op.register_autograd(backward, setup_context=...)
     call(op, *args)                          # in place of op(*args), forward ops and backward ops alike
+
+A call's glue is host time on the GPU's critical path, once per op call forward and once backward (Block AttnRes:
+about 60 op calls and their backward a 1B micro-batch), so the common case is kept short: an op whose arguments
+hold no list of tensors passes them to apply as they are (no flattening), its context is the Function's own (its
+`needs_input_grad` cut to the op's arguments once, in forward), and apply is torch's C entry where no functorch
+transform is active (`Function.apply`'s Python wrapper only binds defaults, which these Functions have none of, and
+unwraps functorch's dead wrappers, which only a transform makes).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,18 +38,26 @@ def traced(args: Sequence[Any]) -> bool:
     if torch.compiler.is_compiling():
         return True
     for a in args:
-        if type(a) in (list, tuple):
+        kind = type(a)
+        if kind in _PLAIN:
+            continue
+        if kind is list or kind is tuple:
             for t in a:
                 if isinstance(t, Tensor) and type(t) not in _PLAIN:
                     return True
-        elif isinstance(a, Tensor) and type(a) not in _PLAIN:
+        elif isinstance(a, Tensor):
             return True
     return False
 
 
-def _flatten(args: Sequence[Any]) -> Tuple[List[Any], Tuple[int, ...]]:
+def _flatten(args: Sequence[Any]) -> Tuple[Sequence[Any], Optional[Tuple[int, ...]]]:
     """The op's arguments as apply's flat arguments (a list argument's tensors one by one) and each argument's
-    length (-1: not a list)."""
+    length (-1: not a list); (args, None) where no argument is a list."""
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            break
+    else:
+        return args, None
     flat, spec = [], []
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -91,17 +106,26 @@ def _function(op, backward: Callable, setup_context: Callable) -> type:
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx, spec, *flat):
-            args = _unflatten(flat, spec)
+            if spec is None:  # no list argument: the flat arguments are the op's
+                args = flat
+                ctx.needs_input_grad = ctx.needs_input_grad[1:]
+                view = ctx
+            else:
+                args = _unflatten(flat, spec)
+                view = _Context(ctx, spec)
             out = op._init_fn(*args)
             ctx.spec, ctx.many = spec, isinstance(out, (list, tuple))
-            setup_context(_Context(ctx, spec), args, out)
+            setup_context(view, args, out)
             return tuple(out) if ctx.many else out
 
         @staticmethod
         def backward(ctx, *grads):
-            got = backward(_Context(ctx, ctx.spec), list(grads) if ctx.many else grads[0])
+            spec = ctx.spec
+            got = backward(ctx if spec is None else _Context(ctx, spec), list(grads) if ctx.many else grads[0])
+            if spec is None:
+                return (None, *got)
             flat = [None]  # spec
-            for n, g in zip(ctx.spec, got):
+            for n, g in zip(spec, got):
                 if n < 0:
                     flat.append(g)
                 else:
@@ -109,6 +133,8 @@ def _function(op, backward: Callable, setup_context: Callable) -> type:
             return tuple(flat)
 
     Eager.__name__ = f"Eager_{op._name}"
+    # torch's C apply, bound to this class: Function.apply less its Python wrapper (see the module's docstring)
+    Eager.c_apply = super(torch.autograd.Function, Eager).apply
     return Eager
 
 
@@ -134,8 +160,16 @@ def _call(op, args):
     function = _FUNCTIONS.get(op)
     if function is None:
         return op._init_fn(*args)
-    flat, spec = _flatten(args)
-    if not torch.is_grad_enabled() or not any(isinstance(t, Tensor) and t.requires_grad for t in flat):
+    if not torch.is_grad_enabled():
         return op._init_fn(*args)
-    out = function.apply(spec, *flat)
-    return list(out) if isinstance(out, tuple) else out
+    flat, spec = _flatten(args)
+    for t in flat:
+        if isinstance(t, Tensor) and t.requires_grad:
+            break
+    else:
+        return op._init_fn(*args)
+    if torch._C._are_functorch_transforms_active():
+        out = function.apply(spec, *flat)
+    else:
+        out = function.c_apply(spec, *flat)
+    return list(out) if type(out) is tuple else out

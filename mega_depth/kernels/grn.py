@@ -25,10 +25,9 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
-                                       gradient_table, gradients_at, interpreting, jit, launch, nothing, partial_sums,
-                                       pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, row_warps, rows, sum_rows, sums2, tl, token, uses_triton,
-                                       warps)
+                                       gradient_table, gradients_at, in_dtype, interpreting, jit, launch, nothing,
+                                       partial_sums, pointer_table, pointers_at, pow2, programs, reduction_grid,
+                                       register_fake, row_warps, rows, sum_rows, sums2, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -567,7 +566,7 @@ def _backward_into(grad, sources, into, adding, bias, proj, version) -> List[Ten
     dbias, dproj = bwd(grad.reshape(bias.shape[0], -1, d).contiguous(), srcs, bias.contiguous(), contiguous(proj),
                        version, [t.view(-1, d) for t in into], adding)
     # in the parameters' dtypes (the Triton launcher's already are; the twin's are fp32 or wider until here)
-    return [dbias.to(bias.dtype), nothing(grad) if dproj is None else dproj.to(proj.dtype)]
+    return [in_dtype(dbias, bias.dtype), nothing(grad) if dproj is None else in_dtype(dproj, proj.dtype)]
 
 
 def _setup(ctx, inputs, output):

@@ -235,7 +235,7 @@ def coefficients_backward_op(grad_pre: Tensor, grad_post: Tensor, grad_res: Tens
                                                                    (grad_res, (-1, n, n)))]
     bwd = _triton_bwd if uses_triton(rows) else _torch_bwd
     d_proj, d_ms, d_bias, d_alphas = bwd(*grads, rows, ms, b, alphas, n, iters, order, eps_style, eps)
-    return [d_proj.view(proj.shape), d_ms.view(mean_square.shape), d_bias, d_alphas]
+    return [d_proj.view_as(proj), d_ms.view_as(mean_square), d_bias, d_alphas]
 
 
 @register_fake(coefficients_backward_op)

@@ -282,7 +282,7 @@ def _backward_into(grad_proj, grad_mean_square, streams, phi, into, adding) -> T
     g_proj = grad_proj.reshape(-1, m).to(ct).contiguous()
     g_ms = grad_mean_square.reshape(-1).to(ct).contiguous()
     bwd = _triton_bwd if uses_triton(s) else _torch_bwd
-    return bwd(g_proj, g_ms, s, phi.contiguous(), into.view(s.shape), adding)
+    return bwd(g_proj, g_ms, s, phi.contiguous(), into.view_as(s), adding)
 
 
 def _setup(ctx, inputs, output):

@@ -320,7 +320,7 @@ def streams_in_op(streams: Tensor, weights: Tensor, norm_weight: Optional[Tensor
     s = stream_rows(streams)
     fwd = _triton_in_fwd if uses_triton(s) else _torch_in_fwd
     out, rstd = fwd(s, _coef_rows(weights, s.shape[0]), contiguous(norm_weight), norm_eps)
-    return [out.view(streams.shape[1:]), nothing(out) if rstd is None else rstd.view(streams.shape[1:-1])]
+    return [out.view(*streams.shape[1:]), nothing(out) if rstd is None else rstd.view(*streams.shape[1:-1])]
 
 
 @register_fake(streams_in_op)
@@ -362,9 +362,9 @@ def _(grad, streams, weights, norm_weight, rstd, into, adding):
 def _in_backward_into(grad, streams, weights, norm_weight, rstd, into, adding) -> List[Tensor]:
     s = stream_rows(streams)
     bwd = _triton_in_bwd if uses_triton(s) else _torch_in_bwd
-    dw, dnw = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]), into.view(s.shape), adding,
+    dw, dnw = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]), into.view_as(s), adding,
                   contiguous(norm_weight), None if rstd is None else rstd.reshape(-1))
-    return [dw.view(weights.shape), nothing(grad) if dnw is None else dnw]
+    return [dw.view_as(weights), nothing(grad) if dnw is None else dnw]
 
 
 def _save_inputs(ctx, inputs, output):
@@ -454,8 +454,8 @@ def _out_backward_into(grad, streams, output, mix, post, into, adding) -> List[T
     n, d = s.shape[0], s.shape[-1]
     go = grad.reshape(n, -1, d).contiguous()
     dy, dmix, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
-        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), into.view(s.shape), adding)
-    return [dy.view(output.shape), dmix.view(mix.shape), dpost.view(post.shape)]
+        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), into.view_as(s), adding)
+    return [dy.view_as(output), dmix.view_as(mix), dpost.view_as(post)]
 
 
 def _out_backward(ctx, grad):

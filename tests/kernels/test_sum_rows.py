@@ -48,7 +48,7 @@ def test_the_sum_times_each_scale_in_one_call(path, dtype, monkeypatch):
 def test_the_compiled_tiles_spread_the_columns_over_programs(monkeypatch):
     """The 1B step's usual reduction, 1,056 partial rows of 2,048 columns: 32 programs of 17 steps (it was 2
     programs of 1,056 dependent row loads); few rows take wide column chunks; a step is at most SUM_TILE values."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(common, "_INTERPRETING", False)
     assert common._sum_rows_blocks(1056, 2048) == (64, 64)
     assert common._sum_rows_blocks(8, 196608) == (8, 512)
     assert common._sum_rows_blocks(1056, 32) == (64, 32)
