@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -235,7 +236,7 @@ def programs(n: int, device: torch.device, reduces: bool) -> Tuple[int, int]:
     elif interpreting() or device.type != "cuda":
         count = min(n, 3)
     elif reduces:
-        count = min(n, 8 * torch.cuda.get_device_properties(device).multi_processor_count)
+        count = min(n, 8 * gpu_sm_count(device))
     else:
         count = n
     tok = cdiv(n, max(count, 1))
@@ -262,7 +263,24 @@ def sm_count(device: torch.device) -> int:
         return _RECORDER.sm_count
     if interpreting() or device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return gpu_sm_count(device)
+
+
+def gpu_sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, looked up once per device (get_device_properties costs the host microseconds a
+    call, and launchers ask at every launch)."""
+    return _sm_counts(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_counts(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def current_raw_stream(device: torch.device) -> int:
+    """The current CUDA stream of `device` as its handle, without making a torch.cuda.Stream object (what Triton's
+    launcher reads too)."""
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]:
@@ -359,7 +377,7 @@ def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] 
     # not while recording (meta tensors, whose pointers are all 0, and the recorded rows ride on the table)
     keyed = _RECORDER is None and device.type in ("cuda", "cpu")
     if keyed:
-        place = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (device,)
+        place = (device, current_raw_stream(device)) if device.type == "cuda" else (device,)
         key = (place, pointers)
         table = _TABLES.get(key)
         if table is not None:

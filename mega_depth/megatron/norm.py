@@ -18,6 +18,7 @@ calls the same kernels on the rows as they lie and writes the input gradient int
 """
 
 import contextlib
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -26,8 +27,10 @@ from torch import nn
 from mega_depth.kernels import common
 
 
+@functools.lru_cache(maxsize=None)
 def _liger_rms_norm():
-    """Liger-Kernel's RMSNorm module (its kernels and launchers), or None where it is not installed."""
+    """Liger-Kernel's RMSNorm module (its kernels and launchers), or None where it is not installed (looked up once:
+    every norm call asks)."""
     try:
         from liger_kernel.ops import rms_norm
     except ImportError:
@@ -50,14 +53,14 @@ def fused_forward(x, weight, eps):
     """Liger's forward on x's rows in place -> (y shaped like x, the state its backward takes: (rstd, launch))."""
     liger = _liger_rms_norm()
     y, _, rstd, block, num_warps, casting = liger.rms_norm_forward(_rows(x), weight, eps, 0.0, "llama", None)
-    return y.view(x.shape), (rstd, (block, num_warps, casting))
+    return y.view_as(x), (rstd, (block, num_warps, casting))
 
 
 def fused_backward(dy, x, weight, state, needs_dw):
     """The gradients (dx shaped like dy, dw or None) of `fused_forward` from its input x and its state."""
     rstd, launch = state
     dx, dw = _norm_backward(dy.reshape(-1, dy.shape[-1]), _rows(x), weight, rstd, *launch, needs_dw=needs_dw)
-    return dx.view(dy.shape), dw
+    return dx.view_as(dy), dw
 
 
 class _FusedNorm(torch.autograd.Function):
@@ -105,7 +108,7 @@ def _norm_backward(dy, rows, weight, rstd, block, num_warps, casting, needs_dw):
     liger = _liger_rms_norm()
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     n_rows, n_cols = dy.shape
-    sm_count = torch.cuda.get_device_properties(rows.device).multi_processor_count if rows.is_cuda else 1
+    sm_count = common.gpu_sm_count(rows.device) if rows.is_cuda else 1
     partial_dw = torch.empty((sm_count, n_cols), dtype=torch.float32, device=rows.device) if needs_dw else None
     dx = torch.empty_like(dy)
     args = (dy, dy.stride(0), dx, dx.stride(0), rows, rows.stride(0), liger.torch_to_triton_dtype[rows.dtype], weight,

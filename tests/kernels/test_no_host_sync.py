@@ -69,6 +69,27 @@ def old_table(tensors, low_bits=None):
                         device=tensors[0].device)
 
 
+def test_a_gpus_sm_count_is_looked_up_once_a_device(monkeypatch):
+    """The launchers ask for the SM count at every launch that reduces (and Liger's norm backward at every call):
+    one property lookup per device, the current device's for a bare "cuda"."""
+    from types import SimpleNamespace
+
+    asked = []
+
+    def properties(index):
+        asked.append(index)
+        return SimpleNamespace(multi_processor_count={0: 132, 1: 78}[index])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    common._sm_counts.cache_clear()
+    try:
+        counts = [common.gpu_sm_count(torch.device(d)) for d in ("cuda:0", "cuda:0", "cuda", "cuda:1", "cuda:0")]
+    finally:
+        common._sm_counts.cache_clear()
+    assert counts == [132, 132, 78, 78, 132] and asked == [0, 1]
+
+
 def test_the_detector_catches_a_blocking_table_and_host_reads(monkeypatch):
     here = (os.path.dirname(os.path.abspath(__file__)), PACKAGE)
     tensors = [torch.zeros(3) for _ in range(2)]
