@@ -549,8 +549,8 @@ def launch_references(device) -> Dict[str, Optional[float]]:
     warps = max(1, br * bk // 1024)
 
     def triton_alone():
-        common._sum_rows_kernel[(common.cdiv(16, bk),)](parts, out, out, parts, parts, 2, 16, 16, BR=br, BK=bk,
-                                                         SCALES=0, **common.options(warps))
+        common._sum_rows_kernel[(common.cdiv(16, bk),)](parts, out, out, out, parts, parts, 2, 16, 16, 16, BR=br,
+                                                         BK=bk, SCALES=0, **common.options(warps))
 
     found = {"torch_add": timed(lambda: torch.add(parts, parts, out=parts), device, 20), "triton_launch": None,
              "sum_rows": None}

@@ -33,8 +33,8 @@ from mega_depth.kernels.attnres_mix import accumulate
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
                                        dot_dim, dot_t, folded_query, folded_query_torch, in_dtype, jit, launch, nothing,
-                                       partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
-                                       reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
+                                       partial_sums, partial_width, pointer_at, pointer_table, pointers_at, pow2,
+                                       programs, reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
                                        rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, sum_rows,
                                        sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
@@ -637,23 +637,35 @@ def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[
         return dm, dz, do, dx, dq, dg, dw
     bh, bc = pow2(heads), pow2(d // heads)
     count, tok = programs(n, dev, reduces=x is not None or normed)
-    # the folded query's and the norm weight's gradients a program
-    parts = partial_sums(count, d, dev) if x is not None else go
-    wparts = partial_sums(count, d, dev) if normed else go
-    pw = parts.shape[-1] if x is not None else wparts.shape[-1]
+    # the folded query's and the norm weight's gradients a program; with both, side by side in one row ([the
+    # query's, the weight's], each pw wide), which one sum_rows launch reduces
+    pw = partial_width(d)
+    if x is not None and normed:
+        parts = partial_sums(count, 2 * pw, dev)
+        wparts = parts[:, pw:]
+    else:
+        parts = partial_sums(count, d, dev) if x is not None else go
+        wparts = partial_sums(count, d, dev) if normed else go
+    stride = parts.stride(0) if x is not None else wparts.stride(0)
     launch(_phase2_bwd_kernel, (count,), (m, z, o, o if x is None else x, q, q if g is None else g, go,
                                           o if w is None else w, m if rstd is None else rstd,
                                           go if dm is None else dm, go if dz is None else dz,
                                           go if do is None else do, go if dx is None else dx, parts, wparts,
-                                          pw, n, d, d // heads, heads, eps, tok),
+                                          stride, n, d, d // heads, heads, eps, tok),
            warps(bh * bc, 4), BH=bh, BC=bc, HAS_PARTIAL=x is not None, NORM=g is not None, SIGMOID=sigmoid,
            NORMED=normed)
-    if x is not None:
-        # folded = gain * query: the sum times each other factor, in the parameters' dtypes
-        dq, dg = (sum_rows(parts, d, dtypes=[q.dtype]), None) if g is None else \
-            sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
-    if normed:
-        dw = sum_rows(wparts, d, dtypes=[w.dtype])
+    # folded = gain * query: the sum times each other factor, in the parameters' dtypes
+    scales, dtypes = ((), [q.dtype]) if g is None else ((g, q), (q.dtype, g.dtype))
+    if x is not None and normed:
+        folded, dw = sum_rows(parts, d, scales, dtypes, tail=(pw, d, w.dtype))
+    elif x is not None:
+        folded = sum_rows(parts, d, scales, dtypes)
+    else:
+        folded = None
+        if normed:
+            dw = sum_rows(wparts, d, dtypes=[w.dtype])
+    if folded is not None:
+        dq, dg = (folded, None) if g is None else folded
     return dm, dz, do, dx, dq, dg, dw
 
 

@@ -297,11 +297,16 @@ def reduction_grid(n: int, chunks: int, device: torch.device) -> Tuple[int, int]
 def partial_sums(programs: int, cols: int, device: torch.device) -> Tensor:
     """A buffer of per-program fp32 partial sums for sum_rows: [programs, cols rounded up to a multiple of 16] (its
     rows then load 16 bytes a thread; the padding columns are never read back)."""
-    return torch.empty((programs, cdiv(cols, 16) * 16), dtype=F32, device=device)
+    return torch.empty((programs, partial_width(cols)), dtype=F32, device=device)
+
+
+def partial_width(cols: int) -> int:
+    """The row width of a partial_sums buffer of `cols` columns: a multiple of 16."""
+    return cdiv(cols, 16) * 16
 
 
 def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor] = (),
-             dtypes: Optional[Sequence[torch.dtype]] = None):
+             dtypes: Optional[Sequence[torch.dtype]] = None, tail: Optional[Tuple[int, int, torch.dtype]] = None):
     """parts [P, K] (a kernel's per-program fp32 partial sums of a parameter gradient) summed over P -> [cols] (the
     first `cols` columns, all by default), by a Triton kernel where the op's kernels run, else by torch. A recorded
     launch, not torch's CPU sum, in the host benchmark: a reduction is the device's work, whose size there follows
@@ -313,6 +318,11 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
     of both its factors, sum * gain and sum * query, in the parameters' dtypes: with 16-bit parameters that was four
     more launches a call (two products, two casts). Without scales, dtypes [dt]: the sum rounded to dt.
 
+    tail (start, tail_cols, dtype): the columns from `start` on are a second gradient's partial sums, which its
+    kernel wrote beside the first's in the same rows: their sum, unscaled, its first tail_cols values in dtype, is
+    returned after the rest, (result, tail sum), by the same launch (start at or past `cols`, a multiple of 16).
+    Phase 2's backward sums its folded query's and its norm weight's gradients so: one launch a sublayer, not two.
+
     One program per chunk of columns reads a [rows, chunk] tile a step (_sum_rows_blocks): the usual case, the
     1,056 partial rows of a d = 2,048 gradient, is 32 programs of 17 steps. It was 2 programs of 1,056 dependent
     row loads each. The order of the sums is fixed by the blocks alone: deterministic."""
@@ -323,32 +333,48 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
     dtypes = list(dtypes) if dtypes is not None else [parts.dtype] * max(1, len(scales))
     if len(dtypes) != max(1, len(scales)):
         raise ValueError(f"sum_rows: {len(scales)} scales but {len(dtypes)} dtypes")
+    if tail is not None and not (cols <= tail[0] and tail[0] % 16 == 0 and tail[0] + tail[1] <= k):
+        raise ValueError(f"sum_rows: a tail of {tail[1]} columns from {tail[0]} does not fit past {cols} columns "
+                         f"of {k} at a multiple of 16")
     if not uses_triton(parts) or not p:
-        total = parts[:, :cols].sum(0)
+        total = parts.sum(0)
+        head = total[:cols]
         if not scales:
-            return total.to(dtypes[0])
-        return [(total * s.reshape(-1).to(parts.dtype)).to(dt) for s, dt in zip(scales, dtypes)]
+            head = head.to(dtypes[0])
+        else:
+            head = [(head * s.reshape(-1).to(parts.dtype)).to(dt) for s, dt in zip(scales, dtypes)]
+        return head if tail is None else (head, total[tail[0]:tail[0] + tail[1]].to(tail[2]))
     # whole rows (a mask at `cols` would break the vectors); an output of its own for each scale (an op's outputs
     # may not alias one another)
-    outs = [torch.empty((k,), dtype=dt, device=parts.device) for dt in dtypes]
-    br, bk = _sum_rows_blocks(p, k)
+    split = k if tail is None else tail[0]
+    outs = [torch.empty((split,), dtype=dt, device=parts.device) for dt in dtypes]
+    rest = torch.empty((k - split,), dtype=tail[2], device=parts.device) if tail is not None else None
+    br, bk = _sum_rows_blocks(p, k, sm_count(parts.device))
     first, second = (list(scales) + [parts, parts])[:2]
-    launch(_sum_rows_kernel, (cdiv(k, bk),), (parts, outs[0], outs[-1], first, second, p, k, cols),
-           max(1, br * bk // 1024), BR=br, BK=bk, SCALES=len(scales))
-    return [out[:cols] for out in outs] if scales else outs[0][:cols]
+    tails = {} if tail is None else {"TAIL": True}  # (the key of a launch without one, as the tuned table has it)
+    launch(_sum_rows_kernel, (cdiv(k, bk),),
+           (parts, outs[0], outs[-1], outs[0] if rest is None else rest, first, second, p, k, cols, split),
+           max(1, br * bk // 1024), BR=br, BK=bk, SCALES=len(scales), **tails)
+    head = [out[:cols] for out in outs] if scales else outs[0][:cols]
+    return head if tail is None else (head, rest[:tail[1]])
 
 
 SUM_TILE = 4096  # fp32 values of a sum_rows step: 32 a thread on 4 warps, 16 KiB of loads in flight a program
 
 
-def _sum_rows_blocks(p: int, k: int) -> Tuple[int, int]:
+def _sum_rows_blocks(p: int, k: int, sms: int = 0) -> Tuple[int, int]:
     """(rows, columns) of a sum_rows step: up to 64 rows (fewer where P is small), and columns to fill SUM_TILE, at
-    least 16 (a 16-byte load a thread) and at most 64 where the rows fill the tile (many programs over K). Under the
-    interpreter 2 rows and up to 16 columns, so that the tests walk several steps and masked tails."""
+    least 16 (a 16-byte load a thread) and at most 64 where the rows fill the tile (many programs over K); down to
+    32 columns (128-byte row pieces) where the chunks of K would leave some of the `sms` SMs without a program (a
+    norm weight's and a folded query's partial sums side by side: 4,096 or 8,192 columns). Under the interpreter 2
+    rows and up to 16 columns, so that the tests walk several steps and masked tails."""
     if interpreting() and _RECORDER is None:
         return min(2, pow2(p)), max(4, min(16, pow2(k)))
     br = min(64, pow2(p))
-    return br, max(16, min(pow2(k), SUM_TILE // br))
+    bk = max(16, min(pow2(k), SUM_TILE // br))
+    while bk > 32 and cdiv(k, bk) < sms:
+        bk //= 2
+    return br, bk
 
 
 TABLES_KEPT = 4096  # pointer tables kept on their devices (a 1B step builds 35-160; each a 512-byte block)
@@ -632,11 +658,12 @@ NATIVE_DOT = tl.constexpr(not interpreting()) if tl is not None else None
 
 
 @jit
-def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: tl.constexpr, BK: tl.constexpr,
-                     SCALES: tl.constexpr):
+def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, tail_ptr, s0_ptr, s1_ptr, P, K, COLS, SPLIT, BR: tl.constexpr,
+                     BK: tl.constexpr, SCALES: tl.constexpr, TAIL: tl.constexpr = False):
     """out[chunk] = the sum over P rows of p[:, chunk]: a [BR, BK] tile of rows a step, added into a [BR, BK]
     accumulator (lane j sums rows j, j + BR, ...), then the BR lanes reduced once. SCALES 1 or 2: out (and out1) =
-    the sum times scale 0's (and 1's) first COLS values (0 past them), rounded to the output's dtype."""
+    the sum times scale 0's (and 1's) first COLS values (0 past them), rounded to the output's dtype. TAIL: the
+    columns from SPLIT on go, unscaled, to tail_ptr (from its start), in its dtype."""
     ok = tl.program_id(0) * BK + tl.arange(0, BK)
     kmask = ok < K
     orow = tl.arange(0, BR)
@@ -645,6 +672,9 @@ def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, s0_ptr, s1_ptr, P, K, COLS, BR: t
         rows = (r0 + orow).to(tl.int64)
         acc += tl.load(p_ptr + rows[:, None] * K + ok[None, :], mask=(rows < P)[:, None] & kmask[None, :], other=0.)
     total = tl.sum(acc, axis=0)
+    if TAIL:
+        tl.store(tail_ptr + ok - SPLIT, total.to(tail_ptr.dtype.element_ty), mask=kmask & (ok >= SPLIT))
+        kmask = kmask & (ok < SPLIT)  # the head's stores
     if SCALES == 0:
         tl.store(out_ptr + ok, total.to(out_ptr.dtype.element_ty), mask=kmask)
     else:

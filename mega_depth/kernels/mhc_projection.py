@@ -28,9 +28,9 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim,
-                                       dot_t, interpreting, jit, launch, partial_sums, pow2, reduction_grid,
-                                       register_fake, sm_count, store_or_add, store_or_add_torch, sum_rows, tl,
-                                       uses_triton)
+                                       dot_t, interpreting, jit, launch, partial_sums, partial_width, pow2,
+                                       reduction_grid, register_fake, sm_count, store_or_add, store_or_add_torch,
+                                       sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
 
@@ -170,14 +170,18 @@ def _triton_fwd(s: Tensor, phi: Tensor):
         return torch.empty((n, m), dtype=F32, device=s.device), torch.empty((n,), dtype=F32, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
     bt, bc = _token_block(bt, n, ns, s.device), _fwd_channels(d, bc, s.element_size())
-    # each stream's share, summed in order after (deterministic; the stream-split grid fills the GPU)
-    parts_proj, parts_ms = partial_sums(ns, n * m, s.device), partial_sums(ns, n, s.device)
+    # each stream's share, summed in order after (deterministic; the stream-split grid fills the GPU): the
+    # projection's and the mean square's side by side in one row, which one sum_rows launch reduces
+    width = partial_width(n * m)
+    parts_proj = partial_sums(ns, width + n, s.device)
+    parts_ms = parts_proj[:, width:]
     # fp32 tiles take one block's whole register file (up to 201 registers); 16-bit ones fit the default 128
     launch(_fwd_kernel, (cdiv(n, bt), ns), (s, phi, parts_proj, parts_ms, n, d, m, s.stride(0), s.stride(1),
-                                            parts_proj.shape[1], parts_ms.shape[1]),
+                                            parts_proj.stride(0), parts_ms.stride(0)),
            FWD_WARPS.get(s.element_size(), 4), resident_warps=RESIDENT_WARPS if s.element_size() == 2 else 1,
            NS=ns, BT=bt, BM=bm, BC=bc, HALF=phi.dtype == s.dtype and s.element_size() == 2)
-    return sum_rows(parts_proj, n * m).view(n, m), sum_rows(parts_ms, n)
+    proj, ms = sum_rows(parts_proj, n * m, tail=(width, n, F32))
+    return proj.view(n, m), ms
 
 
 def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:

@@ -2,6 +2,8 @@
 in fp64, the same bits on a second run, and the tiles that the compiled kernel uses (many programs over the
 columns, few steps over the rows)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -45,14 +47,48 @@ def test_the_sum_times_each_scale_in_one_call(path, dtype, monkeypatch):
         common.sum_rows(parts, cols, (gain, query), (dtype,))
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_tail_of_columns_is_a_second_sum_from_the_same_launch(path, scaled, monkeypatch):
+    """Two gradients' partial sums side by side in one row ([head | tail], the tail from a multiple of 16): one
+    call returns the head's sum (scaled, as without a tail) and the tail's own sum, unscaled, in its dtype; the
+    padding columns between them reach neither. One launch on the Triton path."""
+    monkeypatch.setattr(common, "FORCE_TRITON", path == "triton")
+    rows, cols, start, tail_cols = 9, 20, 32, 13
+    parts = torch.randn(rows, start + 16)
+    gain, query = torch.randn(cols), torch.randn(cols)
+    scales = (gain, query) if scaled else ()
+    alone = common.sum_rows(parts[:, :start].contiguous(), cols, scales)
+    with common.recording(132) if path == "triton" else contextlib.nullcontext() as launches:
+        if path == "triton":  # what the call launches
+            common.sum_rows(parts, cols, scales, tail=(start, tail_cols, torch.bfloat16))
+            assert len(launches) == 1
+    head, tail = common.sum_rows(parts, cols, scales, tail=(start, tail_cols, torch.bfloat16))
+    for a, b in zip(head if scaled else [head], alone if scaled else [alone]):
+        assert torch.equal(a, b) and a.shape == (cols,)
+    assert tail.dtype == torch.bfloat16 and tail.shape == (tail_cols,)
+    step = 2 ** -7 if path == "triton" else 0  # (the interpreter truncates to bf16: one rounding step)
+    torch.testing.assert_close(tail.float(), parts[:, start:start + tail_cols].sum(0).to(torch.bfloat16).float(),
+                               rtol=step, atol=1e-6)
+    with pytest.raises(ValueError, match="does not fit"):
+        common.sum_rows(parts, cols, tail=(24, 4, torch.float32))  # not a multiple of 16
+
+
 def test_the_compiled_tiles_spread_the_columns_over_programs(monkeypatch):
     """The 1B step's usual reduction, 1,056 partial rows of 2,048 columns: 32 programs of 17 steps (it was 2
-    programs of 1,056 dependent row loads); few rows take wide column chunks; a step is at most SUM_TILE values."""
+    programs of 1,056 dependent row loads), 64 where a GPU has more SMs than that; few rows take wide column chunks;
+    a step is at most SUM_TILE values."""
     monkeypatch.setattr(common, "_INTERPRETING", False)
     assert common._sum_rows_blocks(1056, 2048) == (64, 64)
     assert common._sum_rows_blocks(8, 196608) == (8, 512)
     assert common._sum_rows_blocks(1056, 32) == (64, 32)
     assert common._sum_rows_blocks(3, 8) == (4, 16)
+    # where the chunks of 64 columns leave SMs idle, chunks of 32 (a 7B sublayer's query and norm-weight partial
+    # sums side by side: 8,192 columns, 128 programs of 64 for 132 SMs)
+    assert common._sum_rows_blocks(1056, 8192, 132) == (64, 32)
+    assert common._sum_rows_blocks(1056, 2048, 132) == (64, 32)
+    assert common._sum_rows_blocks(1056, 2048 * 132, 132) == (64, 64)
+    assert common._sum_rows_blocks(8, 196608, 132) == (8, 512)
     for p, k in [(1056, 2048), (8, 196608), (1, 1), (5000, 7)]:
         br, bk = common._sum_rows_blocks(p, k)
         assert br * bk <= common.SUM_TILE and bk >= 16
