@@ -18,7 +18,8 @@ from typing import List
 import torch
 from torch import Tensor
 
-from mega_depth.kernels.common import F32, jit, launch, partial_sums, register_fake, sum_rows, tl, uses_triton
+from mega_depth.kernels.common import (F32, in_dtype, jit, launch, partial_sums, partial_width, register_fake,
+                                       sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
 from mega_depth.kernels.sinkhorn import _half_step, _start, chain, launch_args, logits_grad
 from mega_depth.kernels.sinkhorn import _torch_bwd as _torch_sinkhorn_bwd
@@ -89,13 +90,14 @@ def _fwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, pre_ptr, post_ptr, res_ptr, N, M, S
 
 @jit
 def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_ptr, dms_ptr, part_ptr, chain_ptr, W,
-                N, M, STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
+                AOFF, N, M, STEPS, eps, NS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
                 SECOND: tl.constexpr, CLAMP: tl.constexpr):
-    """dp = d coeff * alpha / r; d r = -sum(d coeff * proj * alpha) / r^2; the bias's and alphas' partial sums of
-    this program's tokens in row pid of part [P, W >= M + 3] (masked tokens add zero)."""
+    """dp = d coeff * alpha / r; d r = -sum(d coeff * proj * alpha) / r^2; the bias's partial sums of this
+    program's tokens in row pid of part [P, W >= AOFF + 3], the alphas' from column AOFF (masked tokens add
+    zero)."""
     pid = tl.program_id(0)
     db_ptr = part_ptr + pid.to(tl.int64) * W
-    da_ptr = db_ptr + M
+    da_ptr = db_ptr + AOFF
     ot, tmask, oi, imask, offs, lane = _rows(pid, N, NS, BT, BN)
     r, root_grad = _rms(ms_ptr, ot, tmask, eps, CLAMP)
     vmask = imask[None, :] & tmask[:, None]
@@ -132,6 +134,7 @@ def _bwd_kernel(p_ptr, ms_ptr, b_ptr, a_ptr, gpre_ptr, gpost_ptr, gres_ptr, dp_p
 
 
 def _triton_fwd(proj, ms, bias, alphas, n, iters, order, eps_style, eps):
+    """bias [m] and alphas [3]: fp32 (or fp64), views of one packed vector (_inputs)."""
     tokens, m = proj.shape
     pre = torch.empty((n, tokens), dtype=F32, device=proj.device)
     post = torch.empty_like(pre)
@@ -143,19 +146,24 @@ def _triton_fwd(proj, ms, bias, alphas, n, iters, order, eps_style, eps):
     return pre, post, res
 
 
-def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, eps_style, eps):
+def _triton_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, eps_style, eps,
+                dtypes=(F32, F32)):
+    """-> (d_proj, d_ms, d_bias, d_alphas), the last two in `dtypes` (the parameters')."""
     tokens, m = proj.shape
     grid, consts, steps, num_warps = launch_args(order, eps_style, iters, n, tokens, proj.device)
     d_proj = torch.empty_like(proj)
     d_ms = torch.empty_like(ms)
-    # the bias's, then the alphas' partials
-    parts = partial_sums(grid[0], m + 3, proj.device)
+    # the bias's partials, then the alphas' from the next multiple of 16: one sum_rows launch sums both, each
+    # rounded to its parameter's dtype (no cast launches after it)
+    alphas_at = partial_width(m)
+    parts = partial_sums(grid[0], alphas_at + 3, proj.device)
     if tokens:
         launch(_bwd_kernel, grid, (proj, ms, bias, alphas, g_pre, g_post, g_res, d_proj, d_ms, parts,
-                                   chain(steps, tokens, n, proj.device), parts.shape[1], tokens, m, steps, eps),
+                                   chain(steps, tokens, n, proj.device), parts.shape[1], alphas_at, tokens, m, steps,
+                                   eps),
                num_warps, **consts)
-    sums = sum_rows(parts, m + 3)
-    return d_proj, d_ms, sums[:m], sums[m:]
+    d_bias, d_alphas = sum_rows(parts, m, dtypes=[dtypes[0]], tail=(alphas_at, 3, dtypes[1]))
+    return d_proj, d_ms, d_bias, d_alphas
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -198,12 +206,14 @@ def _torch_bwd(g_pre, g_post, g_res, proj, ms, bias, alphas, n, iters, order, ep
 
 
 def _inputs(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res):
-    """proj as [N, m], the mean squares as [N], the bias [m] and the alphas as one [3] vector, all contiguous in
-    proj's dtype (fp32 at least: a kernel reads no lone 16-bit value)."""
-    ct = proj.dtype
-    rows = proj.reshape(-1, proj.shape[-1]).contiguous()
-    alphas = torch.cat([alpha_pre.reshape(1), alpha_post.reshape(1), alpha_res.reshape(1)]).to(ct)
-    return rows, mean_square.reshape(-1).to(ct).contiguous(), bias.to(ct).contiguous(), alphas
+    """proj as [N, m], the mean squares as [N], the bias [m] and the alphas [3], all contiguous in proj's dtype
+    (fp32 at least: a kernel reads no lone 16-bit value). The bias and the alphas are views of one vector: one
+    concatenation and one cast a call (it was a concatenation and two casts)."""
+    ct, m = proj.dtype, proj.shape[-1]
+    rows = proj.reshape(-1, m).contiguous()
+    packed = in_dtype(torch.cat([bias.reshape(m), alpha_pre.reshape(1), alpha_post.reshape(1),
+                                 alpha_res.reshape(1)]), ct)
+    return rows, in_dtype(mean_square.reshape(-1), ct).contiguous(), packed[:m], packed[m:]
 
 
 @torch.library.custom_op("mega_depth::mhc_projected_coefficients", mutates_args=())
@@ -227,22 +237,28 @@ def _(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res, iters, order, e
 def coefficients_backward_op(grad_pre: Tensor, grad_post: Tensor, grad_res: Tensor, proj: Tensor,
                              mean_square: Tensor, bias: Tensor, alpha_pre: Tensor, alpha_post: Tensor,
                              alpha_res: Tensor, iters: int, order: str, eps_style: str, eps: float) -> List[Tensor]:
-    """-> [proj's gradient [*, m], mean_square's [*, 1], bias's [m], the alphas' [3]] (proj's dtype)."""
+    """-> [proj's gradient [*, m], mean_square's [*, 1] (proj's dtype), bias's [m] (the bias's dtype), the alphas'
+    [3] (alpha_pre's dtype)]."""
     n = mixing.mhc_streams_of(proj.shape[-1])
     rows, ms, b, alphas = _inputs(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res)
     ct = rows.dtype
-    grads = [g.reshape(shape).to(ct).contiguous() for g, shape in ((grad_pre, (n, -1)), (grad_post, (n, -1)),
-                                                                   (grad_res, (-1, n, n)))]
-    bwd = _triton_bwd if uses_triton(rows) else _torch_bwd
-    d_proj, d_ms, d_bias, d_alphas = bwd(*grads, rows, ms, b, alphas, n, iters, order, eps_style, eps)
-    return [d_proj.view_as(proj), d_ms.view_as(mean_square), d_bias, d_alphas]
+    grads = [in_dtype(g.reshape(shape), ct).contiguous()
+             for g, shape in ((grad_pre, (n, -1)), (grad_post, (n, -1)), (grad_res, (-1, n, n)))]
+    dtypes = (bias.dtype, alpha_pre.dtype)
+    if uses_triton(rows):
+        d_proj, d_ms, d_bias, d_alphas = _triton_bwd(*grads, rows, ms, b, alphas, n, iters, order, eps_style, eps,
+                                                     dtypes)
+    else:
+        d_proj, d_ms, d_bias, d_alphas = _torch_bwd(*grads, rows, ms, b, alphas, n, iters, order, eps_style, eps)
+    return [d_proj.view_as(proj), d_ms.view_as(mean_square), in_dtype(d_bias, dtypes[0]),
+            in_dtype(d_alphas, dtypes[1])]
 
 
 @register_fake(coefficients_backward_op)
 def _(grad_pre, grad_post, grad_res, proj, mean_square, bias, alpha_pre, alpha_post, alpha_res, iters, order,
       eps_style, eps):
     return [proj.new_empty(proj.shape), mean_square.new_empty(mean_square.shape),
-            proj.new_empty((proj.shape[-1],)), proj.new_empty((3,))]
+            bias.new_empty((proj.shape[-1],)), alpha_pre.new_empty((3,))]
 
 
 def _setup(ctx, inputs, output):
@@ -260,9 +276,10 @@ def _backward(ctx, grads):
     d_proj, d_ms, d_bias, d_alphas = call(coefficients_backward_op, *grads, proj, mean_square, bias, alpha_pre,
                                           alpha_post, alpha_res, *ctx.cfg)
     need = ctx.needs_input_grad
-    alphas = [d_alphas[i:i + 1].to(a.dtype) if need[3 + i] else None
+    # (in the parameters' dtypes already, where the three alphas share one)
+    alphas = [in_dtype(d_alphas[i:i + 1], a.dtype) if need[3 + i] else None
               for i, a in enumerate((alpha_pre, alpha_post, alpha_res))]
-    return (d_proj if need[0] else None, d_ms if need[1] else None, d_bias.to(bias.dtype) if need[2] else None,
+    return (d_proj if need[0] else None, d_ms if need[1] else None, in_dtype(d_bias, bias.dtype) if need[2] else None,
             *alphas, None, None, None, None)
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim,
-                                       dot_t, interpreting, jit, launch, partial_sums, partial_width, pow2,
+                                       dot_t, in_dtype, interpreting, jit, launch, partial_sums, partial_width, pow2,
                                        reduction_grid, register_fake, sm_count, store_or_add, store_or_add_torch,
                                        sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
@@ -185,11 +185,12 @@ def _triton_fwd(s: Tensor, phi: Tensor):
 
 
 def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:
-    """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> phi's gradient fp32 [m, n*d]."""
+    """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> phi's gradient [m, n*d] in phi's dtype
+    (rounded once from the fp32 sum, by the reduction: no cast launch after it)."""
     ns, n, d = s.shape
     m = phi.shape[0]
     if not n:
-        return torch.zeros((m, ns * d), dtype=F32, device=s.device)
+        return torch.zeros((m, ns * d), dtype=phi.dtype, device=s.device)
     bt, bm, bc = _blocks(d, m, s.element_size())
     streams_bt = _token_block(bt, n, ns, s.device)
     # 8 warps: on 4, its [BT, BC] tiles and [BT, BM] x [BM, BC] dot took up to 175 registers and spilled at 128
@@ -201,7 +202,7 @@ def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor
     parts = partial_sums(splits, m * ns * d, s.device)
     launch(_bwd_phi_kernel, (chunks, splits),
            (s, g_proj, parts, n, d, m, s.stride(0), s.stride(1), tok, parts.stride(0)), 4, NS=ns, BT=bt, BM=bm, BC=bc)
-    return sum_rows(parts, m * ns * d).view(m, ns * d)
+    return sum_rows(parts, m * ns * d, dtypes=[phi.dtype]).view(m, ns * d)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -257,14 +258,14 @@ def _(streams, phi):
 @torch.library.custom_op("mega_depth::mhc_projection_backward", mutates_args=())
 def projection_backward_op(grad_proj: Tensor, grad_mean_square: Tensor, streams: Tensor,
                            phi: Tensor) -> List[Tensor]:
-    """-> [stream gradients [n, *, d], phi's gradient [m, n*d] (fp32 at least)]."""
+    """-> [stream gradients [n, *, d], phi's gradient [m, n*d] (phi's dtype)]."""
     into = torch.empty_like(streams, memory_format=torch.contiguous_format)
     return [into, _backward_into(grad_proj, grad_mean_square, streams, phi, into, False)]
 
 
 @register_fake(projection_backward_op)
 def _fake_backward(grad_proj, grad_mean_square, streams, phi):
-    return [streams.new_empty(streams.shape), phi.new_empty(phi.shape, dtype=accumulation_dtype(streams.dtype))]
+    return [streams.new_empty(streams.shape), phi.new_empty(phi.shape)]
 
 
 @torch.library.custom_op("mega_depth::mhc_projection_backward_into", mutates_args=("into",))
@@ -286,7 +287,7 @@ def _backward_into(grad_proj, grad_mean_square, streams, phi, into, adding) -> T
     g_proj = grad_proj.reshape(-1, m).to(ct).contiguous()
     g_ms = grad_mean_square.reshape(-1).to(ct).contiguous()
     bwd = _triton_bwd if uses_triton(s) else _torch_bwd
-    return bwd(g_proj, g_ms, s, phi.contiguous(), into.view_as(s), adding)
+    return in_dtype(bwd(g_proj, g_ms, s, phi.contiguous(), into.view_as(s), adding), phi.dtype)
 
 
 def _setup(ctx, inputs, output):

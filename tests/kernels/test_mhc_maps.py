@@ -72,3 +72,31 @@ def test_the_mechanism_s_coefficients_equal_the_reference(path):
 
     check(fast, lambda *t: mixing.mhc_coefficients(*t, 20, "paper", "clamp"), [streams, phi, bias, *alphas],
           "mhc coefficients")
+
+
+def test_bf16_parameters_get_their_gradients_from_one_reduction(path):
+    """Training keeps the bias and the alphas in bf16: the kernels read them as one fp32 vector, and backward's one
+    partial-sum reduction returns both gradients in bf16 (the alphas' from a tail of its columns), with no cast
+    after it: equal to the reference's gradients rounded to bf16."""
+    from mega_depth.kernels import common
+
+    proj, mean_square, bias, *alphas = inputs(4, (6,))
+    low = [t.detach().to(torch.bfloat16).requires_grad_() for t in (bias, *alphas)]
+    high = [t.detach().float().requires_grad_() for t in low]
+
+    def grads(fn, params):
+        out = fn(proj, mean_square, *params, 6, "paper", "clamp")
+        return torch.autograd.grad(sum((o * w).sum() for o, w in zip(out, weights)), params)
+
+    weights = [torch.randn(4, 6), torch.randn(4, 6), torch.randn(6, 4, 4)]
+    got, want = grads(mhc_projected_coefficients, low), grads(mixing.mhc_projected_coefficients, high)
+    step = 2 ** -7 if path == "triton" else 0  # (the interpreter truncates to bf16: one rounding step)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.to(torch.bfloat16).float(), rtol=step, atol=1e-6)
+    if path == "triton":  # what backward launches: the kernel and one sum_rows, the tail in the alphas' dtype
+        with common.recording(132) as launches:
+            grads(mhc_projected_coefficients, low)
+        names = [launch.kernel.fn.__name__ for launch in launches]
+        assert names == ["_fwd_kernel", "_bwd_kernel", "_sum_rows_kernel"], names
+        assert launches[-1].constexprs.get("TAIL") and launches[-1].args[3].dtype == torch.bfloat16
