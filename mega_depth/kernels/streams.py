@@ -105,9 +105,10 @@ def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, nw_ptr, rstd_ptr, ds_ptr, dw_ptr, wpart
 
 
 @jit
-def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK, NS: tl.constexpr, BN: tl.constexpr,
-                    BD: tl.constexpr):
-    """out[j] = post[j] y + sum_i mix[i, j] x[i]: each input stream row read once, the n outputs in registers."""
+def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, MI, MT, MJ, TOK, NS: tl.constexpr,
+                    BN: tl.constexpr, BD: tl.constexpr):
+    """out[j] = post[j] y + sum_i mix[i, j] x[i]: each input stream row read once, the n outputs in registers. mix
+    [n (from i), N, n (to j)] at strides (MI, MT, MJ): mHC's is a view of H_res [N, j, i], read in place."""
     dt = out_ptr.dtype.element_ty
     oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
     for t in range(TOK):
@@ -119,20 +120,21 @@ def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, TOK,
         for i in tl.static_range(NS):
             r = n * 0 + i
             x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
-            mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
+            mix = tl.load(mix_ptr + r * MI + n * MT + oj * MJ, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
             acc += mix[:, None] * x[None, :]
         orow = oj[:, None].to(tl.int64) * N * D + n * D + od[None, :]
         tl.store(out_ptr + orow, acc.to(dt), mask=jmask[:, None] & dmask[None, :] & valid)
 
 
 @jit
-def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, TOK,
-                    NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr):
+def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, MI, MT,
+                    MJ, GI, GT, GJ, TOK, NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr):
     """One pass: the n output gradients of a token stay in registers while each input stream is read once. The mix
     gradients of two streams are reduced together (common.sums2), the first pair's with the post gradient
     (common.sums3): one exchange, and its barriers, a pair. The mix gradients are gathered into one [j, i] tile and
     stored once: each [BN] vector's own store changed its layout (two barriers), and there were n of them (the 1B
-    step's: 18 barriers, now 9). ADD: as _in_bwd_kernel."""
+    step's: 18 barriers, now 9). ADD: as _in_bwd_kernel. mix at strides (MI, MT, MJ) as in _out_fwd_kernel, its
+    gradient stored at strides (GI, GT, GJ) (mHC's laid out as H_res, whose gradient it becomes)."""
     dt = go_ptr.dtype.element_ty
     oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
     oi = tl.arange(0, BN)
@@ -145,9 +147,11 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
         y = tl.load(y_ptr + n * D + od, mask=dmask & valid, other=0.).to(tl.float32)
         post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
         tl.store(dy_ptr + n * D + od, tl.sum(post[:, None] * go, axis=0).to(dt), mask=dmask & valid)
-        x = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, 0, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+        mix_n = mix_ptr + n * MT + oj * MJ  # [BN]: the token's mix row of stream 0 (stream i's at i * MI)
+        x = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, 0, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
         if NS > 1:
-            x1 = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+            x1 = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS,
+                                  ADD)
             dmix0, dmix1, dpost = sums3(go * x[None, :], go * x1[None, :], go * y[None, :], 1)
             grads = tl.where((oi == 1)[None, :], dmix1[:, None], 0.)
         else:
@@ -156,9 +160,9 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
         tl.store(dpost_ptr + oj * N + n, dpost, mask=jmask & valid)
         grads = tl.where((oi == 0)[None, :], dmix0[:, None], grads)
         for i in tl.static_range(2, NS, 2):
-            x = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+            x = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
             if i + 1 < NS:
-                x1 = _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i + 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid,
+                x1 = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i + 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid,
                                       NS, ADD)
                 dmix, dmix1 = sums2(go * x[None, :], go * x1[None, :], 1)
                 grads = tl.where((oi == i + 1)[None, :], dmix1[:, None], grads)
@@ -166,18 +170,18 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
                 dmix = tl.sum(go * x[None, :], axis=1)
             grads = tl.where((oi == i)[None, :], dmix[:, None], grads)
         # dmix [n (from i), N, n (to j)]: the tile is [j, i]
-        tl.store(dmix_ptr + (oi[None, :].to(tl.int64) * N + n) * NS + oj[:, None], grads,
+        tl.store(dmix_ptr + oi[None, :].to(tl.int64) * GI + n * GT + oj[:, None] * GJ, grads,
                  mask=jmask[:, None] & (oi < NS)[None, :] & valid)
 
 
 @jit
-def _out_stream_grad(s_ptr, mix_ptr, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS: tl.constexpr,
+def _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS: tl.constexpr,
                      ADD: tl.constexpr):
     """Input stream i's gradient sum_j mix[i, j] go_j [BD] stored (or added) -> the stream's row [BD] in fp32, whose
     products with go give its mix gradients."""
     r = n * 0 + i
     x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
-    mix = tl.load(mix_ptr + (r * N + n) * NS + oj, mask=jmask & valid, other=0.).to(ds_ptr.dtype.element_ty)
+    mix = tl.load(mix_n + r * MI, mask=jmask & valid, other=0.).to(ds_ptr.dtype.element_ty)
     store_or_add(ds_ptr + (r * N + n) * D + od, tl.sum(mix.to(tl.float32)[:, None] * go, axis=0), dmask & valid, ADD)
     return x
 
@@ -228,22 +232,23 @@ def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
     ns, n, d = s.shape
     out = torch.empty((ns, n, d), dtype=s.dtype, device=s.device)
     if n:
-        _launch(_out_fwd_kernel, n, s.device, (s, y, mix, post, out, n, d, s.stride(0), s.stride(1)), 2,
-                s.element_size(), NS=ns, BN=pow2(ns), BD=pow2(d))
+        _launch(_out_fwd_kernel, n, s.device, (s, y, mix, post, out, n, d, s.stride(0), s.stride(1), *mix.stride()),
+                2, s.element_size(), NS=ns, BN=pow2(ns), BD=pow2(d))
     return out
 
 
 def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor, ds: Tensor, adding: bool):
     """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> (output gradient [N, d], mix gradient fp32
-    [n, N, n], post gradient fp32 [n, N])."""
+    [n, N, n] laid out as mix where mix is dense (else contiguous: a broadcast mix's gradient has every token's),
+    post gradient fp32 [n, N])."""
     ns, n, d = s.shape
     dy = torch.empty((n, d), dtype=s.dtype, device=s.device)
-    dmix = torch.empty((ns, n, ns), dtype=F32, device=s.device)
+    dmix = torch.empty_like(mix, dtype=F32)  # (mix's strides where it is dense and not overlapping)
     dpost = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
-                                               s.stride(1)), 2, s.element_size(), NS=ns, BN=pow2(ns), BD=pow2(d),
-                ADD=adding, adds_into=(ds,) if adding else ())
+                                               s.stride(1), *mix.stride(), *dmix.stride()), 2, s.element_size(),
+                NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
     return dy, dmix, dpost
 
 
@@ -309,8 +314,12 @@ def stream_rows(streams: Tensor) -> Tensor:
 
 
 def _coef_rows(coef: Tensor, n: int, tail: int = 0) -> Tensor:
-    """A coefficient [n, *] (or [n, *, n] with tail=1) as contiguous [n, N] ([n, N, n]): a small copy."""
-    return coef.reshape((n, -1) + tuple(coef.shape[coef.dim() - tail:])).contiguous()
+    """A coefficient [n, *] as contiguous [n, N] (a small copy where it is not); with tail=1 a mix [n, *, n] as
+    [n, N, n] at any strides (the out kernels take them: mHC's mix is H_res transposed, a view), a copy only where
+    the tokens do not merge into one stride."""
+    if tail:
+        return coef.reshape(n, -1, coef.shape[-1])
+    return coef.reshape(n, -1).contiguous()
 
 
 @torch.library.custom_op("mega_depth::hc_streams_in", mutates_args=())

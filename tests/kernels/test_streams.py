@@ -25,6 +25,48 @@ def test_values_and_gradients(path, n, per_token):
     check(streams_out, mixing.streams_out, [streams, output, mix, post], f"streams_out n={n}")
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_mhc_s_mix_is_read_in_place_and_its_gradient_laid_out_as_h_res(path, n):
+    """mHC's mix is H_res [*, n (to), n (from)] transposed, a view [n (from), *, n (to)]: the write reads it at its
+    strides (no copy a sublayer, forward or backward) and stores its gradient laid out as H_res, so H_res's
+    gradient arrives contiguous (no copy in the coefficients' backward either). Values and gradients as the
+    reference's."""
+    from mega_depth.kernels import common
+
+    lead, d = (5, 2), 24
+    streams, output, post = leaf(n, *lead, d), leaf(*lead, d, scale=2.0), leaf(n, *lead, shift=1.0)
+    res = leaf(*lead, n, n, scale=0.5)
+
+    def write(s, y, h_res, p):
+        return streams_out(s, y, h_res.transpose(-1, -2).movedim(-2, 0), p)
+
+    def reference(s, y, h_res, p):
+        return mixing.streams_out(s, y, h_res.transpose(-1, -2).movedim(-2, 0), p)
+
+    check(write, reference, [streams, output, res, post], f"streams_out of H_res n={n}")
+    if path == "triton":  # (the twins, the CPU path, stack theirs)
+        seen = []
+        held = res.detach().requires_grad_()
+        held.register_hook(lambda g: seen.append(g.is_contiguous()))
+        write(streams.detach(), output.detach(), held, post.detach()).sum().backward()
+        assert seen == [True]
+        # the launches recorded, not interpreted (the interpreter copies to run them)
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copies = []
+
+        class Copies(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+                    copies.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with common.recording(132), Copies():  # (a dense output gradient, as a step's: .sum()'s is a broadcast)
+            out = write(streams.detach(), output.detach(), held, post.detach())
+            out.backward(torch.ones(out.shape))
+        assert not copies, copies
+
+
 def test_read_an_expanded_embedding_and_a_pipeline_view(path):
     """The first layer's streams are the embedding expanded n times (stream stride 0) and a received pipeline
     tensor is viewed [s, b, n*d] -> [n, s, b, d] (permuted strides): both read in place, gradients flow back."""
