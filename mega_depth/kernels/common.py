@@ -324,8 +324,8 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
     Phase 2's backward sums its folded query's and its norm weight's gradients so: one launch a sublayer, not two.
 
     One program per chunk of columns reads a [rows, chunk] tile a step (_sum_rows_blocks): the usual case, the
-    1,056 partial rows of a d = 2,048 gradient, is 32 programs of 17 steps. It was 2 programs of 1,056 dependent
-    row loads each. The order of the sums is fixed by the blocks alone: deterministic."""
+    1,056 partial rows of a d = 2,048 gradient, is 128 programs of 5 steps. It was 2 programs of 1,056 dependent
+    row loads each, then 32 of 17. The order of the sums is fixed by the blocks alone: deterministic."""
     p, k = parts.shape
     cols = k if cols is None else cols
     if len(scales) > 2:
@@ -362,15 +362,20 @@ def sum_rows(parts: Tensor, cols: Optional[int] = None, scales: Sequence[Tensor]
 SUM_TILE = 4096  # fp32 values of a sum_rows step: 32 a thread on 4 warps, 16 KiB of loads in flight a program
 
 
+SUM_ROWS = 256  # the most rows of a sum_rows step
+
+
 def _sum_rows_blocks(p: int, k: int, sms: int = 0) -> Tuple[int, int]:
-    """(rows, columns) of a sum_rows step: up to 64 rows (fewer where P is small), and columns to fill SUM_TILE, at
-    least 16 (a 16-byte load a thread) and at most 64 where the rows fill the tile (many programs over K); down to
-    32 columns (128-byte row pieces) where the chunks of K would leave some of the `sms` SMs without a program (a
-    norm weight's and a folded query's partial sums side by side: 4,096 or 8,192 columns). Under the interpreter 2
-    rows and up to 16 columns, so that the tests walk several steps and masked tails."""
+    """(rows, columns) of a sum_rows step: up to SUM_ROWS rows (fewer where P is small), and columns to fill
+    SUM_TILE, at least 16 (a 16-byte load a thread, a 64-byte piece of each row); down to 32 columns where the
+    chunks of K would leave some of the `sms` SMs without a program. A program's steps depend on one another (each
+    adds its tile into the accumulator), so their count is the kernel's latency: the 1B step's usual sum, 1,056
+    partial rows of 2,048 columns, is 128 programs of 5 steps of [256, 16] (it was 32 programs of 17 steps of
+    [64, 64], about 11.5 us each on the H200, 2026-11-30: latency, not its 9 MB). Under the interpreter 2 rows and up
+    to 16 columns, so that the tests walk several steps and masked tails."""
     if interpreting() and _RECORDER is None:
         return min(2, pow2(p)), max(4, min(16, pow2(k)))
-    br = min(64, pow2(p))
+    br = min(SUM_ROWS, pow2(p))
     bk = max(16, min(pow2(k), SUM_TILE // br))
     while bk > 32 and cdiv(k, bk) < sms:
         bk //= 2

@@ -75,20 +75,20 @@ def test_a_tail_of_columns_is_a_second_sum_from_the_same_launch(path, scaled, mo
 
 
 def test_the_compiled_tiles_spread_the_columns_over_programs(monkeypatch):
-    """The 1B step's usual reduction, 1,056 partial rows of 2,048 columns: 32 programs of 17 steps (it was 2
-    programs of 1,056 dependent row loads), 64 where a GPU has more SMs than that; few rows take wide column chunks;
-    a step is at most SUM_TILE values."""
+    """The 1B step's usual reduction, 1,056 partial rows of 2,048 columns: 128 programs of 5 dependent steps (it
+    was 2 programs of 1,056 dependent row loads, then 32 of 17); few rows take wide column chunks, narrowed to 32
+    columns where the chunks leave SMs idle; a step is at most SUM_TILE values."""
     monkeypatch.setattr(common, "_INTERPRETING", False)
-    assert common._sum_rows_blocks(1056, 2048) == (64, 64)
+    assert common._sum_rows_blocks(1056, 2048) == (256, 16)
     assert common._sum_rows_blocks(8, 196608) == (8, 512)
-    assert common._sum_rows_blocks(1056, 32) == (64, 32)
+    assert common._sum_rows_blocks(1056, 32) == (256, 16)
     assert common._sum_rows_blocks(3, 8) == (4, 16)
-    # where the chunks of 64 columns leave SMs idle, chunks of 32 (a 7B sublayer's query and norm-weight partial
-    # sums side by side: 8,192 columns, 128 programs of 64 for 132 SMs)
-    assert common._sum_rows_blocks(1056, 8192, 132) == (64, 32)
-    assert common._sum_rows_blocks(1056, 2048, 132) == (64, 32)
-    assert common._sum_rows_blocks(1056, 2048 * 132, 132) == (64, 64)
+    # a 7B sublayer's query and norm-weight partial sums side by side: 8,192 columns, 512 programs
+    assert common._sum_rows_blocks(1056, 8192, 132) == (256, 16)
+    # 64 rows: chunks of 64 columns would make 32 programs for 132 SMs, of 32 columns 64
+    assert common._sum_rows_blocks(64, 2048, 132) == (64, 32)
+    assert common._sum_rows_blocks(64, 2048 * 132, 132) == (64, 64)
     assert common._sum_rows_blocks(8, 196608, 132) == (8, 512)
     for p, k in [(1056, 2048), (8, 196608), (1, 1), (5000, 7)]:
         br, bk = common._sum_rows_blocks(p, k)
-        assert br * bk <= common.SUM_TILE and bk >= 16
+        assert br * bk <= common.SUM_TILE and bk >= 16 and br <= common.SUM_ROWS
