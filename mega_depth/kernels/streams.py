@@ -298,7 +298,8 @@ def _torch_out_bwd(go, s, y, mix, post, ds_into, adding):
         ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
         dmix.append((go * x).sum(-1).t())  # [N, n (to)]
     store_or_add_torch(ds_into, torch.stack(ds), adding)
-    return dy, torch.stack(dmix), dpost
+    # laid out as the Triton launcher lays it (mix's strides where mix is dense), as the op's fake says
+    return dy, torch.empty_like(mix, dtype=ct).copy_(torch.stack(dmix)), dpost
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -442,8 +443,15 @@ def streams_out_backward_op(grad: Tensor, streams: Tensor, output: Tensor, mix: 
 @register_fake(streams_out_backward_op)
 def _fake_out_backward(grad, streams, output, mix, post):
     ct = accumulation_dtype(streams.dtype)
-    return [streams.new_empty(streams.shape), output.new_empty(output.shape), mix.new_empty(mix.shape, dtype=ct),
+    return [streams.new_empty(streams.shape), output.new_empty(output.shape), _mix_gradient(mix, ct),
             post.new_empty(post.shape, dtype=ct)]
+
+
+def _mix_gradient(mix: Tensor, dtype: torch.dtype) -> Tensor:
+    """An empty gradient of mix [n, *, n], laid out as the write's kernels and twins store it (and as its fake says,
+    so a compiled graph sees the strides it gets): as mix's rows where those are dense (mHC's mix, H_res transposed:
+    its gradient reaches H_res contiguous), else contiguous (a broadcast mix: one row a token)."""
+    return torch.empty_like(_coef_rows(mix, mix.shape[0], 1), dtype=dtype).view_as(mix)
 
 
 @torch.library.custom_op("mega_depth::hc_streams_out_backward_into", mutates_args=("into",))

@@ -112,6 +112,13 @@ def test_opcheck(twin):
                                           torch.randn(3, 4, 6), True), eager_only=True)
     opcheck(streams_out_op, (streams, output, mix, post))
     opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, mix, post])))
+    # mHC's mix, H_res transposed (a view): its gradient's strides, as the fake says them, are the kernels'
+    h_res = leaf(4, 3, 3)
+    viewed = h_res.transpose(-1, -2).movedim(-2, 0)
+    opcheck(streams_out_op, (streams, output, viewed, post))
+    opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, viewed, post])))
+    real = streams_out_backward_op(torch.randn(3, 4, 6), *detached([streams, output, viewed, post]))[2]
+    assert real.stride() == viewed.stride()
 
 
 @pytest.mark.parametrize("n", [3, 4])
