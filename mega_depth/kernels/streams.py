@@ -237,19 +237,18 @@ def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
     return out
 
 
-def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor, ds: Tensor, adding: bool):
-    """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> (output gradient [N, d], mix gradient fp32
-    [n, N, n] laid out as mix where mix is dense (else contiguous: a broadcast mix's gradient has every token's),
-    post gradient fp32 [n, N])."""
+def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor, ds: Tensor, adding: bool,
+                    dmix: Tensor):
+    """Stream gradients into ds [n, N, d] (stored, or added: `adding`), the mix gradient into dmix [n, N, n] (fp32,
+    at its strides) -> (output gradient [N, d], post gradient fp32 [n, N])."""
     ns, n, d = s.shape
     dy = torch.empty((n, d), dtype=s.dtype, device=s.device)
-    dmix = torch.empty_like(mix, dtype=F32)  # (mix's strides where it is dense and not overlapping)
     dpost = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
         _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
                                                s.stride(1), *mix.stride(), *dmix.stride()), 2, s.element_size(),
                 NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
-    return dy, dmix, dpost
+    return dy, dpost
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -287,19 +286,18 @@ def _torch_out_fwd(s, y, mix, post):
     return out.to(dt)
 
 
-def _torch_out_bwd(go, s, y, mix, post, ds_into, adding):
+def _torch_out_bwd(go, s, y, mix, post, ds_into, adding, dmix_into):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
     go = go.to(ct)
     dy = (_coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
     dpost = (go * y.to(ct)).sum(-1)
-    ds, dmix = [], []
+    ds = []
     for i in range(s.shape[0]):
         x = s[i].to(ct)
         ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
-        dmix.append((go * x).sum(-1).t())  # [N, n (to)]
+        dmix_into[i] = (go * x).sum(-1).t()  # [N, n (to)]
     store_or_add_torch(ds_into, torch.stack(ds), adding)
-    # laid out as the Triton launcher lays it (mix's strides where mix is dense), as the op's fake says
-    return dy, torch.empty_like(mix, dtype=ct).copy_(torch.stack(dmix)), dpost
+    return dy, dpost
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -433,52 +431,60 @@ def _(streams, output, mix, post):
 
 
 @torch.library.custom_op("mega_depth::hc_streams_out_backward", mutates_args=())
-def streams_out_backward_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor,
-                            post: Tensor) -> List[Tensor]:
-    """-> [stream gradients, output gradient, mix gradient, post gradient] (coefficients in fp32 at least)."""
+def streams_out_backward_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor, post: Tensor,
+                            mix_layout: bool) -> List[Tensor]:
+    """-> [stream gradients, output gradient, mix gradient, post gradient] (coefficients in fp32 at least; the mix
+    gradient laid out as the mix with mix_layout, else contiguous: _mix_gradient)."""
     into = torch.empty_like(streams, memory_format=torch.contiguous_format)
-    return [into] + _out_backward_into(grad, streams, output, mix, post, into, False)
+    return [into] + _out_backward_into(grad, streams, output, mix, post, mix_layout, into, False)
 
 
 @register_fake(streams_out_backward_op)
-def _fake_out_backward(grad, streams, output, mix, post):
+def _fake_out_backward(grad, streams, output, mix, post, mix_layout):
     ct = accumulation_dtype(streams.dtype)
-    return [streams.new_empty(streams.shape), output.new_empty(output.shape), _mix_gradient(mix, ct),
+    return [streams.new_empty(streams.shape), output.new_empty(output.shape), _mix_gradient(mix, ct, mix_layout),
             post.new_empty(post.shape, dtype=ct)]
 
 
-def _mix_gradient(mix: Tensor, dtype: torch.dtype) -> Tensor:
-    """An empty gradient of mix [n, *, n], laid out as the write's kernels and twins store it (and as its fake says,
-    so a compiled graph sees the strides it gets): as mix's rows where those are dense (mHC's mix, H_res transposed:
-    its gradient reaches H_res contiguous), else contiguous (a broadcast mix: one row a token)."""
+def _mix_gradient(mix: Tensor, dtype: torch.dtype, mix_layout: bool) -> Tensor:
+    """An empty gradient of mix [n, *, n] as the write's backward stores it (its kernels, its twin and its fake
+    alike). mix_layout (an eager call): as mix's rows where those are dense (mHC's mix, H_res transposed: its
+    gradient then reaches H_res contiguous, with no copy), else contiguous (a broadcast mix: one row a token).
+    Otherwise contiguous: under torch.compile the mix's strides at run time need not be those it was traced with,
+    and the output's must be."""
+    if not mix_layout:
+        return mix.new_empty(mix.shape, dtype=dtype)
     return torch.empty_like(_coef_rows(mix, mix.shape[0], 1), dtype=dtype).view_as(mix)
 
 
 @torch.library.custom_op("mega_depth::hc_streams_out_backward_into", mutates_args=("into",))
 def streams_out_backward_into_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor, post: Tensor,
-                                 into: Tensor, adding: bool) -> List[Tensor]:
+                                 mix_layout: bool, into: Tensor, adding: bool) -> List[Tensor]:
     """The stream gradients into `into` (stored, or added with `adding`) -> [output, mix, post gradients]."""
-    return _out_backward_into(grad, streams, output, mix, post, into, adding)
+    return _out_backward_into(grad, streams, output, mix, post, mix_layout, into, adding)
 
 
 @register_fake(streams_out_backward_into_op)
-def _(grad, streams, output, mix, post, into, adding):
-    return _fake_out_backward(grad, streams, output, mix, post)[1:]
+def _(grad, streams, output, mix, post, mix_layout, into, adding):
+    return _fake_out_backward(grad, streams, output, mix, post, mix_layout)[1:]
 
 
-def _out_backward_into(grad, streams, output, mix, post, into, adding) -> List[Tensor]:
+def _out_backward_into(grad, streams, output, mix, post, mix_layout, into, adding) -> List[Tensor]:
     s = stream_rows(streams)
     n, d = s.shape[0], s.shape[-1]
     go = grad.reshape(n, -1, d).contiguous()
-    dy, dmix, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
-        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), into.view_as(s), adding)
-    return [dy.view_as(output), dmix.view_as(mix), dpost.view_as(post)]
+    dmix = _mix_gradient(mix, F32 if uses_triton(s) else accumulation_dtype(s.dtype), mix_layout)
+    dy, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
+        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), into.view_as(s), adding,
+        dmix.view(n, -1, n))
+    return [dy.view_as(output), dmix, dpost.view_as(post)]
 
 
 def _out_backward(ctx, grad):
     streams, output, mix, post = ctx.saved_tensors
+    args = (grad, streams, output, mix, post)
     ds, (dy, dmix, dpost) = stream_gradient(ctx, streams, streams_out_backward_op, streams_out_backward_into_op,
-                                             grad, streams, output, mix, post)
+                                             *args, not traced(args))
     need = ctx.needs_input_grad
     return (ds if need[0] else None, dy if need[1] else None, cast_grad(dmix, mix, need[2]),
             cast_grad(dpost, post, need[3]))

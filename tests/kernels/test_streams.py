@@ -111,14 +111,17 @@ def test_opcheck(twin):
     opcheck(streams_in_backward_into_op, (torch.randn(4, 6), *detached([streams, weights, norm_weight]), rstd,
                                           torch.randn(3, 4, 6), True), eager_only=True)
     opcheck(streams_out_op, (streams, output, mix, post))
-    opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, mix, post])))
-    # mHC's mix, H_res transposed (a view): its gradient's strides, as the fake says them, are the kernels'
+    # mHC's mix, H_res transposed (a view): its gradient's strides, as the fake says them, are the kernels'; laid
+    # out as the mix in an eager call, contiguous where the op is traced
     h_res = leaf(4, 3, 3)
     viewed = h_res.transpose(-1, -2).movedim(-2, 0)
     opcheck(streams_out_op, (streams, output, viewed, post))
-    opcheck(streams_out_backward_op, (torch.randn(3, 4, 6), *detached([streams, output, viewed, post])))
-    real = streams_out_backward_op(torch.randn(3, 4, 6), *detached([streams, output, viewed, post]))[2]
-    assert real.stride() == viewed.stride()
+    for coefficients in ([mix, post], [viewed, post]):
+        for mix_layout in (True, False):
+            args = (torch.randn(3, 4, 6), *detached([streams, output, *coefficients]), mix_layout)
+            opcheck(streams_out_backward_op, args)
+            got = streams_out_backward_op(*args)[2]
+            assert got.stride() == (coefficients[0].stride() if mix_layout else (12, 3, 1))
 
 
 @pytest.mark.parametrize("n", [3, 4])
