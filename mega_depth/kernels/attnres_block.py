@@ -35,7 +35,7 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        dot_dim, dot_t, folded_query, folded_query_torch, in_dtype, jit, launch, nothing,
                                        partial_sums, partial_width, pointer_at, pointer_table, pointers_at, pow2,
                                        programs, reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
-                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, sum_rows,
+                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, source_rows, sum_rows,
                                        sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
@@ -808,7 +808,7 @@ def phase1_op(completed: List[Tensor], queries: Tensor, key_norm_weights: Option
               sigmoid: bool, heads: int) -> List[Tensor]:
     """n blocks [*, d]; queries / key_norm_weights [S, d] -> [m [S, *, H] fp32, z [S, *, H] fp32, o [S, *, d]]."""
     lead, d = completed[0].shape[:-1], completed[0].shape[-1]
-    srcs = [rows(b, d) for b in completed]
+    srcs = source_rows(completed, d)
     fwd = _triton_phase1_fwd if uses_triton(srcs[0]) else _torch_phase1_fwd
     m, z, o = fwd(srcs, queries.contiguous(), contiguous(key_norm_weights), eps, sigmoid, heads)
     s = queries.shape[0]
@@ -827,7 +827,7 @@ def phase1_backward_op(go: Tensor, gz: Optional[Tensor], m: Tensor, completed: L
                        key_norm_weights: Optional[Tensor], eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
     """-> [block gradients..., dq [S, d], dg [S, d] (or empty)], in the queries' and gains' dtypes."""
     d, s = completed[0].shape[-1], queries.shape[0]
-    srcs = [rows(b, d) for b in completed]
+    srcs = source_rows(completed, d)
     bwd = _triton_phase1_bwd if uses_triton(srcs[0]) else _torch_phase1_bwd
     gz = None if gz is None else gz.reshape(s, -1, heads).to(m.dtype).contiguous()
     grads, dq, dg = bwd(go.reshape(s, -1, d).contiguous(), gz, m.reshape(s, -1, heads), srcs, queries.contiguous(),

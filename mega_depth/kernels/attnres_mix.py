@@ -26,7 +26,7 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, depth_weight_is_sigmoid, folded_query,
                                        folded_query_torch, gradient_table, gradients_at, in_dtype, jit, launch,
                                        nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
-                                       register_fake, rms_inverse_torch, row_warps, rows, sum_rows, sums2, sums3, tl,
+                                       register_fake, rms_inverse_torch, row_warps, rows, source_rows, sum_rows, sums2, sums3, tl,
                                        token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
@@ -328,7 +328,7 @@ def attnres_mix_op(sources: List[Tensor], query: Tensor, key_norm_weight: Option
     """sources K x [*, d]; query [d] or [*, d]; key_norm_weight [d] or None -> [h [*, d], lse [*, H] (at least
     fp32; empty with sigmoid weights)]: lse is for backward, not differentiable."""
     d = sources[0].shape[-1]
-    srcs = [rows(s, d) for s in sources]
+    srcs = source_rows(sources, d)
     fwd = _triton_fwd if uses_triton(srcs[0]) else _torch_fwd
     g = None if key_norm_weight is None else key_norm_weight.contiguous()
     out, lse = fwd(srcs, _query_rows(query, d), g, eps, sigmoid, heads)
@@ -374,13 +374,13 @@ def _(grad, sources, into, adding, query, key_norm_weight, *_):
 
 def _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse, eps, sigmoid, heads) -> List[Tensor]:
     d = sources[0].shape[-1]
-    srcs = [rows(s, d) for s in sources]
+    srcs = source_rows(sources, d)
     bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
     g = None if key_norm_weight is None else key_norm_weight.contiguous()
     if not sigmoid:
         out, lse = rows(out, d), rows(lse, heads)
     dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, out, lse, eps, sigmoid, heads,
-                 [t.view(-1, d) for t in into], adding)
+                 source_rows(into, d), adding)
     # in the parameters' dtypes (the static query's sum_rows already made them so; the rest are fp32 until here)
     return [in_dtype(dq.view_as(query), query.dtype),
             nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from mega_depth.kernels import tuning
+from mega_depth.kernels import graph_tables, tuning
 
 try:  # triton is optional: without it every device runs the torch twins
     import triton
@@ -397,14 +397,19 @@ def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] 
     A table is kept, keyed by its pointers (and the stream that copied it), and handed out again for the same
     pointers: a training step allocates its activations in the same order every step, so from the second step on
     a mixing call finds its tables made, without the pinned allocation, the copy and its event on the host. The
-    table holds exactly its key, so a hit is right whatever the tensors are now; tables are read, never written."""
+    table holds exactly its key, so a hit is right whatever the tensors are now; tables are read, never written.
+    While a step is captured as a CUDA graph, a table is a slice of the capture's buffer (kernels/graph_tables.py)."""
     device = tensors[0].device
-    misaligned = [i for i, t in enumerate(tensors) if t.data_ptr() % 16]
-    if misaligned:  # the kernels load rows through the table in 16-byte vectors (pointer_at's hint)
+    pointers = tuple(t.data_ptr() for t in tensors)
+    if any(p % 16 for p in pointers):  # the kernels load rows through the table in 16-byte vectors (pointer_at)
+        misaligned = [i for i, p in enumerate(pointers) if p % 16]
         raise ValueError(f"pointer_table: tensors {misaligned} do not start on a 16-byte boundary; pass "
                          "contiguous tensors of their own (.contiguous() or .clone())")
-    bits = [0] * len(tensors) if low_bits is None else [int(b) for b in low_bits]
-    pointers = tuple(t.data_ptr() | b for t, b in zip(tensors, bits))
+    if low_bits is not None:
+        pointers = tuple(p | int(b) for p, b in zip(pointers, low_bits))
+    graph_tables.counted(len(pointers))
+    if graph_tables.ACTIVE is not None:  # a step being captured as a CUDA graph: no copy in the graph
+        return graph_tables.ACTIVE.take(pointers, device)
     # not while recording (meta tensors, whose pointers are all 0, and the recorded rows ride on the table)
     keyed = _RECORDER is None and device.type in ("cuda", "cpu")
     if keyed:
@@ -417,7 +422,7 @@ def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] 
     host = torch.tensor(pointers, dtype=torch.int64, pin_memory=device.type == "cuda")
     table = host if device.type == "cpu" else host.to(device, non_blocking=True)
     if _RECORDER is not None:  # a recorded launch's bytes include the rows behind its tables (launch_bytes)
-        table._mega_depth_rows = (list(tensors), bits)
+        table._mega_depth_rows = (list(tensors), [int(b) for b in low_bits or [0] * len(tensors)])
     if keyed:
         _TABLES[key] = table
         if len(_TABLES) > TABLES_KEPT:  # the least recently used goes (a kernel queued on it runs first: the
@@ -458,6 +463,17 @@ def rows(t: Tensor, d: int) -> Tensor:
     if t.dim() != 2 or t.shape[1] != d:  # (a reshape costs the host as much as these checks ten times)
         t = t.reshape(-1, d)
     return aligned(t if t.is_contiguous() else t.contiguous())
+
+
+def source_rows(sources: Sequence[Tensor], d: int) -> List[Tensor]:
+    """`rows` of each source, but where the kernels read them through a pointer table (uses_triton) the first alone
+    is viewed as [N, d] (the launch's shape): the table needs only the others' pointers, which a contiguous,
+    16-byte-aligned tensor has at any shape. A view a source, forward and backward, was a 1B Full AttnRes step's
+    2,500 reshapes on the host."""
+    first = rows(sources[0], d)
+    if not uses_triton(first):
+        return [first] + [rows(s, d) for s in sources[1:]]
+    return [first] + [s if s.is_contiguous() and not s.data_ptr() % 16 else rows(s, d) for s in sources[1:]]
 
 
 def in_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:

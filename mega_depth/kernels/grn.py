@@ -27,7 +27,7 @@ from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        gradient_table, gradients_at, in_dtype, interpreting, jit, launch, nothing,
                                        partial_sums, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, row_warps, rows, sum_rows, sums2, tl, token, uses_triton, warps)
+                                       register_fake, row_warps, source_rows, sum_rows, sums2, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -522,7 +522,7 @@ def _torch_bwd(go, srcs, bias, proj, version, grads, adding):
 def grn_op(sources: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int) -> Tensor:
     """K sources [*, d]; bias v1 [g, K], v2/v3 [g, d, K]; proj (v3) [g, d] -> [g, *, d]."""
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
-    srcs = [rows(s, d) for s in sources]
+    srcs = source_rows(sources, d)
     fwd = _triton_fwd if uses_triton(srcs[0]) else _torch_fwd
     return fwd(srcs, bias.contiguous(), contiguous(proj), version).view(bias.shape[0], *lead, d)
 
@@ -561,10 +561,10 @@ def _(grad, sources, into, adding, bias, proj, version):
 
 def _backward_into(grad, sources, into, adding, bias, proj, version) -> List[Tensor]:
     d = sources[0].shape[-1]
-    srcs = [rows(s, d) for s in sources]
+    srcs = source_rows(sources, d)
     bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
     dbias, dproj = bwd(grad.reshape(bias.shape[0], -1, d).contiguous(), srcs, bias.contiguous(), contiguous(proj),
-                       version, [t.view(-1, d) for t in into], adding)
+                       version, source_rows(into, d), adding)
     # in the parameters' dtypes (the Triton launcher's already are; the twin's are fp32 or wider until here)
     return [in_dtype(dbias, bias.dtype), nothing(grad) if dproj is None else in_dtype(dproj, proj.dtype)]
 

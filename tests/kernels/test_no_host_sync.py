@@ -5,6 +5,7 @@ with torch.tensor(list, device=...) (a blocking copy from pageable memory)."""
 
 import os
 
+import pytest
 import torch
 from kernel_checks import EPS, leaf, sources_of
 
@@ -106,3 +107,34 @@ def test_the_detector_catches_a_blocking_table_and_host_reads(monkeypatch):
     with SyncDetector(here) as found:
         run_every_op()
     assert found and all("torch.tensor" in s.what for s in found)
+
+
+def test_a_captured_steps_tables_come_from_one_buffer_filled_after_the_capture(monkeypatch):
+    """While a step is captured as a CUDA graph (--cuda-graph-impl local), a pinned copy would become a graph node
+    that reads a recycled host block at every replay: each table is a slice of one device buffer instead, sized by
+    the step before (graph_tables.Counter), at a 16-byte boundary, never kept in the eager cache, and holding its
+    pointers once filled after the capture. A capture that makes more entries than the step before fails, naming
+    the flag. (Launches recorded: the kernels must not read a table before it is filled.)"""
+    from mega_depth.kernels import graph_tables
+
+    monkeypatch.setattr(common, "_TABLES", type(common._TABLES)())
+    before = graph_tables.Counter.entries
+    with common.recording(132):
+        run_every_op()
+    entries = graph_tables.Counter.entries - before
+    tables = graph_tables.CapturedTables(torch.device("cpu"), entries)
+    with common.recording(132) as launches, graph_tables.capturing(tables), SyncDetector() as found:
+        run_every_op()
+    assert not found, "\n".join(map(str, found))
+    assert not common._TABLES  # (recording keeps none either way; the capture's are the buffer's)
+    made = [a for launch in launches for a in launch.args
+            if isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a._base is tables.buffer]
+    assert len(made) >= 10
+    tables.fill()
+    for table in made:
+        assert table.data_ptr() % 16 == 0
+        assert all(p != 0 and (p & ~1) % 16 == 0 for p in table.tolist())  # pointers, a gradient table's low bit
+    small = graph_tables.CapturedTables(torch.device("cpu"), 3)
+    with graph_tables.capturing(small), pytest.raises(RuntimeError, match="--cuda-graph-impl"):
+        common.pointer_table([torch.zeros(4) for _ in range(4)])
+    assert graph_tables.ACTIVE is None
