@@ -126,6 +126,13 @@ class TrainingConfig:
     seed: int = _f(1234, "seed of the keyed initialisation, dropout and data order")
     bf16: bool = _f(False, "bf16 mixed precision (fp32 master weights)")
     on_nan: str = _f("stop", "a non-finite loss: stop (exit 3) or skip the update", ("stop", "skip"))
+    cuda_graph_impl: str = _f("none", "local: each training step's forward and backward captured once as one CUDA "
+                                      "graph and replayed (Megatron-LM's flag; one process on a GPU, with "
+                                      "--cuda-graph-scope full_iteration)", ("none", "local"))
+    cuda_graph_scope: str = _f("full_iteration", "what --cuda-graph-impl local captures: full_iteration (the step's "
+                                                 "forward and backward; Megatron-LM's per-layer scopes are not "
+                                                 "offered: the mixing's state crosses layers)", ("full_iteration",))
+    cuda_graph_warmup_steps: int = _f(3, "eager steps before the step is captured (Megatron-LM's default)")
     deepspeed: bool = _f(False, "train with the DeepSpeed engine (ZeRO 0-3, data parallel only)")
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON config (launch/ds_configs/zero*.json)")
     dry_run: bool = _f(False, "size the model on the meta device, print the start-up summary and the per-rank memory "
@@ -270,6 +277,7 @@ class Config:
         self.checkpoint.check()
         self.logging.check()
         _check_deepspeed(self)
+        _check_cuda_graph(self, world_size)
         _check_batches(self, world_size)
         mechanism_class(self.residual.mechanism).validate(self, _check)
         return self
@@ -400,6 +408,29 @@ def _check_deepspeed(cfg: "Config") -> None:
     _check(p.tensor_model_parallel_size == 1 and p.context_parallel_size == 1,
            "--deepspeed trains with data parallelism (ZeRO); use the Megatron path (no --deepspeed) for "
            "tensor, context or pipeline parallelism")
+
+
+def _check_cuda_graph(cfg: "Config", world_size: int) -> None:
+    """What a captured step (mega_depth/megatron/step_graph.py) cannot replay, or what no test has replayed yet."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    if t.cuda_graph_impl == "none":
+        return
+    flag = "--cuda-graph-impl local"
+    _check(t.cuda_graph_warmup_steps >= 1, f"--cuda-graph-warmup-steps {t.cuda_graph_warmup_steps} must be >= 1 "
+           "(the compiles and the pointer tables' count happen in an eager step before the capture)")
+    _check(not t.deepspeed, f"{flag} captures the Megatron backend's step; drop --deepspeed")
+    _check(world_size == 1, f"{flag} runs one process so far (the captured collectives are untested); launch one "
+           f"process, or drop {flag} for {world_size}")
+    _check(p.recompute_granularity is None, f"{flag} with --recompute-granularity: Megatron's recomputation saves and "
+           "restores the CUDA RNG state, which a capture cannot; drop one of them")
+    _check(m.hidden_dropout == 0 and m.attention_dropout == 0, f"{flag} with dropout: Megatron's RNG tracker forks "
+           "the CUDA RNG state, which a capture cannot; set --hidden-dropout 0 --attention-dropout 0")
+    _check(m.attention_backend == "sdpa" and m.transformer_impl != "transformer_engine",
+           f"{flag} needs the local spec with --attention-backend sdpa (the unfused attention forks the RNG state; "
+           "Transformer Engine's graphs are its own)")
+    _check(not m.compile_layers, f"{flag} with --compile-layers is untested; drop one of them")
+    _check(not m.num_experts, f"{flag} with experts: the router's load statistics are read on the host each step; "
+           "drop --num-experts or the flag")
 
 
 def _check_batches(cfg: "Config", world_size: int) -> None:

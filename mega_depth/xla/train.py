@@ -52,7 +52,7 @@ def _refuse_megatron_only(cfg) -> None:
         ("--sequence-parallel", p.sequence_parallel), ("--use-distributed-optimizer", p.use_distributed_optimizer),
         ("--recompute-granularity", p.recompute_granularity is not None), ("--deepspeed", t.deepspeed),
         ("--mixing-impl", cfg.model.mixing_impl not in (None, "eager")),
-        ("--compile-layers", cfg.model.compile_layers)) if on]
+        ("--compile-layers", cfg.model.compile_layers), ("--cuda-graph-impl", t.cuda_graph_impl != "none")) if on]
     if bad:
         raise ConfigError(f"{', '.join(bad)}: Megatron-trainer options, not used by the XLA trainer; shard with "
                           "--mesh DATA,FSDP instead")

@@ -322,3 +322,85 @@ def test_the_grad_norm_and_its_clip_stay_on_the_device_and_equal_the_exact_norm(
         grad = p.main_grad if p.grad is None else p.grad
         torch.testing.assert_close(grad.double(), g * factor, rtol=1e-5, atol=1e-9)
     backend.close()
+
+
+def test_a_captured_step_trains_as_the_eager_step(megatron_world):
+    """--cuda-graph-impl local: the Megatron backend's step through StepGraph (its warm-up, capture and replays,
+    the capture stood in for on CPU by step_graph.RerunCapture) gives the eager step's losses and weights, step for
+    step, with 2 micro-batches a step; a change of micro-batch shape afterwards is refused with the fix."""
+    import os
+    import sys
+
+    from fixtures import ROOT
+    from mega_depth.megatron.step_graph import RerunCapture, StepGraph
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from harness import megatron_run
+
+    flags = UNIT_MODEL + ["--residual", "attnres", "--attnres-num-blocks", "2", "--global-batch-size", "4",
+                          "--micro-batch-size", "2", "--lr", "1e-2", "--train-iters", "6"]
+    with pytest.raises(RuntimeError, match="needs a GPU; drop it on this machine"):
+        megatron_run(flags + ["--cuda-graph-impl", "local"], 64)
+    eager, sampler = megatron_run(flags, 64)
+    graphed, _ = megatron_run(flags, 64)
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class Capture(RerunCapture):  # the rotary table is made inside the capture, not read from Megatron's lru_cache
+        def capture(self, fn):
+            self.rotary_cached = hasattr(RotaryEmbedding.forward, "cache_info")
+            return super().capture(fn)
+
+    captures = []
+    graphed.step_graph = StepGraph(2, torch.device("cpu"), new_capture=lambda: captures.append(Capture())
+                                   or captures[-1])
+    for step in range(6):
+        batches = sampler.microbatches(step)
+        losses = [b.forward_backward(batches) for b in (eager, graphed)]
+        for b in (eager, graphed):
+            b.update()
+        assert losses[0] == losses[1], (step, losses)
+    assert len(captures) == 1 and captures[0].reruns == 3  # steps 0-1 eager, 2 captured, 3-5 replayed
+    assert not captures[0].rotary_cached and hasattr(RotaryEmbedding.forward, "cache_info")
+    for p, q in zip(eager.model[0].parameters(), graphed.model[0].parameters()):
+        assert torch.equal(p, q)
+    short = [{k: v[:, :-1] if v.dim() == 2 else v for k, v in b.items()} for b in sampler.microbatches(6)]
+    with pytest.raises(RuntimeError, match="changed shape or number.*--seq-length"):
+        graphed.forward_backward(short)
+    for b in (eager, graphed):
+        b.close()
+
+
+def test_a_cuda_capture_restores_the_stream_and_names_a_failure_in_one_line(monkeypatch):
+    """step_graph.CudaCapture with torch.cuda's graph calls stood in for: the capture runs on the given stream, the
+    previous stream is current again afterwards, even when the capture fails, and a failure (here an illegal sync
+    inside the step, whose error capture_end's hides) becomes one line that names the cause and the flag to drop."""
+    import contextlib
+
+    from mega_depth.megatron import step_graph
+
+    current, captured_on = ["default"], []
+
+    @contextlib.contextmanager
+    def graph(g, stream, capture_error_mode):
+        previous, current[0] = current[0], stream
+        captured_on.append((stream, capture_error_mode))
+        try:
+            yield
+        except Exception:  # capture_end fails too, and torch then leaves the capture's stream current
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        current[0] = previous
+
+    for name, value in (("CUDAGraph", lambda: "graph"), ("graph", graph), ("synchronize", lambda: None),
+                        ("current_stream", lambda: current[0]), ("set_stream", lambda s: current.__setitem__(0, s))):
+        monkeypatch.setattr(torch.cuda, name, value)
+    capture = step_graph.CudaCapture("side")
+    assert capture.capture(lambda: "losses") == "losses"
+    assert captured_on == [("side", "thread_local")] and current[0] == "default"
+
+    def syncs():
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    with pytest.raises(RuntimeError, match=r"could not be captured as a CUDA graph \(RuntimeError: operation not "
+                                           r"permitted when stream is capturing\); drop --cuda-graph-impl local"):
+        capture.capture(syncs)
+    assert current[0] == "default"

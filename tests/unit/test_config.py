@@ -73,6 +73,15 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
           "--global-batch-size", "3", "--micro-batch-size", "1"], 2, "multiple of --pipeline-model-parallel-size"),
         (["--residual", "attnres", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
           "1", "--global-batch-size", "2", "--micro-batch-size", "1"], 2, "need at least 2 x"),
+        (["--cuda-graph-impl", "transformer_engine"], 1, "unknown --cuda-graph-impl 'transformer_engine'"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"], 1, "unknown --cuda-graph-scope 'attn'"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "0"], 1, "--cuda-graph-warmup-steps 0 must be"),
+        (["--cuda-graph-impl", "local"], 2, "launch one process, or drop --cuda-graph-impl local"),
+        (["--cuda-graph-impl", "local", "--recompute-granularity", "full"], 1, "drop one of them"),
+        (["--cuda-graph-impl", "local", "--hidden-dropout", "0.1"], 1, "set --hidden-dropout 0 --attention-dropout 0"),
+        (["--cuda-graph-impl", "local", "--attention-backend", "unfused"], 1, "--attention-backend sdpa"),
+        (["--cuda-graph-impl", "local", "--num-experts", "4"], 1, "drop --num-experts or the flag"),
+        (["--cuda-graph-impl", "local", "--deepspeed", "--deepspeed-config", "x.json"], 1, "drop --deepspeed"),
     ],
 )
 def test_bad_configuration_names_the_fix(flags, world, message):
@@ -95,6 +104,8 @@ def test_good_configurations_pass():
     assert cfg.decoder_config().moe_layer_pattern == [0, 1, 1, 1]
     assert parse_args(BASE + ["--num-experts", "2", "--moe-layer-freq", "2"]).decoder_config().moe_layer_pattern == \
         [1, 0, 1, 0]
+    cfg = parse_args(BASE + ["--residual", "attnres", "--cuda-graph-impl", "local"]).validate(1)
+    assert (cfg.training.cuda_graph_scope, cfg.training.cuda_graph_warmup_steps) == ("full_iteration", 3)
 
 
 def test_cli_rejects_bad_input_before_any_work():

@@ -3,6 +3,7 @@ distributed), the pipeline schedules, and torch_dist checkpoints that reshard be
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from functools import partial
@@ -29,6 +30,7 @@ class MegatronBackend(Collectives):
         self._megatron_groups = start_megatron(cfg)
         self.num_microbatches = cfg.num_microbatches(self.world_size)
         self.model: List[torch.nn.Module] = []
+        self.step_graph = None
 
     # --- shape ------------------------------------------------------------------------------------------------------
     @property
@@ -74,8 +76,13 @@ class MegatronBackend(Collectives):
         tconfig = chunks[0].config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=p.use_distributed_optimizer)
-        self.model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
-                                              disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+        # --cuda-graph-impl local: DDP made on the stream the step is captured on (megatron/step_graph.StepGraph)
+        graph_stream = self._graph_stream()
+        with torch.cuda.stream(graph_stream) if graph_stream is not None else contextlib.nullcontext():
+            self.model = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c,
+                                                  disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
+        if graph_stream is not None:
+            torch.cuda.current_stream().wait_stream(graph_stream)
         self.mechanism = getattr(chunks[0].decoder, "mechanism", None)
         from mega_depth.megatron.moe_metrics import RoutingMetrics
 
@@ -93,6 +100,10 @@ class MegatronBackend(Collectives):
         grad_norm.apply()
         grad_norm.use_fused_adamw(self.optimizer)
         self.scheduler = build_scheduler(cfg, self.optimizer)
+        if graph_stream is not None:  # the step's forward and backward as one CUDA graph
+            from mega_depth.megatron.step_graph import StepGraph
+
+            self.step_graph = StepGraph(t.cuda_graph_warmup_steps, device(), stream=graph_stream)
         tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.grad_scale_func = self.optimizer.scale_loss
         tconfig.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
@@ -100,6 +111,17 @@ class MegatronBackend(Collectives):
         # Megatron-LM sets it only with --overlap-grad-reduce). A second, early reduce from the interleaved schedule
         # scaled the grads by 1/DP twice: harmless for dense weights (a sum of equal replicas), half for the
         # experts where the expert data-parallel group is smaller than DP.
+
+    def _graph_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The stream of --cuda-graph-impl local's captured step; None without it."""
+        if self.cfg.training.cuda_graph_impl != "local":
+            return None
+        if not torch.cuda.is_available():
+            raise RuntimeError("--cuda-graph-impl local captures the step as a CUDA graph and needs a GPU; drop it "
+                               "on this machine")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # (the weights reached the GPU on the current stream)
+        return stream
 
     @property
     def modules(self):
@@ -113,8 +135,6 @@ class MegatronBackend(Collectives):
         from mega_depth.megatron.context_parallel import split_batch
         from mega_depth.megatron.pipeline import pipelines_of
 
-        for pipe in pipelines_of(self.model):
-            pipe.start_step()
         cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
         batches = [to_device(split_batch(b, cp, cp_rank)) for b in microbatches]
         cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
@@ -131,12 +151,19 @@ class MegatronBackend(Collectives):
             output = model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
             return output, partial(loss_func, batch["loss_mask"])
 
-        iterators = [iter(batches) for _ in self.model]
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(batches),
-            seq_length=self.cfg.model.seq_length, micro_batch_size=self.cfg.training.micro_batch_size,
-            forward_only=forward_only)
+        def forward_backward(batches):  # (the Python that a captured step runs once, at its capture)
+            for pipe in pipelines_of(self.model):
+                pipe.start_step()
+            iterators = [iter(batches) for _ in self.model]
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(batches),
+                seq_length=self.cfg.model.seq_length, micro_batch_size=self.cfg.training.micro_batch_size,
+                forward_only=forward_only)
+
+        # a poisoned step (the NaN policy's test) and evaluation run eagerly beside the graph
+        graphed = self.step_graph is not None and not forward_only and not poison
+        losses = self.step_graph.step(batches, forward_backward) if graphed else forward_backward(batches)
         # The step's mean loss on every rank: averaged over micro-batches on the last stage, summed over CP (the
         # shares of one sequence's mean), then averaged over DP.
         reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
@@ -258,4 +285,5 @@ class MegatronBackend(Collectives):
     def close(self) -> None:
         from mega_depth.training.backends.startup import stop_megatron
 
+        self.step_graph = None  # the captured graph and its memory pool go with it
         stop_megatron(self._megatron_groups)
