@@ -19,8 +19,10 @@ and gradients are checked equal to ours before it is timed; one that differs is 
 cannot run here is skipped with the reason. Ours runs once more, untimed: its row says whether it gave the same
 bits again (deterministic: no parameter gradient summed by atomics). The torch.compile rows come last, after every
 op's own and peer rows: compiling is the slow part, and a run cut short by its time box keeps the rest (--out is
-written after every case). A time is a call's within a series of back-to-back calls (timed()), and "host ms" is the
-host's time to issue one: where the two are close, the host set the pace, not the kernels.
+written after every case). A time is a call's device time: the calls of a back-to-back series captured as one CUDA
+graph and replayed, so no host time is in it (timed(); where a peer's calls cannot be captured, its eager series
+time stands and its row says so). "host ms" is the host's time to issue one call eagerly: where it is above the
+device's time, an eager step waits on the host for this op (--cuda-graph-impl local removes that wait).
 
 --toy runs the same code at toy sizes in fp32 on the CPU under Triton's interpreter: every op and every peer that
 can run there is run and checked, nothing is timed (timings on a CPU say nothing of a GPU).
@@ -33,6 +35,7 @@ tests/unit/test_kernels_aot.py: it compiles every entry for its target and fails
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -236,8 +239,10 @@ def reference(op: str):
 
 
 class Timing(NamedTuple):
-    seconds: float  # a call's time within a series of back-to-back calls
+    seconds: float  # a call's device time: replayed from a CUDA graph of back-to-back calls, else series_seconds
     host_seconds: float  # the host's time to issue one call (Python, autograd, the launches)
+    series_seconds: float  # a call's time within an eager series of back-to-back calls (the host's where it lags)
+    graphed: Optional[str] = None  # "yes", or why the calls could not be captured (then seconds = series_seconds)
     host_profile: Optional[List[list]] = None  # --host-profile: where that time went (host_profile())
 
 
@@ -267,14 +272,17 @@ PASSES = ("ours", "peers", "torch.compile")  # the table's rows, in the order th
 SERIES = 3  # timed series per measurement; the median series counts
 
 
-def timed(fn, device, repeats: int) -> Optional[Timing]:
-    """A call's time on a GPU, and the host's time to issue one; None on a CPU (not timed).
+def timed(fn, device, repeats: int, series: bool = True) -> Optional[Timing]:
+    """A call's device time on a GPU, and the host's time to issue one; None on a CPU (not timed).
 
-    Each of SERIES series runs fn `repeats` times back to back between two CUDA events, with no sync between the
-    calls, after a warm-up: the host queues ahead of the device as it does in a training step, so a call's time is
-    the device's where the host keeps ahead, and the host's where it cannot (then host_seconds is about seconds).
-    A sync after every call would add the host's launch time to every kernel's: on the H200 (2026-11-30) the same
-    kernels measured up to 2x slower that way than in the tuner's runs."""
+    The host's: each of SERIES series runs fn `repeats` times back to back between two CUDA events, with no sync
+    between the calls, after a warm-up; the host queues ahead of the device as in a training step, so a series
+    call's time is the device's where the host keeps ahead and the host's where it cannot. On the H200
+    (2026-11-30, second session) every op of ours took as long to issue as to run, so the series measured the host.
+    The device's: the same `repeats` calls captured as one CUDA graph (graphed_seconds), replayed SERIES times:
+    the kernels back to back with no host in between, what a captured training step (--cuda-graph-impl local)
+    runs. Where a capture fails (a peer that syncs), the series time stands, and the row says why. series=False
+    (the tuner, which compares device times only): the eager series runs only where the capture fails."""
     import torch
 
     if device.type != "cuda":
@@ -283,7 +291,12 @@ def timed(fn, device, repeats: int) -> Optional[Timing]:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    series = []
+    graphed = None
+    if not series:
+        device_seconds, graphed = graphed_seconds(fn, device, repeats)
+        if device_seconds is not None:
+            return Timing(device_seconds, float("nan"), float("nan"), graphed)
+    runs = []
     for _ in range(SERIES):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began = time.perf_counter()
@@ -293,12 +306,60 @@ def timed(fn, device, repeats: int) -> Optional[Timing]:
         end.record()
         host = (time.perf_counter() - began) / repeats
         end.synchronize()
-        series.append(Timing(start.elapsed_time(end) / 1e3 / repeats, host))
-    median = sorted(series, key=lambda t: t.seconds)[len(series) // 2]
+        runs.append((start.elapsed_time(end) / 1e3 / repeats, host))
+    seconds, host = sorted(runs)[len(runs) // 2]
+    if graphed is None:  # (else the capture failed above)
+        device_seconds, graphed = graphed_seconds(fn, device, repeats)
+    median = Timing(seconds if device_seconds is None else device_seconds, host, seconds, graphed)
     if HOST_PROFILE:
         median = median._replace(host_profile=host_profile(fn, repeats))
         torch.cuda.synchronize()
     return median
+
+
+_POOL = None  # the CUDA graph memory pool every timing's capture shares
+
+
+def graphed_seconds(fn, device, repeats: int) -> Tuple[Optional[float], str]:
+    """(a call's device time, "yes") from `repeats` calls of fn captured as one CUDA graph and replayed SERIES
+    times (the median replay), or (None, why) where the capture failed. Our ops' pointer tables come from a buffer
+    filled after the capture (kernels/graph_tables.py), sized by one eager call's tables."""
+    import torch
+
+    from mega_depth.kernels import graph_tables
+
+    global _POOL
+    before = graph_tables.Counter.entries
+    fn()
+    entries = (graph_tables.Counter.entries - before) * repeats
+    tables = graph_tables.CapturedTables(device, entries) if entries else None
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.current_stream()  # (main's side stream: the stream a backward's forward ran on)
+    _POOL = _POOL or torch.cuda.graph_pool_handle()  # one pool: a failed capture keeps its pool for good
+    torch.cuda.synchronize()
+    try:
+        with graph_tables.capturing(tables) if tables else contextlib.nullcontext(), \
+                torch.cuda.graph(graph, pool=_POOL, stream=stream, capture_error_mode="thread_local"):
+            for _ in range(repeats):
+                fn()
+    except Exception as exc:  # a call that syncs or copies from the host cannot be captured
+        torch.cuda.set_stream(stream)  # (a capture that fails at its end leaves the capture's stream current)
+        torch.cuda.synchronize()
+        cause = exc.__context__ or exc  # capture_end's error hides the call's that invalidated the capture
+        return None, f"not captured: {type(cause).__name__}: {str(cause).splitlines()[0][:120] if str(cause) else ''}"
+    if tables:
+        tables.fill()
+    graph.replay()  # (the first replay uploads the graph)
+    times = []
+    for _ in range(SERIES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / repeats)
+    del graph
+    return sorted(times)[len(times) // 2], "yes"
 
 
 def timing_fields(fwd: Optional[Timing], bwd: Optional[Timing]) -> dict:
@@ -307,6 +368,8 @@ def timing_fields(fwd: Optional[Timing], bwd: Optional[Timing]) -> dict:
     for phase, t in (("fwd", fwd), ("bwd", bwd)):
         fields[f"{phase}_s"] = None if t is None else t.seconds
         fields[f"{phase}_host_s"] = None if t is None else t.host_seconds
+        fields[f"{phase}_series_s"] = None if t is None else t.series_seconds
+        fields[f"{phase}_graphed"] = None if t is None else t.graphed
         if t is not None and t.host_profile is not None:
             fields[f"{phase}_host_profile"] = t.host_profile
     return fields
@@ -468,7 +531,7 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
                 with tuning.forcing({key: candidate}), tuning.observing() as launched:
                     try:
                         got = results(run())
-                        timing = timed(run, device, repeats)
+                        timing = timed(run, device, repeats, series=False)
                         seconds = None if timing is None else timing.seconds
                     except Exception as exc:  # e.g. out of shared memory at more warps: not a candidate here
                         why = str(exc).splitlines()[0][:100] if str(exc) else ""
@@ -577,8 +640,8 @@ def _table_order(row: dict):
 
 
 def markdown(rows: List[dict]) -> str:
-    """The table; "host ms" is the host's time to issue a call, and a call's time near it means the host, not the
-    device, set the pace."""
+    """The table; "ms" is a call's device time (a CUDA graph of the calls, replayed), "host ms" the host's time to
+    issue a call eagerly."""
     lines = ["| op | shape | implementation | fwd ms | fwd GB/s (% copy) | fwd host ms | bwd ms | bwd GB/s (% copy) "
              "| bwd host ms | status |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -590,8 +653,10 @@ def markdown(rows: List[dict]) -> str:
         return [f"{r[f'{phase}_s'] * 1e3:.3f}", f"{r[f'{phase}_GBps']:.0f} ({r[f'{phase}_pct_copy']:.0f} %)",
                 "" if host is None else f"{host * 1e3:.3f}"]
     for r in rows:
+        eager = [p for p in ("fwd", "bwd") if r.get(f"{p}_graphed") not in (None, "yes")]
+        status = r["status"] + (f"; {' and '.join(eager)} timed as an eager series (not captured)" if eager else "")
         lines.append("| " + " | ".join([r["op"], r["shape"], r["impl"], *cells(r, "fwd"), *cells(r, "bwd"),
-                                        r["status"]]) + " |")
+                                        status]) + " |")
     return "\n".join(lines)
 
 
@@ -638,59 +703,64 @@ def main(argv=None) -> int:
         return _host_all(args)
     global HOST_PROFILE
     HOST_PROFILE = args.host_profile
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.toy \
+        else torch.device("cpu")
     if device.type != "cuda" and not args.toy:
         parser.error("no GPU: pass --toy (toy sizes on the CPU under TRITON_INTERPRET=1, checks only)")
     if args.toy and not (common.interpreting() and common.FORCE_TRITON):
         parser.error("--toy runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1 "
                      "MEGA_DEPTH_KERNELS_FORCE_TRITON=1 (without them the CPU runs the torch twins)")
-    dtype = torch.float32 if args.toy else torch.bfloat16
-    tol = 1e-4 if args.toy else BF16_TOL
-    start, rows, refs = time.time(), [], {}
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (toy, untimed)"
-    def save():  # after every case: a run cut short by its time box keeps what it finished
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": device_name, "references": refs, "rows": rows, "seconds": time.time() - start},
-                          f, indent=1)
+    # On a GPU everything runs on a side stream: timed() captures calls as CUDA graphs on the current stream, which
+    # the legacy default stream cannot be, and a backward is captured on the stream its forward ran on
+    with torch.cuda.stream(torch.cuda.Stream()) if device.type == "cuda" else contextlib.nullcontext():
+        dtype = torch.float32 if args.toy else torch.bfloat16
+        tol = 1e-4 if args.toy else BF16_TOL
+        start, rows, refs = time.time(), [], {}
+        device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (toy, untimed)"
+        def save():  # after every case: a run cut short by its time box keeps what it finished
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"device": device_name, "references": refs, "rows": rows, "seconds": time.time() - start},
+                              f, indent=1)
 
-    if args.tune:
-        return _tune_all(args, dtype, device, tol, device_name, start)
-    chosen = {}
-    for shape in (["toy"] if args.toy else args.shapes.split(",")):
-        chosen[shape] = [c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")]
-        found_sizes = sizes(shape, args.toy)
-        refs[shape] = bandwidth_references(device, dtype, found_sizes["tokens"] * found_sizes["d"] * dtype.itemsize,
-                                           args.repeats)
-        print(f"{shape} references: " + ", ".join(f"{k} {v:.1f}" for k, v in refs[shape].items() if v is not None),
-              flush=True)
-    # three passes, each over every op: ours, the peers, then the torch.compile floor (compiling every op's eager
-    # math takes longest), so that a run cut short by its time box has every op's own row first
-    passes = [("ours", lambda c: [measure_ours(c, device, args.repeats, tol)]),
-              ("peers", lambda c: measure_peers(c, device, args.repeats, tol))]
-    if not args.no_compile_floor and not args.toy:
-        passes.append(("torch.compile", lambda c: [compile_floor(c, device, args.repeats)]))
-    passes = [(label, run) for label, run in passes if label in args.passes.split(",")]
-    for label, run_pass in passes:
-        for shape, shape_cases in chosen.items():
-            for case in shape_cases:
-                began = time.time()
-                found = run_pass(case)
-                rows += with_rates(found, refs[shape]["copy_GBps"])
-                print(f"{shape} {case.op} ({label}, {time.time() - began:.1f} s): "
-                      + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
-                for r in found:  # --host-profile: the top of each profile, the rest in the JSON
-                    for phase in ("fwd", "bwd"):
-                        for name, calls, us in r.get(f"{phase}_host_profile", [])[:5]:
-                            print(f"    {r['impl']} {phase} host: {us:7.1f} us in {name} ({calls:g} a call)")
-                save()
-    if args.markdown:
-        print(markdown(sorted(rows, key=_table_order)))
-    print(f"{len(rows)} rows in {time.time() - start:.0f} s")
-    wrong = [f"{r['op']} {r['shape']}" for r in rows if r["impl"] == "mega_depth" and r["status"].startswith("differs")]
-    if wrong:
-        print(f"our kernels differ from the eager math in: {', '.join(wrong)}", file=sys.stderr)
-    return 1 if wrong else 0
+        if args.tune:
+            return _tune_all(args, dtype, device, tol, device_name, start)
+        chosen = {}
+        for shape in (["toy"] if args.toy else args.shapes.split(",")):
+            chosen[shape] = [c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")]
+            found_sizes = sizes(shape, args.toy)
+            refs[shape] = bandwidth_references(device, dtype, found_sizes["tokens"] * found_sizes["d"] * dtype.itemsize,
+                                               args.repeats)
+            print(f"{shape} references: " + ", ".join(f"{k} {v:.1f}" for k, v in refs[shape].items() if v is not None),
+                  flush=True)
+        # three passes, each over every op: ours, the peers, then the torch.compile floor (compiling every op's eager
+        # math takes longest), so that a run cut short by its time box has every op's own row first
+        passes = [("ours", lambda c: [measure_ours(c, device, args.repeats, tol)]),
+                  ("peers", lambda c: measure_peers(c, device, args.repeats, tol))]
+        if not args.no_compile_floor and not args.toy:
+            passes.append(("torch.compile", lambda c: [compile_floor(c, device, args.repeats)]))
+        passes = [(label, run) for label, run in passes if label in args.passes.split(",")]
+        for label, run_pass in passes:
+            for shape, shape_cases in chosen.items():
+                for case in shape_cases:
+                    began = time.time()
+                    found = run_pass(case)
+                    rows += with_rates(found, refs[shape]["copy_GBps"])
+                    print(f"{shape} {case.op} ({label}, {time.time() - began:.1f} s): "
+                          + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
+                    for r in found:  # --host-profile: the top of each profile, the rest in the JSON
+                        for phase in ("fwd", "bwd"):
+                            for name, calls, us in r.get(f"{phase}_host_profile", [])[:5]:
+                                print(f"    {r['impl']} {phase} host: {us:7.1f} us in {name} ({calls:g} a call)")
+                    save()
+        if args.markdown:
+            print(markdown(sorted(rows, key=_table_order)))
+        print(f"{len(rows)} rows in {time.time() - start:.0f} s")
+        wrong = [f"{r['op']} {r['shape']}" for r in rows
+                 if r["impl"] == "mega_depth" and r["status"].startswith("differs")]
+        if wrong:
+            print(f"our kernels differ from the eager math in: {', '.join(wrong)}", file=sys.stderr)
+        return 1 if wrong else 0
 
 
 def _host_all(args) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
-# important first, so that the first 75 s give our kernels' table and the next 230 s the 1B step ratios:
+# important first, so that the first 85 s give our kernels' table and the next 200 s the 1B step ratios:
 #   1. environment;
 #   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes
 #      (tools/bench_kernels.py --passes ours): our rows of the kernel table, with where each call's host time went
@@ -9,26 +9,29 @@
 #      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton (Block AttnRes, Depth-Attention and
 #      2-DCA first), same run, interleaved, one mechanism and the baseline resident at a time; MFU,
 #      saved-for-backward bytes, the analytic bound;
-#   4. the published peers on the same ops, each checked equal to ours first, then torch.compile of the eager math
+#   4. the step captured as one CUDA graph (--cuda-graph-impl local, never run on a GPU before this script's
+#      first run of it): tools/graph_check.py trains every setting at d = 256 eagerly and captured and compares
+#      the losses; then the 1B ratios of Block AttnRes and Depth-Attention (MECHS_1B_GRAPHED) with the baseline
+#      captured too, where the host no longer issues the step kernel by kernel;
+#   5. the published peers on the same ops, each checked equal to ours first, then torch.compile of the eager math
 #      (--passes peers,torch.compile): the rest of the kernel table. Their first compiles and autotuning take
-#      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios;
-#   5. the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager math): the
-#      compiled bf16 path (tensor-core dots) is the one the CPU's interpreter cannot run;
-#   6. a torch.profiler trace of one 1B-size step, the baseline and PROFILE_MECHS (2-DCA and mHC: Block AttnRes and
-#      Depth-Attention were profiled on 2026-11-30, second session): top kernels, each mixing kernel's device time
-#      and launches in the step, the kernels whose time differs most from the baseline's, device idle time and the
-#      longest gaps (tools/profile_step.py), so a missed ratio says where its time went.
-#   FULL=1 adds: host syncs (one training step of every mechanism under torch.cuda.set_sync_debug_mode("error"),
-#   tools/sync_check.py; 0 in every GPU run since 2026-11-27, and the CPU suite checks it); the kernels' launch
-#   settings tuned at the 1B sizes (tools/bench_kernels.py --tune: tuned.json in the results, to commit as
-#   mega_depth/kernels/tuned.json) and our rows again with them (ONLY=tune_kernels,kernels_tuned FULL=1 runs those
-#   two alone, ~190 s), throughput at d = 512 (12 layers, every mechanism), --compile-layers at d = 512 (Block
-#   AttnRes and its baseline, each layer compiled whole), the quickstart's train -> export -> sample, a short GPU
-#   quality run and the mixing's cost on MoE layers at the 1B class (ONLY=throughput_moe FULL=1 runs that alone;
-#   past the 580 s box). The boxes are sized from the last GPU runs (H200, 2026-11-29 and -30, docs/benchmarks.md):
-#   a 1B pair takes 38-70 s (230 s gave six settings of seven on 2026-11-30, second session), our kernels' rows
-#   ~22 s after ~15 s of imports, the peers' 62 s for the AttnRes mix alone, a profiled setting ~33 s, the tuner
-#   131 s for 35 kernels.
+#      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios.
+#   FULL=1 adds: the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager
+#   math; 12 passed in every run since 2026-11-29); a torch.profiler trace of one 1B-size step, the baseline and
+#   PROFILE_MECHS (top kernels, each mixing kernel's device time and launches, the kernels that differ most from
+#   the baseline's, device idle time: tools/profile_step.py); host syncs (one training step of every mechanism
+#   under torch.cuda.set_sync_debug_mode("error"), tools/sync_check.py; 0 in every GPU run since 2026-11-27, and
+#   the CPU suite checks it); the kernels' launch settings tuned at the 1B sizes (tools/bench_kernels.py --tune:
+#   tuned.json in the results, to commit as mega_depth/kernels/tuned.json) and our rows again with them
+#   (ONLY=tune_kernels,kernels_tuned FULL=1 runs those two alone, ~190 s), throughput at d = 512 (12 layers, every
+#   mechanism), --compile-layers at d = 512 (Block AttnRes and its baseline, each layer compiled whole), the
+#   quickstart's train -> export -> sample, a short GPU quality run and the mixing's cost on MoE layers at the 1B
+#   class (ONLY=throughput_moe FULL=1 runs that alone; past the 580 s box). The boxes are sized from the last GPU
+#   runs (H200, 2026-11-29 and -30, docs/benchmarks.md): a 1B pair takes 38-70 s (230 s gave six settings of seven
+#   on 2026-11-30, second session; 200 s gives five), our kernels' rows ~22 s after ~15 s of imports (the device
+#   times from CUDA graphs of the calls add a guess of 10 s), the peers' 62 s for the AttnRes mix alone, a
+#   profiled setting ~33 s, the tuner 131 s for 35 kernels; the graph check is a guess (7 settings at d = 256,
+#   two short runs each).
 #   WHEELS=wheels OUT=results bash tools/device_check.sh   # on the GPU machine (PY=python3 there; carry the
 #                         # megatron-core, liger-kernel, fla-core and flash-attn-res wheels: no internet there)
 #   ONLY=throughput_1b MECHS_1B=dca-2,mhc OUT=results bash tools/device_check.sh   # a rerun of chosen steps
@@ -85,6 +88,10 @@ if [ "${SCALE:-full}" = tiny ]; then
   # the kernels' tests are collected, not run: the CPU suite runs all of them under the interpreter
   # (tests/unit/test_kernels.py); collecting checks the selection and imports (pytest exits 5 on an empty one)
   KERNEL_TESTS=(--collect-only)
+  GRAPH_CHECK=(--hidden-size 32 --num-layers 2 --num-attention-heads 4 --num-query-groups 2 --seq-length 32
+               --mechanisms standard,attnres-block,mhc)
+  TP_LARGE_GRAPHED=("${TP_LARGE[@]}" --mechanisms attnres-block)
+  GRAPHED=()  # a CPU captures nothing: the dry run times the eager step (graph_check's stands a capture in)
   INTERPRET=1
   # the boxes are the GPU's; a 2-core CPU that shares its cores with other tests needs more (the environment's
   # imports alone took 21 s there)
@@ -109,6 +116,9 @@ else
   QUICK=()
   KERNELS=(--shapes 1b)
   KERNEL_TESTS=()
+  GRAPH_CHECK=()
+  TP_LARGE_GRAPHED=("${TP_LARGE[@]}" --mechanisms "${MECHS_1B_GRAPHED:-attnres-block,depth-attention}")
+  GRAPHED=(--cuda-graph-impl local --cuda-graph-warmup-steps 1)
   INTERPRET=0
   BOX_SCALE=1
 fi
@@ -121,19 +131,24 @@ step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
 # (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op.) Our rows
 # first, alone: 22 s of kernels on the H200 of 2026-11-30 (second session), where the peers' first compiles and
 # autotuning (fla tries 24 settings a kernel) took 62 s for the AttnRes mix alone and cut the whole table at 150 s
-step bench_kernels 60 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+step bench_kernels 70 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours --host-profile --out "$WORK/kernels.json" --markdown
-step throughput_1b 230 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
+step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
 # the peers and the torch.compile floor, beside our rows of the first step (the table merges the two JSONs)
-step kernel_peers 140 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+# the step captured as one CUDA graph (--cuda-graph-impl local): first that it trains as the eager step does, every
+# setting at a small size, then the 1B ratios with the baseline captured too (the host's share of the step gone)
+step graph_check 50 "$PY" tools/graph_check.py "${GRAPH_CHECK[@]}" --out "$WORK/graph_check.json"
+step throughput_1b_graphed 120 "$PY" tools/bench_throughput.py "${TP_LARGE_GRAPHED[@]}" --mixing-impl triton \
+  "${GRAPHED[@]}" --out "$WORK/throughput_1b_graphed.json"
+step kernel_peers 125 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes peers,torch.compile --out "$WORK/kernel_peers.json" \
   --markdown
-step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
-  "${KERNEL_TESTS[@]}"
-step profile_1b 100 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms "${PROFILE_MECHS:-dca-2,mhc}" \
-  --mixing-impl triton --out-dir "$WORK"
 if [ "${FULL:-0}" = 1 ]; then
+  step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
+    "${KERNEL_TESTS[@]}"
+  step profile_1b 100 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms "${PROFILE_MECHS:-dca-2,mhc}" \
+    --mixing-impl triton --out-dir "$WORK"
   # the tuner starts from the shipped table (its entries are the settings it searches around) and merges its
   # winners into a copy; kernels_tuned then measures the table with that copy, before anyone commits it
   cp mega_depth/kernels/tuned.json "$WORK/tuned.json"

@@ -170,14 +170,17 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
 
     from fixtures import ENV, PY
 
-    default = ["environment", "bench_kernels", "throughput_1b", "kernel_peers", "kernels", "profile_1b"]
-    # the sync check is FULL=1's first step (0 syncs in every GPU run); the rest of FULL=1 is left to the GPU
+    default = ["environment", "bench_kernels", "throughput_1b", "graph_check", "throughput_1b_graphed",
+               "kernel_peers"]
+    # FULL=1's first steps (the GPU kernel tests, the profile, the sync check: 0 syncs in every GPU run); the rest
+    # of FULL=1 is left to the GPU
+    full = ["kernels", "profile_1b", "sync_check"]
     proc = subprocess.run(["bash", "tools/device_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(ENV, SCALE="tiny", OUT=str(tmp_path), PY=PY, FULL="1",
-                                   ONLY=",".join(default + ["sync_check"])))
+                                   ONLY=",".join(default + full)))
     summary = (tmp_path / "device_check.log").read_text()
     steps = dict(line.split(": exit ") for line in summary.strip().splitlines())
-    assert list(steps) == default + ["sync_check"], summary
+    assert list(steps) == default + full, summary
     assert all(v.startswith("0 ") for v in steps.values()), (summary, proc.stdout[-3000:])
     with tarfile.open(tmp_path / "device_check.tar.gz") as tar:
         tar.extractall(tmp_path / "results")
@@ -204,3 +207,8 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     peers = json.loads((tmp_path / "results" / "kernel_peers.json").read_text())["rows"]
     assert peers and {r["impl"] for r in peers}.isdisjoint({"mega_depth"}), peers
     assert all(r["status"].startswith(("equal", "skipped")) for r in peers), peers
+    # the captured step's plumbing (the capture stood in for on a CPU): the same losses as the eager step's
+    graphs = json.loads((tmp_path / "results" / "graph_check.json").read_text())["results"]
+    assert list(graphs) == ["standard", "attnres-block", "mhc"]
+    assert all(r["ok"] and r["captured"] and r["max_relative_difference"] == 0 for r in graphs.values()), graphs
+    assert json.loads((tmp_path / "results" / "throughput_1b_graphed.json").read_text())["complete"]

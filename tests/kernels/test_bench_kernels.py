@@ -64,15 +64,80 @@ def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls_since_sync.__setitem__(0, 0))
+    # (no graph here: the series time stands where the calls cannot be captured)
+    monkeypatch.setattr(bench_kernels, "graphed_seconds", lambda fn, device, repeats: (None, "not captured: x"))
     timing = bench_kernels.timed(call, torch.device("cuda"), 4)
     assert series_lengths == [4, 4, 4]
     assert abs(timing.seconds - 3e-3) < 1e-12 and timing.host_seconds >= 0 and timing.host_profile is None
+    assert timing.series_seconds == timing.seconds and timing.graphed == "not captured: x"
     # --host-profile: one more series, under the profiler, after the timed ones
     per_call = iter([1e-3] * 3 + [2e-3] * 4 + [9e-3] * 4 + [3e-3] * 4 + [5e-3] * 4)
     monkeypatch.setattr(bench_kernels, "HOST_PROFILE", True)
     timing = bench_kernels.timed(call, torch.device("cuda"), 4)
     assert abs(timing.seconds - 3e-3) < 1e-12
     assert {name.split("(")[-1]: calls for name, calls, _ in timing.host_profile}["call)"] == 1
+
+
+def test_a_calls_device_time_is_a_cuda_graph_replay_of_the_series(monkeypatch):
+    """The series measured the host where it lagged the device (every op of ours on the H200); the device's time
+    is a CUDA graph of the same calls replayed (fake clock and graph: a captured call runs nothing until a replay,
+    which runs them back to back at the device's pace). A call that cannot be captured leaves the series time,
+    with the reason."""
+    import contextlib
+
+    clock, captured, capturing = [0.0], [], [False]
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    class Graph:
+        def replay(self):
+            for run in captured:
+                run()
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool, stream, capture_error_mode):
+        capturing[0] = True
+        yield
+        capturing[0] = False
+
+    def call():
+        if capturing[0]:  # recorded, not run: the device runs it at replay, 1 ms a call
+            captured.append(lambda: clock.__setitem__(0, clock[0] + 1e-3))
+        else:  # eagerly the host sets the pace: 5 ms a call
+            clock[0] += 5e-3
+
+    for name, value in (("Event", Event), ("CUDAGraph", Graph), ("Stream", Stream), ("graph", graph),
+                        ("synchronize", lambda: None), ("current_stream", lambda: Stream()),
+                        ("set_stream", lambda stream: None), ("graph_pool_handle", lambda: "pool")):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(bench_kernels, "_POOL", None)
+    timing = bench_kernels.timed(call, torch.device("cuda"), 4)
+    assert len(captured) == 4 and timing.graphed == "yes"
+    assert abs(timing.seconds - 1e-3) < 1e-12 and abs(timing.series_seconds - 5e-3) < 1e-12
+
+    def syncs():
+        if capturing[0]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        clock[0] += 5e-3
+
+    timing = bench_kernels.timed(syncs, torch.device("cuda"), 4)
+    assert timing.graphed.startswith("not captured: RuntimeError: operation not permitted")
+    assert abs(timing.seconds - 5e-3) < 1e-12
 
 
 def test_host_profile_says_where_the_host_time_of_a_call_went():

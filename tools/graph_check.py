@@ -1,0 +1,121 @@
+"""A captured step trains as the eager one: --cuda-graph-impl local against eager, every mechanism, same batches.
+
+    python tools/graph_check.py [--mechanisms a,b] [--hidden-size 256 --num-layers 4 --seq-length 256] [--out f.json]
+
+For each setting two Megatron backends are built alike (same seed and data), one eager and one whose step is
+captured as a CUDA graph after one eager warm-up step (mega_depth/megatron/step_graph.py); both train --steps
+optimizer steps on the same micro-batches (two a step) and the losses are compared step by step, the captured
+one's from its first replay on. On a GPU two eager runs differ by the nondeterminism of a few cuBLAS and
+embedding-gradient kernels, so the check allows a relative --tolerance; the host's time to issue a step is
+reported for both. On a CPU the capture is stood in for by step_graph.RerunCapture (a dry run of the plumbing:
+the losses must then be equal). Exits 1 if a setting's losses differ or its capture failed.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mega_depth.catalogue import mechanism_flags, parse_mechanisms  # noqa: E402
+
+TARGETS = "standard,attnres-block,depth-attention,dca-2,dca,attnres-full,mhc"
+
+
+def compare(name: str, flags, steps: int, gpu: bool) -> dict:
+    import torch
+
+    from harness import megatron_run
+    from mega_depth.megatron.step_graph import RerunCapture, StepGraph
+
+    backends = []
+    try:
+        eager, sampler = megatron_run(flags, 64)
+        backends.append(eager)
+        graphed, _ = megatron_run(flags + ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "1"] if gpu
+                                  else flags, 64)
+        backends.insert(0, graphed)  # closed first: its graph goes before anything it reads
+        if not gpu:
+            graphed.step_graph = StepGraph(1, torch.device("cpu"), new_capture=RerunCapture)
+        losses = {"eager": [], "graphed": []}
+        host_ms = {"eager": [], "graphed": []}
+        for step in range(steps):
+            batches = sampler.microbatches(step)
+            for label, backend in (("eager", eager), ("graphed", graphed)):
+                if gpu:
+                    torch.cuda.synchronize()
+                began = time.perf_counter()
+                loss = backend.forward_backward(batches)  # (reads the loss: the host waits for the step's end)
+                host_ms[label].append(1e3 * (time.perf_counter() - began))
+                backend.update()
+                losses[label].append(loss)
+        captured = graphed.step_graph is not None and graphed.step_graph.captured
+    finally:  # a failed capture too: the next setting starts from a clean process state
+        for backend in backends:
+            backend.close()
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["eager"], losses["graphed"]))
+    return {"losses": losses, "max_relative_difference": worst, "step_ms": host_ms, "captured": captured}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--mechanisms", default=TARGETS)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--num-query-groups", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (the first is the eager warm-up)")
+    parser.add_argument("--tolerance", type=float, default=2e-3,
+                        help="largest relative loss difference on a GPU (on a CPU the losses must be equal)")
+    parser.add_argument("--out", default=None)
+    args, extra = parser.parse_known_args(argv)
+    if args.steps < 3:
+        parser.error(f"--steps {args.steps}: at least 3 (the warm-up, the capture, a replay)")
+
+    import torch
+
+    from harness import start
+
+    start()
+    gpu = torch.cuda.is_available()
+    results, failed = {}, []
+    for name in parse_mechanisms(args.mechanisms):
+        flags = ["--mock-data", "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
+                 "--num-attention-heads", str(args.num_attention_heads), "--num-query-groups",
+                 str(args.num_query_groups), "--seq-length", str(args.seq_length), "--vocab-size", "32000",
+                 "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
+                 str(2 * args.micro_batch_size), "--train-iters", str(args.steps), "--lr-decay-style", "constant",
+                 "--mixing-impl", "triton"] + (["--bf16"] if gpu else []) + mechanism_flags(name, args.num_layers) \
+            + extra
+        try:
+            result = compare(name, flags, args.steps, gpu)
+            ok = result["captured"] and (result["max_relative_difference"] <= args.tolerance if gpu
+                                         else result["losses"]["eager"] == result["losses"]["graphed"])
+        except Exception as exc:  # a capture that failed: reported with where, and the next setting runs
+            where = "".join(traceback.format_tb(exc.__traceback__)[-6:])
+            result, ok = {"error": f"{type(exc).__name__}: {exc}\n{where}"}, False
+        result["ok"] = ok
+        results[name] = result
+        if not ok:
+            failed.append(name)
+        if "error" in result:
+            print(f"{name}: FAILED {result['error'].splitlines()[0]}", flush=True)
+        else:
+            ms = {k: sorted(v[2:])[len(v[2:]) // 2] for k, v in result["step_ms"].items()}
+            print(f"{name}: {'ok' if ok else 'DIFFERENT'}, losses differ by {result['max_relative_difference']:.2e} "
+                  f"at most; step {ms['eager']:.1f} ms eager, {ms['graphed']:.1f} ms captured", flush=True)
+        if args.out:  # after every setting: a run cut short by its time box keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "results": results}, f,
+                          indent=1)
+    torch.distributed.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
