@@ -20,7 +20,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mega_depth.catalogue import mechanism_flags, parse_mechanisms  # noqa: E402
+from harness import add_model_args, model_flags  # noqa: E402
+from mega_depth.catalogue import parse_mechanisms  # noqa: E402
 
 TARGETS = "standard,attnres-block,depth-attention,dca-2,dca,attnres-full,mhc"
 
@@ -63,12 +64,7 @@ def compare(name: str, flags, steps: int, gpu: bool) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--mechanisms", default=TARGETS)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-query-groups", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    add_model_args(parser, hidden_size=256, seq_length=256)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (the first is the eager warm-up)")
     parser.add_argument("--tolerance", type=float, default=2e-3,
                         help="largest relative loss difference on a GPU (on a CPU the losses must be equal)")
@@ -85,13 +81,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     results, failed = {}, []
     for name in parse_mechanisms(args.mechanisms):
-        flags = ["--mock-data", "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
-                 "--num-attention-heads", str(args.num_attention_heads), "--num-query-groups",
-                 str(args.num_query_groups), "--seq-length", str(args.seq_length), "--vocab-size", "32000",
-                 "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
-                 str(2 * args.micro_batch_size), "--train-iters", str(args.steps), "--lr-decay-style", "constant",
-                 "--mixing-impl", "triton"] + (["--bf16"] if gpu else []) + mechanism_flags(name, args.num_layers) \
-            + extra
+        flags = model_flags(args, name, args.steps, gpu, extra)
         try:
             result = compare(name, flags, args.steps, gpu)
             ok = result["captured"] and (result["max_relative_difference"] <= args.tolerance if gpu

@@ -19,7 +19,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms  # noqa: E402
+from harness import add_model_args, model_flags  # noqa: E402
+from mega_depth.catalogue import SETTINGS, parse_mechanisms  # noqa: E402
 
 
 def check_gpu(backend, microbatches) -> dict:
@@ -58,12 +59,7 @@ def check_cpu(backend, microbatches) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--mechanisms", default=",".join(SETTINGS))
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--num-query-groups", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    add_model_args(parser, hidden_size=512, seq_length=512)
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args(argv)
 
@@ -75,13 +71,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     results = {}
     for name in parse_mechanisms(args.mechanisms):
-        flags = ["--mock-data", "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
-                 "--num-attention-heads", str(args.num_attention_heads), "--num-query-groups",
-                 str(args.num_query_groups), "--seq-length", str(args.seq_length), "--vocab-size", "32000",
-                 "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
-                 str(2 * args.micro_batch_size), "--train-iters", "4", "--lr-decay-style", "constant",
-                 "--mixing-impl", "triton"] + (["--bf16"] if gpu else []) + mechanism_flags(name, args.num_layers) \
-            + extra
+        flags = model_flags(args, name, 4, gpu, extra)
         backend, sampler = megatron_run(flags, 64)
         train_step(backend, sampler.microbatches(0))  # warm-up: allocations, Triton's compilation
         results[name] = (check_gpu if gpu else check_cpu)(backend, sampler.microbatches(1))

@@ -37,13 +37,8 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path, c
                                           "triton_launch_host_us": None, "sum_rows_host_us": None}
 
 
-def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
-    """timed() on a GPU, with a fake device clock: the calls of a series are queued back to back (a sync after
-    each would add the host's launch time to the device's), a call's time is the series' over its calls, and the
-    median series counts."""
-    clock, calls_since_sync, series_lengths = [0.0], [0], []
-    per_call = iter([1e-3] * 3 + [2e-3] * 4 + [9e-3] * 4 + [3e-3] * 4)  # warm-up, then three series
-
+def clock_events(clock, on_sync=lambda: None):
+    """A fake torch.cuda.Event on a fake device clock (clock[0], seconds); on_sync runs at an event's sync."""
     class Event:
         def __init__(self, enable_timing):
             self.at = None
@@ -52,17 +47,30 @@ def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
             self.at = clock[0]
 
         def synchronize(self):
-            series_lengths.append(calls_since_sync[0])
-            calls_since_sync[0] = 0
+            on_sync()
 
         def elapsed_time(self, end):
             return (end.at - self.at) * 1e3
+
+    return Event
+
+
+def test_a_timing_is_a_series_of_calls_without_a_sync_between_them(monkeypatch):
+    """timed() on a GPU, with a fake device clock: the calls of a series are queued back to back (a sync after
+    each would add the host's launch time to the device's), a call's time is the series' over its calls, and the
+    median series counts."""
+    clock, calls_since_sync, series_lengths = [0.0], [0], []
+    per_call = iter([1e-3] * 3 + [2e-3] * 4 + [9e-3] * 4 + [3e-3] * 4)  # warm-up, then three series
+
+    def on_sync():
+        series_lengths.append(calls_since_sync[0])
+        calls_since_sync[0] = 0
 
     def call():
         clock[0] += next(per_call)
         calls_since_sync[0] += 1
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Event", clock_events(clock, on_sync))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls_since_sync.__setitem__(0, 0))
     # (no graph here: the series time stands where the calls cannot be captured)
     monkeypatch.setattr(bench_kernels, "graphed_seconds", lambda fn, device, repeats: (None, "not captured: x"))
@@ -87,19 +95,6 @@ def test_a_calls_device_time_is_a_cuda_graph_replay_of_the_series(monkeypatch):
 
     clock, captured, capturing = [0.0], [], [False]
 
-    class Event:
-        def __init__(self, enable_timing):
-            self.at = None
-
-        def record(self):
-            self.at = clock[0]
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return (end.at - self.at) * 1e3
-
     class Graph:
         def replay(self):
             for run in captured:
@@ -121,7 +116,7 @@ def test_a_calls_device_time_is_a_cuda_graph_replay_of_the_series(monkeypatch):
         else:  # eagerly the host sets the pace: 5 ms a call
             clock[0] += 5e-3
 
-    for name, value in (("Event", Event), ("CUDAGraph", Graph), ("Stream", Stream), ("graph", graph),
+    for name, value in (("Event", clock_events(clock)), ("CUDAGraph", Graph), ("Stream", Stream), ("graph", graph),
                         ("synchronize", lambda: None), ("current_stream", lambda: Stream()),
                         ("set_stream", lambda stream: None), ("graph_pool_handle", lambda: "pool")):
         monkeypatch.setattr(torch.cuda, name, value)
