@@ -93,7 +93,7 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
 
     from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2, attnres_phase2_normed
     from mega_depth.kernels.attnres_mix import attnres_mix_sources
-    from mega_depth.kernels.depth_attention import depth_attention_mix
+    from mega_depth.kernels.depth_attention import depth_attention_mix_normed
     from mega_depth.kernels.grn import grn_apply_sources
     from mega_depth.kernels.mhc_projection import mhc_projection
     from mega_depth.kernels.mhc_maps import mhc_projected_coefficients
@@ -153,11 +153,13 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     hq, hkv, c, iters = s["heads"], s["groups"], s["candidates"], SINKHORN_ITERS
     hn = d // hq
     q_row, kv_row = n * hq * hn * item, n * hkv * hn * item  # a query (and a per-query-head value), a key
-    depth = Case("depth_attention", shape, f"Depth-Attention value mix, {c} candidates, per-query-head values",
+    depth = Case("depth_attention", shape, f"Depth-Attention value mix, {c} candidates (raw keys, normalised by the "
+                 "layer's key norm in the kernel, as the step runs it), per-query-head values",
                  lambda: ([rand(n, hq, hn, seed=1), rand(n, hkv, hn, seed=2), rand(n, hkv, hn, seed=3)]
                           + [rand(n, hkv, hn, seed=10 + j) for j in range(c)]
-                          + [rand(n, hq, hn, seed=20 + j) for j in range(c)]),
-                 lambda qv, kv, vv, *cand: depth_attention_mix(qv, kv, vv, list(cand[:c]), list(cand[c:])),
+                          + [rand(n, hq, hn, seed=20 + j) for j in range(c)] + [rand(hn, scale=0.1, shift=1.0, seed=30)]),
+                 lambda qv, kv, vv, *rest: depth_attention_mix_normed(rest[-1], NORM_EPS, qv, kv, vv, list(rest[:c]),
+                                                                      list(rest[c:2 * c])),
                  2 * q_row + (2 + c) * kv_row + c * q_row,
                  2 * (2 * q_row + (2 + c) * kv_row + c * q_row))
     m = ns * ns + 2 * ns
@@ -231,8 +233,9 @@ def reference(op: str):
             mixing.attnres_block_phase2(m, z, o, x, q, g, EPS, heads=2), w, NORM_EPS),
         "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
-        "depth_attention": lambda qv, kv, vv, *cand: mixing.depth_attention_mix(
-            qv, kv, vv, torch.stack(cand[:len(cand) // 2]), torch.stack(cand[len(cand) // 2:])),
+        "depth_attention": lambda qv, kv, vv, *rest: mixing.depth_attention_mix(
+            qv, kv, vv, torch.stack([rms_normed(k, rest[-1], NORM_EPS) for k in rest[:len(rest) // 2]]),
+            torch.stack(rest[len(rest) // 2:-1])),
         "mhc_maps": lambda *a: _concatenated(mixing.mhc_projected_coefficients(*a, SINKHORN_ITERS)),
         "mhc_projection": lambda st, phi: _rms_applied(mixing.mhc_projection(st, phi)),
     }[op]

@@ -66,7 +66,7 @@ class _Host:
             query = torch.zeros(*lead, hq, hn, dtype=x.dtype, device=x.device) + derived
             key = torch.zeros(*lead, hkv, hn, dtype=x.dtype, device=x.device) + derived
             value = torch.zeros(*lead, hkv, hn, dtype=x.dtype, device=x.device) + derived
-            mixed = value_mixer(query, key, value, lambda t: t, lambda t: t)
+            mixed = value_mixer(query, key, value, lambda t: t, _HEAD_NORM)
             out = out + sum(t.sum() for t in mixed) * 0
         return out
 
@@ -96,6 +96,22 @@ class _Norm:
 
 
 _NORM = _Norm()
+
+
+class _HeadNorm:
+    """The host's key norm (over a head's channels), as far as the mixing's launches go: a plain tensor passes as it
+    is; an op that folds the norm into its own kernel (`folded`: Depth-Attention's candidate keys) gets a weight."""
+
+    eps = 1e-6
+
+    def __call__(self, x):
+        return x
+
+    def folded(self, op, like):
+        return op(torch.ones(like.shape[-1], dtype=like.dtype, device=like.device), self.eps)
+
+
+_HEAD_NORM = _HeadNorm()
 
 
 class _Final:

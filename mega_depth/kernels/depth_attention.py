@@ -10,6 +10,11 @@ candidates share a gradient buffer, the kernels walk the entries one at a time (
 "query" mode mixes per query head (R = hq / hkv heads per key-value group), "group" mode once per group with the
 group's mean query. C = 0 returns the value expanded, without an op. A candidate read by several layers' mixes gets
 its gradients summed in the backward kernel (kernels/grad_sink.py). The op is `mega_depth::depth_attention_mix`.
+
+`depth_attention_mix_normed` takes the candidates' raw keys and this layer's key-norm weight: the kernels normalise
+each key row as the host's RMSNorm does (Llama's casting), and backward takes the raw keys' gradients through the
+norm (into the sinks) and the weight's from per-program partial sums (common.sum_rows). The layer's own query and
+key come normalised, as before.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (RESIDENT_WARPS, Sources, accumulation_dtype, aligned, cdiv, gradient_at,
-                                       gradient_table, gradients_at, interpreting, jit, launch, pointer_at,
-                                       pointer_table, pointers_at, pow2, programs, register_fake, store_or_add_torch,
-                                       tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (RESIDENT_WARPS, Sources, accumulation_dtype, aligned, cdiv, contiguous,
+                                       gradient_at, gradient_table, gradients_at, interpreting, jit, launch, nothing,
+                                       partial_sums, pointer_at, pointer_table, pointers_at, pow2, programs,
+                                       register_fake, rms_norm_grad_torch, rms_normed_torch, store_or_add_torch,
+                                       sum_rows, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -69,14 +75,41 @@ def _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, 
 
 
 @jit
-def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask):
-    """Key [BKV, BN] (fp32) of entry j: candidate j < C (contiguous [N, hkv, hn]) or this layer's own (strided)."""
+def _head_normed(raw, w, HN, eps, like_ptr, AXIS: tl.constexpr):
+    """This layer's key norm of raw candidate keys (fp32 of the stored rows; one head row along AXIS), as the host's
+    fused norm makes them (Llama's casting, megatron/norm.py) and the eager path then holds them: normalised in
+    fp32, rounded, times the weight w (fp32, broadcast along the rows), rounded again."""
+    dt = like_ptr.dtype.element_ty
+    rstd = tl.rsqrt(tl.sum(raw * raw, axis=AXIS) / HN + eps)
+    return ((raw * tl.expand_dims(rstd, AXIS)).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+
+
+@jit
+def _head_norm_grad(raw, dkey, w, HN, eps, AXIS: tl.constexpr):
+    """The backward of _head_normed at raw: (the raw keys' gradient, the weight's gradient terms, both raw's
+    shape). With hn = raw * rstd and g = dkey * w: d raw = rstd * (g - hn * mean(g * hn)); dw = dkey * hn. (The
+    host's norm takes dw at hn rounded to the keys' dtype: equal in fp32, within that rounding in bf16, where one
+    more conversion live made the 1B backward of 2 candidates spill.)"""
+    rstd = tl.expand_dims(tl.rsqrt(tl.sum(raw * raw, axis=AXIS) / HN + eps), AXIS)
+    hn = raw * rstd
+    g = dkey * w
+    mean = tl.expand_dims(tl.sum(g * hn, axis=AXIS) / HN, AXIS)
+    return rstd * (g - hn * mean), dkey * hn
+
+
+@jit
+def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM: tl.constexpr):
+    """Key [BKV, BN] (fp32) of entry j: candidate j < C (contiguous [N, hkv, hn]; KNORM: raw, normalised here with
+    the weight w [BKV, BN]) or this layer's own (strided, normalised by the host)."""
     if j < C:
         key = tl.load(pointer_at(ktab, j, k_ptr) + n * HKV * HN + okv[:, None] * HN + on[None, :],
-                      mask=kvmask & valid, other=0.)
+                      mask=kvmask & valid, other=0.).to(tl.float32)
+        if KNORM:
+            key = _head_normed(key, w, HN, eps, k_ptr, 1)
     else:
-        key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid, other=0.)
-    return key.to(tl.float32)
+        key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid,
+                      other=0.).to(tl.float32)
+    return key
 
 
 @jit
@@ -118,12 +151,33 @@ def _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ
 
 
 @jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, scale, TOK,
+def _norm_weight(w_ptr, okv, on, kvmask, BKV: tl.constexpr, BN: tl.constexpr, KNORM: tl.constexpr):
+    """The candidates' key-norm weight as a [BKV, BN] fp32 tile of the program's key rows (KNORM; loaded like a key
+    row, as wide a load a thread: a lone [BN] row on 4 warps read 2 bytes a thread), else zeros never read (one
+    type out of both branches: the compiler needs it)."""
+    w = tl.zeros([BKV, BN], dtype=tl.float32)
+    if KNORM:
+        w += tl.load(w_ptr + okv[:, None] * 0 + on[None, :], mask=kvmask, other=0.).to(tl.float32)
+    return w
+
+
+@jit
+def _store_weight_gradient(dw_ptr, dw, on, nmask, BN: tl.constexpr, KNORM: tl.constexpr):
+    """This program's partial sum of the key-norm weight's gradient (dw [BKV, BN], summed over its groups here), one
+    row of a partial_sums buffer (the programs of a (tokens, groups) grid in row-major order; sum_rows adds them)."""
+    if KNORM:
+        row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(dw_ptr + row * ((BN + 15) // 16 * 16) + on, tl.sum(dw, axis=0), mask=nmask)
+
+
+@jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV, R, RQ, HN, scale, eps, TOK,
                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                 BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
     pid = tl.program_id(0)
     okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
+    w = _norm_weight(w_ptr, okv, on, kvmask, BKV, BN, KNORM)
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
@@ -132,7 +186,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, 
         m = tl.full([BKV, BR], float("-inf"), tl.float32)
         z = tl.zeros([BKV, BR], dtype=tl.float32)
         for j in range(C + 1):  # candidates, then this layer's own key and value (j == C)
-            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM)
             val = _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
                          BKV, BR, BN, CV_PER_HEAD)
             s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
@@ -148,10 +202,10 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, 
 
 
 @jit
-def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab,
-                N, C, HKV, R, RQ, HN, scale, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab, dw_ptr,
+                N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                 BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
     """Pass 1: scores and go . value of every [candidate..., self] (the softmax gradient needs their weighted
     mean); pass 2: key, value and query gradients. Values shared by the R heads of a group get their sum."""
     pid = tl.program_id(0)
@@ -160,6 +214,8 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
     oj = tl.arange(0, BJ)
     okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
     m3 = hmask[:, :, None] & nmask[None, None, :]
+    w = _norm_weight(w_ptr, okv, on, kvmask, BKV, BN, KNORM)
+    dw = tl.zeros([BKV, BN], dtype=tl.float32)  # the weight's gradient: summed over the groups once, at the end
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
@@ -169,7 +225,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
         scores = tl.zeros([BJ, BKV, BR], dtype=tl.float32)
         gv = tl.zeros([BJ, BKV, BR], dtype=tl.float32)
         for j in range(C + 1):
-            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM)
             val = _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
                          BKV, BR, BN, CV_PER_HEAD)
             sel = (oj == j)[:, None, None]
@@ -186,9 +242,16 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
             dsj = tl.sum(tl.where(sel, ds, 0.), axis=0)
             dkey = tl.sum(dsj[:, :, None] * q, axis=1)  # [BKV, BN]
             dval = a[:, :, None] * go
-            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask)
             if j < C:  # a candidate's gradients: stored, or added where its buffer holds other readers' (sinks)
                 kv_row = n * HKV * HN + okv[:, None] * HN + on[None, :]
+                raw = tl.load(pointer_at(ktab, j, k_ptr) + kv_row, mask=kvmask & valid, other=0.).to(tl.float32)
+                key = raw
+                if KNORM:
+                    key = _head_normed(raw, w, HN, eps, k_ptr, 1)
+                dq += dsj[:, :, None] * key[:, None, :]
+                if KNORM:  # through this layer's norm of it, to the raw key
+                    dkey, dw_terms = _head_norm_grad(raw, dkey, w, HN, eps, 1)
+                    dw += dw_terms
                 dkp, kadd = gradient_at(dktab, j, k_ptr)
                 dkey += tl.load(dkp + kv_row, mask=kvmask & valid & kadd, other=0.).to(tl.float32)
                 tl.store(dkp + kv_row, dkey.to(kdt), mask=kvmask & valid)
@@ -202,11 +265,14 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr,
                                                           other=0.).to(tl.float32)
                     tl.store(dvp + kv_row, dsum.to(vdt), mask=kvmask & valid)
             else:
+                key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid,
+                              other=0.).to(tl.float32)
+                dq += dsj[:, :, None] * key[:, None, :]
                 tl.store(dk_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], dkey.to(kdt), mask=kvmask & valid)
                 tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
                          mask=kvmask & valid)
-            dq += dsj[:, :, None] * key[:, None, :]
         _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
+    _store_weight_gradient(dw_ptr, dw, on, nmask, BN, KNORM)
 
 
 @jit
@@ -221,12 +287,12 @@ def _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, 
 @jit
 def _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask, k_ptr, v_ptr,
                 BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, CV_PER_HEAD: tl.constexpr):
-    """Every candidate's key [BJ, BKV, BN] and value [BJ, BKV, BR, BN] (fp32), each set in one load (the C loads
-    of one layer's candidates are all in flight), and the candidates' mask [BJ]."""
+    """Every candidate's key [BJ, BKV, BN] (in its dtype) and value [BJ, BKV, BR, BN] (fp32), each set in one load
+    (the C loads of one layer's candidates are all in flight), and the candidates' mask [BJ]."""
     jmask = oj < C
     kv_rows = n * HKV * HN + okv[None, :, None] * HN + on[None, None, :]  # [1, BKV, BN]
     keys = tl.load(pointers_at(ktab, oj, jmask, k_ptr)[:, None, None] + kv_rows,
-                   mask=jmask[:, None, None] & kvmask[None, :, :] & valid, other=0.).to(tl.float32)
+                   mask=jmask[:, None, None] & kvmask[None, :, :] & valid, other=0.)
     values_at = pointers_at(vtab, oj, jmask, v_ptr)[:, None, None, None]
     full = tl.zeros([BJ, BKV, BR, BN], dtype=tl.float32)
     if CV_PER_HEAD:
@@ -240,21 +306,25 @@ def _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, 
 
 
 @jit
-def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ, HN, scale, TOK,
+def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV, R, RQ, HN, scale, eps, TOK,
                       sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                       BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
     """_fwd_kernel with every candidate's key and value loaded as one tile before any score is reduced: one
     softmax over [candidates..., self] instead of an online one, entry after entry, each a dependent load."""
     pid = tl.program_id(0)
     okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
     oj = tl.arange(0, BJ)
+    w = _norm_weight(w_ptr, okv, on, kvmask, BKV, BN, KNORM)
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
         q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
         keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
                                           kvmask, k_ptr, v_ptr, BJ, BKV, BR, BN, CV_PER_HEAD)
+        keys = keys.to(tl.float32)
+        if KNORM:
+            keys = _head_normed(keys, w[None, :, :], HN, eps, k_ptr, 2)
         key, val = _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask)
         s_c = tl.where(jmask[:, None, None], tl.sum(q[None, :, :, :] * keys[:, :, None, :], axis=3) * scale,
                        float("-inf"))  # [BJ, BKV, BR]
@@ -269,10 +339,10 @@ def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, out_ptr, N, C, HKV, R, RQ
 
 
 @jit
-def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab,
-                      N, C, HKV, R, RQ, HN, scale, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab, dw_ptr,
+                      N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                       BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr):
+                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
     """_bwd_kernel with every candidate's key and value read once, as one tile each, and their gradients stored (or
     added, gradient tables) as one tile each: one pass per token instead of two over the entries."""
     pid = tl.program_id(0)
@@ -281,14 +351,21 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, d
     okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
     oj = tl.arange(0, BJ)
     m3 = hmask[:, :, None] & nmask[None, None, :]
+    w = _norm_weight(w_ptr, okv, on, kvmask, BKV, BN, KNORM)
+    # the weight's gradient [BKV, BN], in the layout of the candidates' terms it sums (a [BJ, BKV, BN] tile's sum
+    # over the candidates: no conversion a token, which spilled on sm_80), summed over the groups at the end
+    dw = tl.sum(tl.zeros([BJ, BKV, BN], dtype=tl.float32), axis=0)
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
         q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
         go = tl.load(go_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], mask=m3 & valid,
                      other=0.).to(tl.float32)
-        keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
-                                          kvmask, k_ptr, v_ptr, BJ, BKV, BR, BN, CV_PER_HEAD)
+        raw_keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
+                                              kvmask, k_ptr, v_ptr, BJ, BKV, BR, BN, CV_PER_HEAD)
+        keys = raw_keys.to(tl.float32)  # (the raw keys stay in their dtype until the norm's backward: fewer registers)
+        if KNORM:
+            keys = _head_normed(keys, w[None, :, :], HN, eps, k_ptr, 2)
         key, val = _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask)
         s_c = tl.where(jmask[:, None, None], tl.sum(q[None, :, :, :] * keys[:, :, None, :], axis=3) * scale,
                        float("-inf"))  # [BJ, BKV, BR]
@@ -304,13 +381,16 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, d
         mean = tl.sum(a_c * gv_c, axis=0) + a * gv
         ds_c = a_c * (gv_c - mean[None, :, :]) * scale  # 0 for the masked candidates (a_c = 0)
         ds = a * (gv - mean) * scale
+        # the query's and this layer's key and value gradients first: the normalised keys die here, before the raw
+        # ones go through the norm's backward
+        dq = tl.sum(ds_c[:, :, :, None] * keys[:, :, None, :], axis=0) + ds[:, :, None] * key[:, None, :]
+        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
+        own = n * HKV * HN + okv[:, None] * HN + on[None, :]
+        tl.store(dk_ptr + own, tl.sum(ds[:, :, None] * q, axis=1).to(kdt), mask=kvmask & valid)
+        tl.store(dv_ptr + own, tl.sum(a[:, :, None] * go, axis=1).to(vdt), mask=kvmask & valid)
         # the candidates' gradients: stored, or added where a buffer holds other readers' (sinks)
         kv_rows = n * HKV * HN + okv[None, :, None] * HN + on[None, None, :]
         ktile = jmask[:, None, None] & kvmask[None, :, :] & valid
-        dkp, kadd = gradients_at(dktab, oj, jmask, k_ptr)
-        dkeys = tl.sum(ds_c[:, :, :, None] * q[None, :, :, :], axis=2)  # [BJ, BKV, BN]
-        dkeys += tl.load(dkp[:, None, None] + kv_rows, mask=ktile & kadd[:, None, None], other=0.).to(tl.float32)
-        tl.store(dkp[:, None, None] + kv_rows, dkeys.to(kdt), mask=ktile)
         dvp, vadd = gradients_at(dvtab, oj, jmask, v_ptr)
         dvals = a_c[:, :, :, None] * go[None, :, :, :]  # [BJ, BKV, BR, BN]
         if CV_PER_HEAD:
@@ -323,11 +403,14 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, go_ptr, dq_ptr, dk_ptr, d
             dsum = tl.sum(dvals, axis=2) + tl.load(dvp[:, None, None] + kv_rows, mask=ktile & vadd[:, None, None],
                                                    other=0.).to(tl.float32)
             tl.store(dvp[:, None, None] + kv_rows, dsum.to(vdt), mask=ktile)
-        own = n * HKV * HN + okv[:, None] * HN + on[None, :]
-        tl.store(dk_ptr + own, tl.sum(ds[:, :, None] * q, axis=1).to(kdt), mask=kvmask & valid)
-        tl.store(dv_ptr + own, tl.sum(a[:, :, None] * go, axis=1).to(vdt), mask=kvmask & valid)
-        dq = tl.sum(ds_c[:, :, :, None] * keys[:, :, None, :], axis=0) + ds[:, :, None] * key[:, None, :]
-        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
+        dkp, kadd = gradients_at(dktab, oj, jmask, k_ptr)
+        dkeys = tl.sum(ds_c[:, :, :, None] * q[None, :, :, :], axis=2)  # [BJ, BKV, BN]
+        if KNORM:  # through this layer's norm of them, to the raw keys
+            dkeys, dw_terms = _head_norm_grad(raw_keys.to(tl.float32), dkeys, w[None, :, :], HN, eps, 2)
+            dw += tl.sum(dw_terms, axis=0)
+        dkeys += tl.load(dkp[:, None, None] + kv_rows, mask=ktile & kadd[:, None, None], other=0.).to(tl.float32)
+        tl.store(dkp[:, None, None] + kv_rows, dkeys.to(kdt), mask=ktile)
+    _store_weight_gradient(dw_ptr, dw, on, nmask, BN, KNORM)
 
 
 TILED_CANDIDATES = 4  # at most this many candidates are read as one tile (registers grow with it)
@@ -373,9 +456,11 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, cv: List[Tensor], group: bool)
     return hkv, r, hq // hkv, hn, consts, strides, cdiv(hkv, bkv)
 
 
-def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool) -> Tensor:
+def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool,
+                w: Optional[Tensor] = None, eps: float = 0.) -> Tensor:
     """q [N, hq, hn], k / v [N, hkv, hn] (token and head strides free, channels contiguous); ck [N, hkv, hn] and
-    cv [N, hv, hn] contiguous, C >= 1 of each. -> [N, heads, hn] in the value dtype."""
+    cv [N, hv, hn] contiguous, C >= 1 of each; w [hn]: the candidates' keys are raw, normalised here with it.
+    -> [N, heads, hn] in the value dtype."""
     n = q.shape[0]
     hkv, r, rq, hn, consts, strides, group_blocks = _launch_args(q, k, v, cv, group)
     out = torch.empty((n, hkv * r, hn), dtype=v.dtype, device=v.device)
@@ -383,7 +468,9 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tens
         return out
     count, tok = programs(n, v.device, reduces=False)
     grid = (count, group_blocks)
-    args = (q, k, v, pointer_table(ck), pointer_table(cv), out, n, len(ck), hkv, r, rq, hn, hn ** -0.5, tok, *strides)
+    args = (q, k, v, pointer_table(ck), pointer_table(cv), k if w is None else w, out, n, len(ck), hkv, r, rq, hn,
+            hn ** -0.5, eps, tok, *strides)
+    consts["KNORM"] = w is not None
     tiled, bj = len(ck) <= TILED_CANDIDATES, pow2(len(ck))
     if r <= GROUP_HEADS:
         # a few groups: the query, the accumulator and each candidate's value; a 64-register cap (32 resident warps:
@@ -402,28 +489,34 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tens
 
 
 def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool,
-                dck: List[Tensor], dcv: List[Tensor], adding: List[bool]):
-    """Candidate gradients into dck / dcv (rows like ck / cv; added to those with `adding` set, keys then values)
-    -> (dq, dk, dv), each in its input's dtype."""
+                dck: List[Tensor], dcv: List[Tensor], adding: List[bool], w: Optional[Tensor] = None, eps: float = 0.):
+    """Candidate gradients into dck / dcv (rows like ck / cv; added to those with `adding` set, keys then values;
+    with w, the raw keys' through the norm) -> (dq, dk, dv, dw or None), each in its input's dtype."""
     n = q.shape[0]
     hkv, r, rq, hn, consts, strides, group_blocks = _launch_args(q, k, v, cv, group)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n == 0:
-        return dq, dk, dv
+        return dq, dk, dv, None if w is None else torch.zeros_like(w)
     c = len(ck)
-    count, tok = programs(n, go.device, reduces=False)
+    # with the norm, per-program partial sums of its weight's gradient: a few programs an SM, several tokens each
+    count, tok = programs(n, go.device, reduces=w is not None)
     grid = (count, group_blocks)
-    args = (q, k, v, pointer_table(ck), pointer_table(cv), go, dq, dk, dv, gradient_table(dck, adding[:c]),
-            gradient_table(dcv, adding[c:]), n, c, hkv, r, rq, hn, hn ** -0.5, tok, *strides)
+    parts = None if w is None else partial_sums(count * group_blocks, pow2(hn), go.device)
+    args = (q, k, v, pointer_table(ck), pointer_table(cv), k if w is None else w, go, dq, dk, dv,
+            gradient_table(dck, adding[:c]), gradient_table(dcv, adding[c:]), dq if parts is None else parts, n, c,
+            hkv, r, rq, hn, hn ** -0.5, eps, tok, *strides)
+    consts["KNORM"] = w is not None
     # a tile of gradients reads all its rows before it stores any: two candidates sharing one buffer would lose one's
     # gradient, so they go entry by entry (meta tensors, recorded launches, share no memory)
     shared = go.device.type != "meta" and any(len({t.data_ptr() for t in grads}) < c for grads in (dck, dcv))
     tiled = c <= TILED_CANDIDATES and not shared
     if r <= GROUP_HEADS:
-        # a few groups: the query, its output gradient and dq, each candidate's key, value and their gradients
-        num_warps = _group_warps(consts, v.element_size(), 3 + 4 * pow2(c) if tiled else 4)
+        # a few groups: the query, its output gradient and dq, each candidate's key, value and their gradients (with
+        # the norm, its raw key and the norm's gradient too: the 1B bf16 backward of 2 candidates spilled on 1 warp)
+        live = (3 + 4 * pow2(c) + (2 * pow2(c) if w is not None else 0)) if tiled else 4
+        num_warps = _group_warps(consts, v.element_size(), live)
     else:
         tile = consts["BKV"] * consts["BR"] * consts["BN"]
         # the token's groups: the candidates' keys, values and their gradients beside the rows (on 4 warps 2
@@ -437,8 +530,11 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
     if tiled:
         launch(_bwd_tiles_kernel, grid, args, num_warps, BJ=pow2(c), **consts)
     else:
-        launch(_bwd_kernel, grid, args, num_warps, BJ=pow2(c + 1), **consts)
-    return dq, dk, dv
+        # with the norm, the entry-by-entry backward (7B: 4 heads a group) holds the weight's gradient beside its
+        # rows: 170 registers, not 128 (it spilled on sm_80)
+        resident = 12 if w is not None else RESIDENT_WARPS
+        launch(_bwd_kernel, grid, args, num_warps, resident_warps=resident, BJ=pow2(c + 1), **consts)
+    return dq, dk, dv, None if parts is None else sum_rows(parts, hn, dtypes=[w.dtype])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -457,7 +553,16 @@ def _query_layout(q, k, group):
     return q4.to(ct)
 
 
-def _torch_fwd(q, k, v, ck, cv, group):
+def _normed_keys_torch(ck, w, eps):
+    """The candidates' raw keys [N, hkv, hn] normalised per head with w as the host's norm does (Llama's casting)
+    -> ([normalised keys], [1 / RMS [N * hkv]])."""
+    made = [rms_normed_torch(c.reshape(-1, c.shape[-1]), w, eps) for c in ck]
+    return [y.view_as(c) for (y, _), c in zip(made, ck)], [rstd for _, rstd in made]
+
+
+def _torch_fwd(q, k, v, ck, cv, group, w=None, eps=0.):
+    if w is not None:
+        ck = _normed_keys_torch(ck, w, eps)[0]
     n, hkv, hn = k.shape
     q4 = _query_layout(q, k, group)
     ct, r = q4.dtype, q4.shape[2]
@@ -475,7 +580,17 @@ def _torch_fwd(q, k, v, ck, cv, group):
     return (acc / z.unsqueeze(-1)).view(n, hkv * r, hn).to(v.dtype)
 
 
-def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding):
+def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding, w=None, eps=0.):
+    if w is not None:  # the twin without the norm, the normalised keys' gradients into fresh buffers; then the norm's
+        normed, rstds = _normed_keys_torch(ck, w, eps)
+        grads = [torch.empty_like(c) for c in ck]
+        dq, dk, dv, _ = _torch_bwd(go, q, k, v, normed, cv, group, grads, dcv, [False] * len(ck) + list(adding[len(ck):]))
+        dw = torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device)
+        for raw, grad, rstd, into, add in zip(ck, grads, rstds, dck, adding):
+            dh, dw_j = rms_norm_grad_torch(raw.reshape(-1, raw.shape[-1]), grad.view(-1, raw.shape[-1]), w, rstd)
+            store_or_add_torch(into, dh.view_as(raw), add)
+            dw += dw_j
+        return dq, dk, dv, dw.to(w.dtype)
     n, hkv, hn = k.shape
     q4 = _query_layout(q, k, group)
     ct, r = q4.dtype, q4.shape[2]
@@ -502,7 +617,7 @@ def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding):
         dq = (dq / rq).expand(n, hkv, rq, hn)
     for into, grad, add in zip(dck + dcv, dkeys[:-1] + dvals[:-1], adding):
         store_or_add_torch(into, grad, add)
-    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1]
+    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1], None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -525,77 +640,90 @@ def _operands(query, key, value, cand_keys, cand_values):
 
 @torch.library.custom_op("mega_depth::depth_attention_mix", mutates_args=())
 def depth_attention_op(query: Tensor, key: Tensor, value: Tensor, cand_keys: List[Tensor],
-                       cand_values: List[Tensor], group: bool) -> Tensor:
+                       cand_values: List[Tensor], key_norm_weight: Optional[Tensor], eps: float,
+                       group: bool) -> Tensor:
     """query [*, hq, hn]; key / value [*, hkv, hn]; C >= 1 candidate keys [*, hkv, hn] and values [*, hv, hn]
-    -> [*, heads, hn] (heads: hq, or hkv in group mode)."""
+    -> [*, heads, hn] (heads: hq, or hkv in group mode). key_norm_weight [hn]: the candidate keys are raw, and
+    normalised with it (this layer's key norm) in the kernel."""
     q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
-    out = (_triton_fwd if uses_triton(v) else _torch_fwd)(q, k, v, ck, cv, group)
+    out = (_triton_fwd if uses_triton(v) else _torch_fwd)(q, k, v, ck, cv, group, contiguous(key_norm_weight), eps)
     return out.view(*value.shape[:-2], out.shape[-2], out.shape[-1])
 
 
 @register_fake(depth_attention_op)
-def _(query, key, value, cand_keys, cand_values, group):
+def _(query, key, value, cand_keys, cand_values, key_norm_weight, eps, group):
     heads = key.shape[-2] if group else query.shape[-2]
     return value.new_empty((*value.shape[:-2], heads, value.shape[-1]))
 
 
 @torch.library.custom_op("mega_depth::depth_attention_mix_backward", mutates_args=())
 def depth_attention_backward_op(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, cand_keys: List[Tensor],
-                                cand_values: List[Tensor], group: bool) -> List[Tensor]:
-    """-> [dq, dk, dv, candidate key gradients..., candidate value gradients...]."""
+                                cand_values: List[Tensor], key_norm_weight: Optional[Tensor], eps: float,
+                                group: bool) -> List[Tensor]:
+    """-> [dq, dk, dv, d key_norm_weight (or empty), candidate key gradients..., candidate value gradients...]."""
     into = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in list(cand_keys) + list(cand_values)]
-    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, [False] * len(into), group) + into
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, [False] * len(into),
+                          key_norm_weight, eps, group) + into
 
 
 @register_fake(depth_attention_backward_op)
-def _fake_backward(grad, query, key, value, cand_keys, cand_values, group):
-    return [t.new_empty(t.shape) for t in (query, key, value, *cand_keys, *cand_values)]
+def _fake_backward(grad, query, key, value, cand_keys, cand_values, key_norm_weight, eps, group):
+    return ([t.new_empty(t.shape) for t in (query, key, value)] + [_weight_gradient_like(grad, key_norm_weight)]
+            + [t.new_empty(t.shape) for t in (*cand_keys, *cand_values)])
 
 
 @torch.library.custom_op("mega_depth::depth_attention_mix_backward_into", mutates_args=("into",))
 def depth_attention_backward_into_op(grad: Tensor, query: Tensor, key: Tensor, value: Tensor,
                                      cand_keys: List[Tensor], cand_values: List[Tensor], into: List[Tensor],
-                                     adding: List[bool], group: bool) -> List[Tensor]:
+                                     adding: List[bool], key_norm_weight: Optional[Tensor], eps: float,
+                                     group: bool) -> List[Tensor]:
     """The candidates' gradients stored into `into` (contiguous tensors shaped like the candidate keys, then values),
-    or added to those with `adding` set (kernels/grad_sink.py) -> [dq, dk, dv]."""
-    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, group)
+    or added to those with `adding` set (kernels/grad_sink.py) -> [dq, dk, dv, d key_norm_weight (or empty)]."""
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps, group)
 
 
 @register_fake(depth_attention_backward_into_op)
-def _(grad, query, key, value, cand_keys, cand_values, into, adding, group):
-    return [t.new_empty(t.shape) for t in (query, key, value)]
+def _(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps, group):
+    return [t.new_empty(t.shape) for t in (query, key, value)] + [_weight_gradient_like(grad, key_norm_weight)]
 
 
-def _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, group) -> List[Tensor]:
+def _weight_gradient_like(grad: Tensor, key_norm_weight: Optional[Tensor]) -> Tensor:
+    return nothing(grad) if key_norm_weight is None else key_norm_weight.new_empty(key_norm_weight.shape)
+
+
+def _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps,
+                   group) -> List[Tensor]:
     q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
     go = grad.reshape(-1, *grad.shape[-2:]).contiguous()
     rows = [t.view(-1, *t.shape[-2:]) for t in into]
     c = len(ck)
-    dq, dk, dv = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group, rows[:c], rows[c:],
-                                                                 adding)
-    return [dq.view_as(query), dk.view_as(key), dv.view_as(value)]
+    dq, dk, dv, dw = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group, rows[:c], rows[c:],
+                                                                     list(adding), contiguous(key_norm_weight), eps)
+    return [dq.view_as(query), dk.view_as(key), dv.view_as(value), nothing(grad) if dw is None else dw]
 
 
 def _setup(ctx, inputs, output):
-    query, key, value, cand_keys, cand_values, group = inputs
-    ctx.save_for_backward(query, key, value, *cand_keys, *cand_values)
-    ctx.cfg = (group, len(cand_keys))
+    query, key, value, cand_keys, cand_values, key_norm_weight, eps, group = inputs
+    ctx.save_for_backward(query, key, value, key_norm_weight, *cand_keys, *cand_values)
+    ctx.cfg = (eps, group, len(cand_keys))
     ctx.sinks = grad_sink.sinks_of(list(cand_keys) + list(cand_values))
 
 
 def _backward(ctx, grad):
-    query, key, value, *cands = ctx.saved_tensors
-    group, c = ctx.cfg
+    query, key, value, weight, *cands = ctx.saved_tensors
+    eps, group, c = ctx.cfg
     need = ctx.needs_input_grad
     if ctx.sinks is None:
-        dq, dk, dv, *dc = call(depth_attention_backward_op, grad, query, key, value, cands[:c], cands[c:], group)
+        dq, dk, dv, dw, *dc = call(depth_attention_backward_op, grad, query, key, value, cands[:c], cands[c:], weight,
+                                   eps, group)
     else:  # the candidates' sinks take their gradients in the kernel (kernels/grad_sink.py)
         into, adding = grad_sink.buffers(ctx.sinks, cands)
-        dq, dk, dv = call(depth_attention_backward_into_op, grad, query, key, value, cands[:c], cands[c:], into,
-                          adding, group)
+        dq, dk, dv, dw = call(depth_attention_backward_into_op, grad, query, key, value, cands[:c], cands[c:], into,
+                              adding, weight, eps, group)
         dc = (grad_sink.returned(ctx.sinks[:c], into[:c], need[3])
               + grad_sink.returned(ctx.sinks[c:], into[c:], need[4]))
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:], None)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:],
+            dw if weight is not None and need[5] else None, None, None)
 
 
 autograd(depth_attention_op, _backward, _setup)
@@ -605,6 +733,23 @@ def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Op
                         cand_values: Optional[Sources], gqa_mode: str = "query") -> Tensor:
     """== mixing.depth_attention_mix(...): query [*, hq, hn]; key / value [*, hkv, hn]; cand_keys [C, *, hkv, hn]
     and cand_values [C, *, hv, hn] (or sequences of C tensors, or None). -> [*, heads, hn]."""
+    return _mix(query, key, value, cand_keys, cand_values, gqa_mode, None, 0.0)
+
+
+def depth_attention_mix_normed(norm_weight: Tensor, norm_eps: float, query: Tensor, key: Tensor, value: Tensor,
+                               cand_raw_keys: Optional[Sources], cand_values: Optional[Sources],
+                               gqa_mode: str = "query") -> Tensor:
+    """depth_attention_mix of the candidates' raw keys normalised by this layer's key norm (the host's RMSNorm,
+    weight norm_weight [hn], Llama's casting: megatron/norm.py's fused norm), the norm inside the mix kernel each
+    way: no normalised candidate key is written, made again in backward, or summed over its readers' gradients.
+    == depth_attention_mix(query, key, value, [norm(k) for k in cand_raw_keys], cand_values, gqa_mode)."""
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != key.shape[-1]:
+        raise ValueError(f"a key norm weight of shape {tuple(norm_weight.shape)} does not normalise head rows of "
+                         f"{key.shape[-1]} channels")
+    return _mix(query, key, value, cand_raw_keys, cand_values, gqa_mode, norm_weight, float(norm_eps))
+
+
+def _mix(query, key, value, cand_keys, cand_values, gqa_mode, key_norm_weight, eps) -> Tensor:
     if gqa_mode not in mixing.DEPTH_ATTN_GQA_MODES:
         raise ValueError(f"unknown depth-attention GQA mode {gqa_mode!r}; choose one of "
                          f"{mixing.DEPTH_ATTN_GQA_MODES}")
@@ -631,4 +776,4 @@ def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Op
     if not traced([query, key, value]) and not traced(ck + cv):  # readers of a candidate add into one buffer
         shared = grad_sink.aliased(ck + cv)
         ck, cv = shared[:len(ck)], shared[len(ck):]
-    return call(depth_attention_op, query, key, value, ck, cv, gqa_mode == "group")
+    return call(depth_attention_op, query, key, value, ck, cv, key_norm_weight, eps, gqa_mode == "group")

@@ -226,6 +226,15 @@ class RMSNorm(nn.Module):
         return self(_Remaking(make, sources, normalised))
 
 
+    def folded(self, op, like):
+        """op(weight, eps) through the module's call, as any use of the norm (its hooks run, as in `remade`): a
+        mechanism's op that applies this norm inside its own kernel (Llama's casting) to tensors it reads, where the
+        fused kernel runs for tensors like `like`; None elsewhere (the caller normalises with the module)."""
+        if not fused_applies(like):
+            return None
+        return self(_Remaking(None, (), lambda weight, eps: op(weight, eps)))
+
+
 class _Remaking:
     """RMSNorm.remade's input, handed through the module's call: make(*sources), or normalised(weight, eps,
     *sources) where the mechanism has that op."""

@@ -39,9 +39,12 @@ class DepthAttentionState:
         return [self.raw_keys[j] for j in ids], [self.values[j] for j in ids]
 
     def store(self, layer: int, raw_key: Tensor, value: Tensor, num_layers: int, stride: int, window: int) -> None:
-        """Keep this layer's raw key and mixed value, and drop what no later layer needs."""
-        self.raw_keys[layer], self.values[layer] = raw_key, value
+        """Keep this layer's raw key and mixed value, and drop what no later layer needs. A kept raw key is made
+        contiguous once (a key split off the fused QKV projection is a strided view): every later layer's mix
+        reads its rows in place, where each would copy a view."""
         keep = set(depth_attention_needed_after(layer, num_layers, stride, window))
+        if layer in keep:
+            self.raw_keys[layer], self.values[layer] = raw_key.contiguous(), value
         for j in list(self.raw_keys):
             if j not in keep:
                 del self.raw_keys[j], self.values[j]
@@ -102,6 +105,8 @@ class DepthAttention(Mechanism):
         index = layer.layer_index
 
         mix = self.kernel("depth_attention_mix", depth_attention_mix)
+        # the candidates' key norm inside the mix kernel, where the host's norm can hand its weight to an op
+        mix_normed = getattr(self.kernels, "depth_attention_mix_normed", None) if self.fused else None
 
         def value_mixer(raw_query, raw_key, value, query_norm, key_norm):
             cand_raw, cand_values = state.candidates(index, self.stride, self.window)
@@ -113,6 +118,12 @@ class DepthAttention(Mechanism):
                 query, key = query_norm(raw_query), key_norm(raw_key)
                 if n == 0:
                     return query, key, mix(query, key, value, None, None, self.gqa)
+                if mix_normed is not None and hasattr(key_norm, "folded"):
+                    # no normalised candidate key is made, kept, made again or summed over its readers' gradients
+                    mixed = key_norm.folded(lambda weight, eps: mix_normed(
+                        weight, eps, query, key, value, list(candidates[:n]), list(candidates[n:]), self.gqa), key)
+                    if mixed is not None:
+                        return query, key, mixed
                 # lists, not stacks: the op reads each candidate in place (a stack and its backward copy them all)
                 keys, values = [key_norm(k) for k in candidates[:n]], list(candidates[n:])
                 if self.recorder is not None:
@@ -120,9 +131,10 @@ class DepthAttention(Mechanism):
                                       depth_attention_weights(query, torch.stack(keys + [key]), self.gqa))
                 return query, key, mix(query, key, value, keys, values, self.gqa)
 
-            # On the fast path, what this mix makes (the normalised query and keys of this layer and of its
-            # candidates) is recomputed in backward instead of kept: only the raw projections, this layer's value
-            # and the stored candidates stay (the attention keeps its rotated query and key, not these).
+            # On the fast path, what this mix makes (the normalised query and key of this layer, and its candidates'
+            # keys where the host's norm is not folded into the mix) is recomputed in backward instead of kept: only
+            # the raw projections, this layer's value and the stored candidates stay (the attention keeps its
+            # rotated query and key, not these).
             # The host's fused norms remake their outputs where the mix saves them (no checkpointed region: no
             # second forward under autograd, no nested backward pass; norm_outputs_made_again).
             tensors = (raw_query, raw_key, value) + (() if n == 0 else (*cand_raw, *cand_values))
@@ -156,12 +168,13 @@ class DepthAttention(Mechanism):
         return 3.0 * s.num_sublayers + cands * (kv + v) + s.num_layers * (v - kv)
 
     def kernel_io_units(self, recompute=True):
-        """Per layer with C candidates, the value mix reads the query, key and value, the candidates' keys
-        (normalised by this layer) and stored values, and writes the mixed values, once: what the recomputation
-        makes again is the normalised keys (the host's fused norm, norm_outputs_made_again), not the mix;
-        backward reads those and the mixed values' gradient and writes the query's, key's, value's and candidate
-        keys' gradients; a stored value's gradients are summed in the kernels over the layers that read it. Widths
-        in units of d: the query 1, a key or value hkv/hq, a mixed value hq/hq per query head (1) or per group."""
+        """Per layer with C candidates, the value mix reads the query, key and value, the candidates' raw keys
+        (normalised by this layer's key norm inside the kernel) and stored values, and writes the mixed values,
+        once: what the recomputation makes again is this layer's normalised query and key (the host's fused norm,
+        norm_outputs_made_again), not the mix; backward reads those and the mixed values' gradient and writes the
+        query's, key's and value's gradients; a stored key's and value's gradients are summed in the kernels over
+        the layers that read them. Widths in units of d: the query 1, a key or value hkv/hq, a mixed value hq/hq per
+        query head (1) or per group."""
         s = self.shape
         kw = s.num_query_groups / s.num_attention_heads
         vw = (s.num_attention_heads if self.gqa == "query" else s.num_query_groups) / s.num_attention_heads
@@ -172,11 +185,11 @@ class DepthAttention(Mechanism):
             if not c:
                 continue  # the value alone: no kernel
             forward = 1 + 2 * kw + c * (kw + vw) + vw
-            backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw + c * kw)
+            backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw)
             total += forward + backward
             for j in cands:
                 readers[j] = readers.get(j, 0) + 1
-        return total + sunk_gradients(readers, lambda j: vw)
+        return total + sunk_gradients(readers, lambda j: kw + vw)
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from kernel_checks import (SCALES, SourceGradAdds, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
-                           saves_only_inputs)
+from kernel_checks import (EPS, SCALES, SourceGradAdds, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck,
+                           rms_normed, saves_only_inputs)
 
 from mega_depth.kernels.depth_attention import (depth_attention_backward_into_op, depth_attention_backward_op,
-                                                depth_attention_mix, depth_attention_op)
+                                                depth_attention_mix, depth_attention_mix_normed, depth_attention_op)
 from mega_depth.model import mixing
 
 
@@ -80,12 +80,16 @@ def test_opcheck(twin):
     ck, cv = [leaf(3, 2, 6) for _ in range(2)], [leaf(3, 4, 6) for _ in range(2)]
     for group in (False, True):
         values = cv if not group else [leaf(3, 2, 6) for _ in range(2)]
-        opcheck(depth_attention_op, (q, k, v, ck, values, group))
-        grad = torch.randn(3, 2 if group else 4, 6)
-        opcheck(depth_attention_backward_op, (grad, *detached([q, k, v]), detached(ck), detached(values), group))
-        into = [torch.randn(t.shape) for t in ck + values]
-        opcheck(depth_attention_backward_into_op, (grad, *detached([q, k, v]), detached(ck), detached(values), into,
-                                                   [False, True, True, False], group), eager_only=True)
+        for weight in (None, leaf(6, shift=1.0)):  # without and with the candidates' key norm
+            opcheck(depth_attention_op, (q, k, v, ck, values, weight, EPS, group))
+            grad = torch.randn(3, 2 if group else 4, 6)
+            opcheck(depth_attention_backward_op, (grad, *detached([q, k, v]), detached(ck), detached(values),
+                                                  None if weight is None else weight.detach(), EPS, group))
+            into = [torch.randn(t.shape) for t in ck + values]
+            opcheck(depth_attention_backward_into_op, (grad, *detached([q, k, v]), detached(ck), detached(values),
+                                                       into, [False, True, True, False],
+                                                       None if weight is None else weight.detach(), EPS, group),
+                    eager_only=True)
 
 
 def test_saves_only_its_inputs(path):
@@ -155,9 +159,94 @@ def test_two_candidates_with_one_gradient_buffer_both_arrive(path):
     cv = [torch.randn(*lead, hq, hn) for _ in range(2)]
     grad = torch.randn(*lead, hq, hn)
     apart = [torch.zeros(*lead, hkv, hn) for _ in ck] + [torch.zeros(*lead, hq, hn) for _ in cv]
-    depth_attention_backward_into_op(grad, q, k, v, ck, cv, apart, [False] * 4, False)
+    depth_attention_backward_into_op(grad, q, k, v, ck, cv, apart, [False] * 4, None, EPS, False)
     shared_k, shared_v = torch.zeros(*lead, hkv, hn), torch.zeros(*lead, hq, hn)
     depth_attention_backward_into_op(grad, q, k, v, ck, cv, [shared_k, shared_k, shared_v, shared_v],
-                                     [False, True, False, True], False)
+                                     [False, True, False, True], None, EPS, False)
     torch.testing.assert_close(shared_k, apart[0] + apart[1])
     torch.testing.assert_close(shared_v, apart[2] + apart[3])
+
+
+# --- the candidates' keys normalised in the kernel (depth_attention_mix_normed) ---------------------------------
+
+
+def normed_reference(weight, eps, q, k, v, cand_raw_keys, cand_values, gqa_mode):
+    """What the model does without the fold: each raw candidate key through this layer's (eager) key norm, then the
+    reference mix."""
+    keys = torch.stack([rms_normed(c, weight, eps) for c in cand_raw_keys])
+    return mixing.depth_attention_mix(q, k, v, keys, torch.stack(list(cand_values)), gqa_mode)
+
+
+def normed(weight, eps, q, k, v, cand_raw_keys, cand_values, gqa_mode):
+    return depth_attention_mix_normed(weight, eps, q, k, v, list(cand_raw_keys), list(cand_values), gqa_mode)
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["one tile", "entry by entry"])
+@pytest.mark.parametrize("mode, hv", [("query", 4), ("group", 2)])
+@pytest.mark.parametrize("c", [1, 3])
+def test_normalised_candidate_keys(path, monkeypatch, tiles, mode, hv, c):
+    """Raw candidate keys normalised by this layer's key norm inside the kernel: the values, and the gradients of
+    the query, key, value, raw keys (through the norm), values and the norm's weight, equal the reference's (the
+    eager norm, then the mix). Head rows of 6 channels in a block of 8: the norm's mean is over the 6."""
+    from mega_depth.kernels import depth_attention
+
+    if not tiles:
+        monkeypatch.setattr(depth_attention, "TILED_CANDIDATES", 0)
+    lead, hq, hkv, hn = (5,), 4, 2, 6
+    q, k, v = leaf(*lead, hq, hn), leaf(*lead, hkv, hn), leaf(*lead, hkv, hn)
+    raw = [leaf(*lead, hkv, hn, scale=0.5 + i) for i in range(c)]
+    cv = [leaf(*lead, hv, hn, scale=2.0) for _ in range(c)]
+    weight = leaf(hn, scale=0.3, shift=1.0)
+    n = len(raw)
+    check(lambda w, *t: normed(w, EPS, *t[:3], t[3:3 + n], t[3 + n:], mode),
+          lambda w, *t: normed_reference(w, EPS, *t[:3], t[3:3 + n], t[3 + n:], mode),
+          [weight, q, k, v, *raw, *cv], f"normed keys {mode} C={c} tiles={tiles}")
+
+
+def test_normalised_candidate_keys_gradcheck(twin):
+    f64 = torch.float64
+    weight = leaf(4, scale=0.3, shift=1.0, dtype=f64)
+    inputs = [weight, leaf(3, 4, 4, dtype=f64), leaf(3, 2, 4, dtype=f64), leaf(3, 2, 4, dtype=f64),
+              leaf(3, 2, 4, dtype=f64), leaf(3, 2, 4, dtype=f64), leaf(3, 4, 4, dtype=f64), leaf(3, 4, 4, dtype=f64)]
+    gradcheck(lambda w, q, k, v, k0, k1, v0, v1: normed(w, EPS, q, k, v, [k0, k1], [v0, v1], "query"), inputs,
+              "depth attention, normed candidate keys")
+
+
+def test_raw_candidate_keys_read_by_several_layers_add_into_one_buffer(path):
+    """A raw key is read by every later layer's mix, each normalising it with its own key norm: the raw key's
+    gradients (through the norms) equal autograd's sums, and the mixes add them in the backward kernel, into one
+    buffer (the normalised keys are never tensors of their own)."""
+    lead, hq, hkv, hn = (3, 2), 4, 2, 6
+    keys, values = [leaf(*lead, hkv, hn) for _ in range(2)], [leaf(*lead, hq, hn, scale=2.0) for _ in range(2)]
+    queries, weights = [leaf(*lead, hq, hn) for _ in range(2)], [leaf(hn, scale=0.3, shift=1.0) for _ in range(2)]
+    own = [leaf(*lead, hkv, hn) for _ in range(4)]
+
+    def layers(mix):
+        def run(*t):
+            k0, k1, v0, v1, q1, q2, w1, w2, ok1, ov1, ok2, ov2 = t
+            out1 = mix(w1, EPS, q1, ok1, ov1, [k0], [v0], "query")
+            out2 = mix(w2, EPS, q2, ok2, ov2, [k0, k1], [v0, v1], "query")
+            return out1 * out2 + (k0 * 3.0).sum()  # k0 also feeds its own layer (here: a product)
+
+        return run
+
+    inputs = [*keys, *values, *queries, *weights, *own]
+    check(layers(normed), layers(normed_reference), inputs, "raw keys read twice")
+    out = layers(normed)(*inputs)
+    with SourceGradAdds(keys[0].shape) as adds:
+        torch.autograd.grad((out * torch.randn_like(out)).sum(), keys)
+    assert adds.count == 1 or path == "torch", f"{adds.count} adds of a raw key's gradient"
+
+
+def test_normalised_candidate_keys_bf16(path):
+    weight = torch.randn(8) * 0.3 + 1.0
+    bf16_matches_fp32(lambda w, *a: normed(w, EPS, *a[:3], [a[3], a[4]], [a[5], a[6]], "query"),
+                      lambda w, *a: normed_reference(w, EPS, *a[:3], [a[3], a[4]], [a[5], a[6]], "query"),
+                      weight, torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8),
+                      torch.randn(6, 2, 8) * 3, torch.randn(6, 2, 8), torch.randn(6, 4, 8), torch.randn(6, 4, 8))
+
+
+def test_a_key_norm_weight_of_the_wrong_width_is_refused():
+    q, k, v = torch.randn(3, 4, 6), torch.randn(3, 2, 6), torch.randn(3, 2, 6)
+    with pytest.raises(ValueError, match="key norm weight of shape"):
+        depth_attention_mix_normed(torch.ones(8), EPS, q, k, v, [torch.randn(3, 2, 6)], [torch.randn(3, 4, 6)])

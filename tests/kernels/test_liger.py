@@ -368,3 +368,90 @@ def test_norm_outputs_that_an_op_saves_are_made_again_from_the_norms_inputs(fuse
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     for leaf_grad, w in zip([t.grad for t in leaves], torch.autograd.grad(want, leaves, grads)):
         torch.testing.assert_close(leaf_grad, w, rtol=1e-4, atol=1e-5)
+
+
+class _DepthAttentionHost:
+    """A host layer as far as Depth-Attention's value mixer goes: q/k norms (the host's RMSNorm, hooked), a key and
+    value split off one fused projection (strided views), attention stood in for by a product of the normalised
+    query, key and mixed values, an MLP by a linear map."""
+
+    def __init__(self, index, d, hq, hkv, hn, generator):
+        from mega_depth.megatron.norm import RMSNorm
+
+        config = type("Config", (), {"params_dtype": torch.float32, "sequence_parallel": False})
+        self.layer_index, self.heads = index, (hq, hkv, hn)
+        self.q_norm, self.k_norm = RMSNorm(config, hn), RMSNorm(config, hn)
+        for module in (self.q_norm, self.k_norm):
+            with torch.no_grad():
+                module.weight.uniform_(0.5, 1.5, generator=generator)
+            hooked(module)
+        self.w_q = (torch.randn(d, hq * hn, generator=generator) / d ** 0.5).requires_grad_()
+        self.w_kv = (torch.randn(d, 2 * hkv * hn, generator=generator) / d ** 0.5).requires_grad_()
+        self.w_o = (torch.randn(hq * hn, d, generator=generator) / d ** 0.5).requires_grad_()
+
+    def parameters(self):
+        return [self.w_q, self.w_kv, self.w_o, self.q_norm.weight, self.k_norm.weight]
+
+    def attention_sublayer(self, x, value_mixer=None):
+        hq, hkv, hn = self.heads
+        raw_q = (x @ self.w_q).view(*x.shape[:-1], hq, hn)
+        kv = (x @ self.w_kv).view(*x.shape[:-1], hkv, 2 * hn)
+        query, key, mixed = value_mixer(raw_q, kv[..., :hn], kv[..., hn:], self.q_norm, self.k_norm)
+        scores = (query * key.repeat_interleave(hq // hkv, -2)).sum(-1, keepdim=True)
+        return (torch.sigmoid(scores) * mixed).flatten(-2) @ self.w_o
+
+    def mlp_sublayer(self, x):
+        return 0.5 * x
+
+
+def test_depth_attentions_candidate_keys_are_normalised_in_the_mix_kernel(fused, monkeypatch):
+    """Depth-Attention on the fused path hands each layer's key norm to the value mix (RMSNorm.folded, through the
+    module's call: its hooks run) and the mix normalises the earlier layers' raw keys in its kernel: no normalised
+    candidate key is made by the host's norm, forward or backward (the fused norm runs for this layer's query and
+    key alone, and remakes those two in backward). Values and the gradients of the input, projections and both
+    norms' weights equal the unfolded path's (the same fused ops without the fold: each candidate through the norm
+    module, its output made again in backward, then the mix)."""
+    from types import SimpleNamespace
+
+    from mega_depth.catalogue import residual_settings
+    from mega_depth.kernels import fast_functions
+    from mega_depth.model.base import ModelShape
+    from mega_depth.model.config import residual_config
+    from mega_depth.model.registry import build
+
+    layers, d, hq, hkv, hn = 3, 32, 4, 2, 8
+    mech = build(residual_config(residual_settings("depth-attention", layers)), ModelShape(layers, d, hq, hkv, 1e-6))
+    g = torch.Generator().manual_seed(0)
+    hosts = [_DepthAttentionHost(i, d, hq, hkv, hn, g) for i in range(layers)]
+    x = torch.randn(5, 2, d, generator=g).requires_grad_()
+    leaves = [x] + [p for h in hosts for p in h.parameters()]
+    norm_calls = []
+    fused_forward = norm.fused_forward
+    monkeypatch.setattr(norm, "fused_forward", lambda *a: (norm_calls.append(1), fused_forward(*a))[1])
+
+    def run(folds):
+        ops = vars(fast_functions())
+        mech.kernels = SimpleNamespace(**{k: v for k, v in ops.items() if folds or k != "depth_attention_mix_normed"})
+        mech.recompute_mixing = True
+        norm_calls.clear()
+        for h in hosts:
+            h.k_norm.hooked.clear()
+        state = mech.initial_state(x)
+        for h in hosts:
+            state = mech.layer_forward(h, state)
+        out = mech.final_hidden(state, None)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), leaves)
+        return out, grads, len(norm_calls), [len(h.k_norm.hooked) for h in hosts]
+
+    out, grads, calls, key_norm_calls = run(True)
+    want, want_grads, calls_unfolded, _ = run(False)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # layer 0 has no candidate, layer 1 one (layer 0), layer 2 two: its key norm is called for its own key, and
+    # once more for the mix (the fold) where it has candidates
+    assert key_norm_calls == [1, 2, 2]
+    # 3 layers' query and key forward, and the two mixing layers' query and key made again in backward
+    assert calls == 2 * layers + 2 * 2, calls
+    # unfolded: the three candidate keys normalised by the module too, and made again in backward
+    assert calls_unfolded == calls + 2 * 3, calls_unfolded
