@@ -86,10 +86,11 @@ LAYOUTS = {
     # Liger's norm under Triton's interpreter (LAYOUT_ENV; the mixing ops keep their torch twins). Under TP with and
     # without SP (their gradient all-reduce and reduce-scatter branches).
     # CI time (an interpreted launch costs ~20 s a mechanism): DCA's projection, whose TP branches are its own, and
-    # the sublayer inputs made and normalised in one op (Block AttnRes's merge, mHC's stream read), whose norm
-    # weight's gradient SP leaves to Megatron's reduction of a sequence-parallel parameter; the other paths'
-    # gradients meet TP and SP only through Megatron's own reductions, as the eager ones do.
-    "tp2-sp-interpreted": (2, TP2_SP + ["--mixing-impl", "triton"], True, "dca-2,attnres-block,mhc"),
+    # the sublayer inputs made and normalised in one op (Block AttnRes's merge, mHC's stream read) and
+    # Depth-Attention's key norm folded into its value mix, whose norm weights' gradients SP leaves to Megatron's
+    # reduction of a sequence-parallel parameter; the other paths' gradients meet TP and SP only through Megatron's
+    # own reductions, as the eager ones do.
+    "tp2-sp-interpreted": (2, TP2_SP + ["--mixing-impl", "triton"], True, "dca-2,attnres-block,mhc,depth-attention"),
     "tp2-interpreted": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca"),
 }
 INTERPRETED = {"TRITON_INTERPRET": "1", "FUSED_NORM_INTERPRETED": "1"}
@@ -185,7 +186,8 @@ def test_compiled_layers_were_compiled_whole(runs, layout):
 
 def test_the_interpreted_layouts_ran_the_fused_norms_remade_paths(runs):
     """Else they would compare the eager fallback (checkpointed regions) with itself."""
-    path_of = {"dca": "remade_qkv", "dca-2": "remade_qkv", "attnres-block": "normalised", "mhc": "normalised"}
+    path_of = {"dca": "remade_qkv", "dca-2": "remade_qkv", "attnres-block": "normalised", "mhc": "normalised",
+               "depth-attention": "folded"}
     for layout in LAYOUT_ENV:
         for mechanism in LAYOUTS[layout][3].split(","):
             paths = json.loads((runs / layout / mechanism / "fused_paths.json").read_text())

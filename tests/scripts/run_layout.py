@@ -71,7 +71,7 @@ class _FusedPaths:
     FUSED_NORM_INTERPRETED=1)."""
 
     def __init__(self):
-        from mega_depth.kernels import attnres_block, streams
+        from mega_depth.kernels import attnres_block, depth_attention, streams
         from mega_depth.megatron import norm
         from mega_depth.megatron.qkv_projection import RemadeQKVProjection
 
@@ -82,6 +82,9 @@ class _FusedPaths:
         # the ops that make a sublayer input and normalise it in one (a `Recomputed`'s `normalised`)
         attnres_block.attnres_phase2_normed = self._counted("normalised", attnres_block.attnres_phase2_normed)
         streams.streams_in_normed = self._counted("normalised", streams.streams_in_normed)
+        # Depth-Attention's value mix with the key norm folded in (the candidates' raw keys normalised in the op)
+        depth_attention.depth_attention_mix_normed = self._counted("folded",
+                                                                   depth_attention.depth_attention_mix_normed)
 
     def _counted(self, key, fn):
         def counted(*args, **kwargs):
