@@ -77,7 +77,7 @@ def fast_functions() -> SimpleNamespace:
                            streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,
                            mhc_projection=mhc_projection.mhc_projection,
                            mhc_projected_coefficients=mhc_maps.mhc_projected_coefficients,
-                           recompute=grad_sink.recompute,
+                           recompute=grad_sink.recompute, unbound=grad_sink.unbound,
                            fused=True)
 
 

@@ -29,6 +29,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from mega_depth.kernels import grad_sink
 from mega_depth.kernels.attnres_mix import accumulate
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
                                        channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
@@ -614,17 +615,18 @@ def _triton_phase2_fwd(m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: 
 
 def _triton_phase2_bwd(go: Tensor, m: Tensor, z: Tensor, o: Tensor, x: Optional[Tensor], q: Tensor,
                        g: Optional[Tensor], eps: float, sigmoid: bool, heads: int, w: Optional[Tensor] = None,
-                       rstd: Optional[Tensor] = None):
+                       rstd: Optional[Tensor] = None, do_into: Optional[Tensor] = None):
     """-> (dm, dz, do, dx, dq, dg, dw): dm/dz fp32 [N, H] or None (sigmoid), do None with sigmoid and no norm (it
     is go), dq/dg None without a partial, else in the parameters' dtypes; with the norm weight w (go is then the
-    norm's output gradient), its gradient dw in w's dtype, else None."""
+    norm's output gradient), its gradient dw in w's dtype, else None. do_into [N, d] (contiguous): where do is
+    written (a slot of phase 1's output gradient, grad_sink.Slices)."""
     n, d = o.shape
     dev = go.device
     normed = w is not None
     # every token's dm and dz are stored (no fill)
     dm = torch.empty_like(m, dtype=F32) if x is not None and not sigmoid else None
     dz = torch.empty_like(z, dtype=F32) if not sigmoid else None
-    do = torch.empty_like(o) if normed or not sigmoid else None
+    do = (torch.empty_like(o) if do_into is None else do_into) if normed or not sigmoid else None
     dx = torch.empty_like(x) if x is not None else None
     dq = dg = dw = None
     if n == 0:  # no token: no gradient (zeros of their own: an op's outputs may not alias one another)
@@ -788,7 +790,15 @@ def _torch_phase2_fwd(m, z, o, x, q, g, eps, sigmoid, heads, w=None, norm_eps=0.
     return (out, None) if w is None else rms_normed_torch(out, w, norm_eps)
 
 
-def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads, w=None, rstd=None):
+def _torch_phase2_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads, w=None, rstd=None, do_into=None):
+    grads = _torch_phase2_grads(go, m, z, o, x, q, g, eps, sigmoid, heads, w, rstd)
+    if do_into is None or grads[2] is None:
+        return grads
+    do_into.copy_(grads[2])
+    return (*grads[:2], do_into, *grads[3:])
+
+
+def _torch_phase2_grads(go, m, z, o, x, q, g, eps, sigmoid, heads, w, rstd):
     if w is None:
         return (*_torch_merge_bwd(go, m, z, o, x, q, g, eps, sigmoid, heads), None)
     go, dw = rms_norm_grad_torch(_torch_merge(m, z, o, x, q, g, eps, sigmoid, heads), go, w, rstd)
@@ -898,6 +908,32 @@ def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: O
                        eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
     """-> [dm, dz, do, dx, dq, dg, dw]; empty where there is no gradient (do with sigmoid weights and no norm: it is
     grad). With norm_weight, grad is the norm's output gradient and rstd its forward's 1 / RMS."""
+    return _phase2_backward_into(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid,
+                                 heads, None)
+
+
+@torch.library.custom_op("mega_depth::attnres_phase2_backward_into", mutates_args=("do_into",))
+def phase2_backward_into_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: Optional[Tensor], query: Tensor,
+                            key_norm_weight: Optional[Tensor], norm_weight: Optional[Tensor], rstd: Optional[Tensor],
+                            do_into: Tensor, eps: float, sigmoid: bool, heads: int) -> List[Tensor]:
+    """phase2_backward_op with o's gradient written into do_into (o's shape, contiguous: its slot in phase 1's
+    output gradient, grad_sink.Slices); its place in the list is empty."""
+    out = _phase2_backward_into(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid,
+                                heads, do_into)
+    out[2] = nothing(grad)
+    return out
+
+
+@register_fake(phase2_backward_into_op)
+def _(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, do_into, eps, sigmoid, heads):
+    out = _fake_phase2_backward(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid,
+                                heads)
+    out[2] = nothing(o)
+    return out
+
+
+def _phase2_backward_into(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid, heads,
+                          do_into) -> List[Tensor]:
     d = o.shape[-1]
     ro = rows(o, d)
     bwd = _triton_phase2_bwd if uses_triton(ro) else _torch_phase2_bwd
@@ -905,7 +941,7 @@ def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: O
     ct = accumulation_dtype(o.dtype)
     grads = bwd(rows(grad, d), in_dtype(rows(m, heads), ct), in_dtype(rows(z, heads), ct), ro, x,
                 query.contiguous(), contiguous(key_norm_weight), eps, sigmoid, heads, contiguous(norm_weight),
-                None if rstd is None else rstd.reshape(-1))
+                None if rstd is None else rstd.reshape(-1), None if do_into is None else do_into.view(-1, d))
     dm, dz, do, dx, dq, dg, dw = grads
     dq = None if dq is None else in_dtype(dq, query.dtype)  # the parameters' dtypes
     dg = None if dg is None else in_dtype(dg, key_norm_weight.dtype)
@@ -914,7 +950,7 @@ def phase2_backward_op(grad: Tensor, m: Tensor, z: Tensor, o: Tensor, partial: O
 
 
 @register_fake(phase2_backward_op)
-def _(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid, heads):
+def _fake_phase2_backward(grad, m, z, o, partial, query, key_norm_weight, norm_weight, rstd, eps, sigmoid, heads):
     n, d, ct = o.numel() // o.shape[-1], o.shape[-1], accumulation_dtype(o.dtype)
     has_x, normed = partial is not None, norm_weight is not None
     shapes = [((n, heads), ct, has_x and not sigmoid), ((n, heads), ct, not sigmoid),
@@ -932,6 +968,7 @@ def _phase2_setup(ctx, inputs, output):
     rstd = output[1] if norm_weight is not None else None
     ctx.save_for_backward(m, z, o, partial, query, gain, norm_weight, rstd)
     ctx.cfg = (eps, sigmoid, heads)
+    ctx.o_slot = grad_sink.slot_of(o)  # o is a slice of phase 1's output: its gradient goes to its slot
     ctx.set_materialize_grads(False)
 
 
@@ -941,9 +978,15 @@ def _phase2_backward(ctx, grads):
     grad = grads[0]  # (1 / RMS has none)
     if grad is None:
         return (None,) * 11
-    dm, dz, do, dx, dq, dg, dw = call(phase2_backward_op, grad, m, z, o, partial, query, gain, norm_weight, rstd,
-                                      eps, sigmoid, heads)
     need = ctx.needs_input_grad
+    if ctx.o_slot is not None and need[2] and (norm_weight is not None or not sigmoid):
+        slices, index = ctx.o_slot  # o's gradient written in place, into phase 1's output gradient
+        dm, dz, _, dx, dq, dg, dw = call(phase2_backward_into_op, grad, m, z, o, partial, query, gain, norm_weight,
+                                         rstd, slices.slot(index), eps, sigmoid, heads)
+        do = None
+    else:
+        dm, dz, do, dx, dq, dg, dw = call(phase2_backward_op, grad, m, z, o, partial, query, gain, norm_weight,
+                                          rstd, eps, sigmoid, heads)
     if sigmoid and norm_weight is None:  # out = o + sigmoid(l) x
         do = grad
     return (cast_grad(dm, m, need[0]), cast_grad(dz, z, need[1]), cast_grad(do, o, need[2]),

@@ -212,3 +212,82 @@ class _Recompute(torch.autograd.Function):
             with for_the_caller():
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, *(None if c is None else c.grad for c in copies))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One buffer for the slices of a tensor that each reader reads one of
+# --------------------------------------------------------------------------------------------------------------
+
+_SLICE = "_mega_depth_grad_slice"  # attribute of an unbound slice: (its Slices, its index)
+
+
+class Slices:
+    """The gradient buffer [S, *] of a tensor whose S slices are read by one reader each (Block AttnRes's phase-1
+    outputs, each read by one sublayer's phase 2). unbind's backward stacks the S slice gradients into a new
+    tensor, a copy of all of them; here a reader's backward kernel writes its slice's gradient into its slot of one
+    buffer (`slot`), and the buffer is the tensor's gradient."""
+
+    def __init__(self, like: Tensor):
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+        self.buffer: Optional[Tensor] = None
+        self.written: set = set()
+        self.task = -1
+
+    def slot(self, index: int) -> Tensor:
+        """Where slice `index`'s reader writes its gradient (whole: it is the slice's only reader)."""
+        if self.buffer is None or self.task != task():  # none yet, or one left from another backward pass
+            self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.written, self.task = set(), task()
+        self.written.add(index)
+        return self.buffer[index]
+
+    def take(self) -> Tuple[Optional[Tensor], set]:
+        if self.buffer is not None and self.task != task():
+            self.buffer, self.written = None, set()
+        taken = self.buffer, self.written
+        self.buffer, self.written = None, set()
+        return taken
+
+
+class _Unbound(torch.autograd.Function):
+    """t.unbind(0) in forward; in backward the slices' buffer, with what readers returned to autograd instead of
+    writing their slot added in, and zeros in the slots no reader reached."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, slices: Slices):
+        ctx.slices = slices
+        ctx.set_materialize_grads(False)
+        return t.unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        buffer, written = ctx.slices.take()
+        if buffer is None:
+            if all(g is None for g in grads):
+                return None, None
+            buffer = torch.empty(ctx.slices.shape, dtype=ctx.slices.dtype, device=ctx.slices.device)
+        for i, (slot, g) in enumerate(zip(buffer.unbind(0), grads)):
+            if g is not None and i in written:  # a reader that returned its gradient beside one that wrote
+                slot.add_(g)
+            elif g is not None:
+                slot.copy_(g)
+            elif i not in written:
+                slot.zero_()
+        return buffer, None
+
+
+def unbound(t: Tensor) -> List[Tensor]:
+    """t.unbind(0), each slice tagged with its slot in one gradient buffer for the whole of t (`Slices`; `slot_of`):
+    eager and with grad enabled, else plain unbind."""
+    if not (torch.is_grad_enabled() and t.requires_grad) or torch.compiler.is_compiling():
+        return list(t.unbind(0))
+    slices = Slices(t)
+    out = list(_Unbound.apply(t, slices))
+    for i, s in enumerate(out):
+        setattr(s, _SLICE, (slices, i))
+    return out
+
+
+def slot_of(t: Tensor) -> Optional[Tuple[Slices, int]]:
+    """(the Slices, the index) of an `unbound` slice, or None."""
+    return getattr(t, _SLICE, None)

@@ -309,8 +309,11 @@ class AttnRes(Mechanism):
         phase1 = self.kernel("attnres_phase1_sources", attnres_phase1_sources)
         m, z, o = phase1(state.blocks, queries, gains, self.eps, self.weight, self.heads)
         # unbind, not indexing: the backward of each index zero-fills the whole [S, N, d] buffer to write one
-        # slice, and autograd adds S of them; unbind's backward stacks the S gradients once
-        state.phase1 = dict(zip(subs, zip(m.unbind(0), z.unbind(0), o.unbind(0))))
+        # slice, and autograd adds S of them; unbind's backward stacks the S gradients once. On the fused path the
+        # slices of o are the fast path's (grad_sink.unbound): each phase 2 writes its slice's gradient into one
+        # buffer, which is o's gradient, with no stack
+        unbind = self.kernel("unbound", lambda t: t.unbind(0))
+        state.phase1 = dict(zip(subs, zip(m.unbind(0), z.unbind(0), unbind(o))))
 
     def layer_forward(self, layer, state):
         for name, run in (("attn_mixer", layer.attention_sublayer), ("mlp_mixer", layer.mlp_sublayer)):

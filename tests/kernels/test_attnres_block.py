@@ -4,9 +4,12 @@ import pytest
 import torch
 from kernel_checks import (EPS, SCALES, bf16_matches_fp32, check, detached, gradcheck, leaf, opcheck, rms_normed,
                            saves_only_inputs, sources_of)
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from mega_depth.kernels import grad_sink
 from mega_depth.kernels.attnres_block import (attnres_phase1_sources, attnres_phase2, attnres_phase2_normed,
-                                              phase1_backward_op, phase1_op, phase2_backward_op, phase2_op)
+                                              phase1_backward_op, phase1_op, phase2_backward_into_op,
+                                              phase2_backward_op, phase2_op)
 from mega_depth.model import mixing
 
 
@@ -67,6 +70,53 @@ def test_phases_chained(path, weight):
           chain(lambda b, q, g: mixing.attnres_block_phase1(torch.stack(b), q, g, EPS, weight, heads),
                 lambda *a: mixing.attnres_block_phase2(*a, EPS, weight, heads)),
           [queries, gains, partial, *blocks], f"phases chained {weight}")
+
+
+class _Stacks(TorchDispatchMode):
+    """Counts aten stacks (and cats) of whole phase-1 outputs: unbind's backward."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.count = torch.Size(shape), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.stack, torch.ops.aten.cat) and out.shape == self.shape:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("weight", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("unread", [False, True])
+def test_each_phase2_writes_its_slice_of_phase1s_output_gradient(path, weight, unread):
+    """On the fused path phase 1's output o [S, *, d] is unbound through grad_sink.unbound: each sublayer's phase 2
+    (normed, as the fused path runs it) writes its slice's gradient into one [S, *, d] buffer, which is o's gradient,
+    where unbind's backward stacked the S gradients into a new tensor. The values and gradients equal the
+    reference chain's; a slice that no phase 2 reads gets a zero gradient (unread); no stack of o's shape runs."""
+    d, lead, s_, heads, norm_eps = 12, (5,), 3, 2, 1e-5
+    blocks, partial = sources_of(3, *lead, d), leaf(*lead, d, scale=3.0)
+    queries, gains = leaf(s_, d), leaf(s_, d, scale=0.3, shift=1.0)
+    norm_weights = leaf(s_, d, scale=0.3, shift=1.0)
+    read = [i for i in range(s_) if not (unread and i == 1)]
+
+    def chain(phase1, phase2, unbind):
+        def run(q, g, x, w, *b):
+            m, z, o = phase1(b, q, g)
+            ms, zs, os_ = m.unbind(0), z.unbind(0), unbind(o)
+            return tuple(phase2(w[i], ms[i], zs[i], os_[i], None if i == 0 else x, q[i], g[i]) for i in read)
+        return run
+
+    fused = chain(lambda b, q, g: attnres_phase1_sources(b, q, g, EPS, weight, heads),
+                  lambda w, *a: attnres_phase2_normed(w, norm_eps, *a, EPS, weight, heads), grad_sink.unbound)
+    check(fused,
+          chain(lambda b, q, g: mixing.attnres_block_phase1(torch.stack(b), q, g, EPS, weight, heads),
+                lambda w, *a: rms_normed(mixing.attnres_block_phase2(*a, EPS, weight, heads), w, norm_eps),
+                lambda o: o.unbind(0)),
+          [queries, gains, partial, norm_weights, *blocks], f"phase 2 into phase 1's slices {weight} {unread}")
+    outs = fused(queries, gains, partial, norm_weights, *blocks)
+    with _Stacks((s_, *lead, d)) as stacks:
+        torch.autograd.grad(sum((t * torch.randn_like(t)).sum() for t in outs), blocks)
+    assert stacks.count == 0
 
 
 @pytest.mark.parametrize("heads, weight, norm", [(1, "softmax", True), (2, "softmax", True), (1, "sigmoid", True),
@@ -148,6 +198,9 @@ def test_opcheck(twin):
                                                               w.detach(), EPS, EPS, sigmoid, 2)[1]
             opcheck(phase2_backward_op, (torch.randn(3, 8), m[0], z[0], o[0], x.detach(), q.detach(), g.detach(),
                                          None if norm_weight is None else w.detach(), rstd, EPS, sigmoid, 2))
+            opcheck(phase2_backward_into_op, (torch.randn(3, 8), m[0], z[0], o[0], x.detach(), q.detach(),
+                                              g.detach(), None if norm_weight is None else w.detach(), rstd,
+                                              torch.empty(3, 8), EPS, sigmoid, 2), eager_only=True)
         opcheck(phase2_op, (m[0], z[0].clone().requires_grad_(), o[0].clone().requires_grad_(), None, q, None, w,
                             EPS, EPS, sigmoid, 2))
     opcheck(phase2_op, (m[0], z[0].clone().requires_grad_(), o[0].clone().requires_grad_(), None, q, None, None,
