@@ -157,7 +157,8 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                  "layer's key norm in the kernel, as the step runs it), per-query-head values",
                  lambda: ([rand(n, hq, hn, seed=1), rand(n, hkv, hn, seed=2), rand(n, hkv, hn, seed=3)]
                           + [rand(n, hkv, hn, seed=10 + j) for j in range(c)]
-                          + [rand(n, hq, hn, seed=20 + j) for j in range(c)] + [rand(hn, scale=0.1, shift=1.0, seed=30)]),
+                          + [rand(n, hq, hn, seed=20 + j) for j in range(c)]
+                          + [rand(hn, scale=0.1, shift=1.0, seed=30)]),
                  lambda qv, kv, vv, *rest: depth_attention_mix_normed(rest[-1], NORM_EPS, qv, kv, vv, list(rest[:c]),
                                                                       list(rest[c:2 * c])),
                  2 * q_row + (2 + c) * kv_row + c * q_row,

@@ -36,8 +36,8 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        dot_dim, dot_t, folded_query, folded_query_torch, in_dtype, jit, launch, nothing,
                                        partial_sums, partial_width, pointer_at, pointer_table, pointers_at, pow2,
                                        programs, reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
-                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, source_rows, sum_rows,
-                                       sums2, sums3, tl, token, uses_triton, warps)
+                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, source_rows,
+                                       sum_rows, sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------

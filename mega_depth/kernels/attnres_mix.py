@@ -26,8 +26,8 @@ from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulatio
                                        channel_block, check_heads, depth_weight_is_sigmoid, folded_query,
                                        folded_query_torch, gradient_table, gradients_at, in_dtype, jit, launch,
                                        nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
-                                       register_fake, rms_inverse_torch, row_warps, rows, source_rows, sum_rows, sums2, sums3, tl,
-                                       token, uses_triton, warps)
+                                       register_fake, rms_inverse_torch, row_warps, rows, source_rows, sum_rows, sums2,
+                                       sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------

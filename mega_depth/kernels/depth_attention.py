@@ -584,7 +584,8 @@ def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding, w=None, eps=0.):
     if w is not None:  # the twin without the norm, the normalised keys' gradients into fresh buffers; then the norm's
         normed, rstds = _normed_keys_torch(ck, w, eps)
         grads = [torch.empty_like(c) for c in ck]
-        dq, dk, dv, _ = _torch_bwd(go, q, k, v, normed, cv, group, grads, dcv, [False] * len(ck) + list(adding[len(ck):]))
+        dq, dk, dv, _ = _torch_bwd(go, q, k, v, normed, cv, group, grads, dcv,
+                                   [False] * len(ck) + list(adding[len(ck):]))
         dw = torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device)
         for raw, grad, rstd, into, add in zip(ck, grads, rstds, dck, adding):
             dh, dw_j = rms_norm_grad_torch(raw.reshape(-1, raw.shape[-1]), grad.view(-1, raw.shape[-1]), w, rstd)

@@ -27,7 +27,8 @@ from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        gradient_table, gradients_at, in_dtype, interpreting, jit, launch, nothing,
                                        partial_sums, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, row_warps, source_rows, sum_rows, sums2, tl, token, uses_triton, warps)
+                                       register_fake, row_warps, source_rows, sum_rows, sums2, tl, token, uses_triton,
+                                       warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 

@@ -225,7 +225,6 @@ class RMSNorm(nn.Module):
         # one for the weight's all-gather)
         return self(_Remaking(make, sources, normalised))
 
-
     def folded(self, op, like):
         """op(weight, eps) through the module's call, as any use of the norm (its hooks run, as in `remade`): a
         mechanism's op that applies this norm inside its own kernel (Llama's casting) to tensors it reads, where the
