@@ -162,12 +162,12 @@ def _norm_weight(w_ptr, okv, on, kvmask, BKV: tl.constexpr, BN: tl.constexpr, KN
 
 
 @jit
-def _store_weight_gradient(dw_ptr, dw, on, nmask, BN: tl.constexpr, KNORM: tl.constexpr):
+def _store_weight_gradient(dw_ptr, dw_stride, dw, on, nmask, KNORM: tl.constexpr):
     """This program's partial sum of the key-norm weight's gradient (dw [BKV, BN], summed over its groups here), one
     row of a partial_sums buffer (the programs of a (tokens, groups) grid in row-major order; sum_rows adds them)."""
     if KNORM:
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        tl.store(dw_ptr + row * ((BN + 15) // 16 * 16) + on, tl.sum(dw, axis=0), mask=nmask)
+        tl.store(dw_ptr + row * dw_stride + on, tl.sum(dw, axis=0), mask=nmask)
 
 
 @jit
@@ -203,7 +203,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV, R, R
 
 @jit
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab, dw_ptr,
-                N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+                dw_stride, N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                 BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
                 GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
     """Pass 1: scores and go . value of every [candidate..., self] (the softmax gradient needs their weighted
@@ -272,7 +272,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, 
                 tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
                          mask=kvmask & valid)
         _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
-    _store_weight_gradient(dw_ptr, dw, on, nmask, BN, KNORM)
+    _store_weight_gradient(dw_ptr, dw_stride, dw, on, nmask, KNORM)
 
 
 @jit
@@ -340,7 +340,7 @@ def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV
 
 @jit
 def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab, dw_ptr,
-                      N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+                      dw_stride, N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                       BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
                       GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
     """_bwd_kernel with every candidate's key and value read once, as one tile each, and their gradients stored (or
@@ -410,7 +410,7 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk
             dw += tl.sum(dw_terms, axis=0)
         dkeys += tl.load(dkp[:, None, None] + kv_rows, mask=ktile & kadd[:, None, None], other=0.).to(tl.float32)
         tl.store(dkp[:, None, None] + kv_rows, dkeys.to(kdt), mask=ktile)
-    _store_weight_gradient(dw_ptr, dw, on, nmask, BN, KNORM)
+    _store_weight_gradient(dw_ptr, dw_stride, dw, on, nmask, KNORM)
 
 
 TILED_CANDIDATES = 4  # at most this many candidates are read as one tile (registers grow with it)
@@ -505,7 +505,8 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
     grid = (count, group_blocks)
     parts = None if w is None else partial_sums(count * group_blocks, pow2(hn), go.device)
     args = (q, k, v, pointer_table(ck), pointer_table(cv), k if w is None else w, go, dq, dk, dv,
-            gradient_table(dck, adding[:c]), gradient_table(dcv, adding[c:]), dq if parts is None else parts, n, c,
+            gradient_table(dck, adding[:c]), gradient_table(dcv, adding[c:]), dq if parts is None else parts,
+            0 if parts is None else parts.stride(0), n, c,
             hkv, r, rq, hn, hn ** -0.5, eps, tok, *strides)
     consts["KNORM"] = w is not None
     # a tile of gradients reads all its rows before it stores any: two candidates sharing one buffer would lose one's

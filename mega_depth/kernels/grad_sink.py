@@ -233,17 +233,21 @@ class Slices:
         self.written: set = set()
         self.task = -1
 
+    def _drop_stale(self) -> None:
+        """A buffer left from another backward pass (as `Sink.current`) is dropped, never written into."""
+        if self.buffer is not None and self.task != task():
+            self.buffer, self.written = None, set()
+
     def slot(self, index: int) -> Tensor:
         """Where slice `index`'s reader writes its gradient (whole: it is the slice's only reader)."""
-        if self.buffer is None or self.task != task():  # none yet, or one left from another backward pass
-            self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.written, self.task = set(), task()
+        self._drop_stale()
+        if self.buffer is None:
+            self.buffer, self.task = torch.empty(self.shape, dtype=self.dtype, device=self.device), task()
         self.written.add(index)
         return self.buffer[index]
 
     def take(self) -> Tuple[Optional[Tensor], set]:
-        if self.buffer is not None and self.task != task():
-            self.buffer, self.written = None, set()
+        self._drop_stale()
         taken = self.buffer, self.written
         self.buffer, self.written = None, set()
         return taken
