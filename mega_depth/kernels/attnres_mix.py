@@ -9,25 +9,34 @@ RMS norm and reads every source once: its weight is exp(logit - lse), and the so
 sum_j alpha_j go . v_j is go . h (as flash attention's rowsum(dO * O)), so source k's gradient needs only v_k.
 Forward also reads each source once (an online softmax over the sources).
 
-The op is `mega_depth::attnres_mix` (and `::attnres_mix_backward`): Triton kernels on a GPU, the torch twin on a
-CPU, a fake implementation for torch.compile, and autograd registered, so a compiled layer sees it whole.
+A source that many mixes read (Full AttnRes: sublayer j's output is read by every later mix) gets its gradient
+from each of them. Added in turn, each reader reads and writes the source's gradient buffer (3 rows a reader: the
+source, the buffer twice). Instead a static-query mix leaves its part to the source's gradient sink
+(kernels/grad_sink.py, `Sink.defer`): its backward stores 2H + 1 fp32 coefficients a token for the source, and the
+sink sums every reader's part in one kernel once all of them ran (`attnres_source_grad`): source k's gradient from
+reader m is a * go_m + e * f_m - u * v_k, so the sum reads each reader's output gradient once, and the source and its
+gradient once (2 rows a reader, plus 2). A 1B Full AttnRes step: 169 GB of mixing traffic -> 133.
+
+The op is `mega_depth::attnres_mix` (and `::attnres_mix_backward`, `::attnres_mix_backward_deferred`,
+`::attnres_source_grad`): Triton kernels on a GPU, the torch twin on a CPU, a fake implementation for torch.compile,
+and autograd registered, so a compiled layer sees it whole.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad,
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
                                        channel_block, check_heads, depth_weight_is_sigmoid, folded_query,
-                                       folded_query_torch, gradient_table, gradients_at, in_dtype, jit, launch,
-                                       nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
-                                       register_fake, rms_inverse_torch, row_warps, rows, source_rows, sum_rows, sums2,
-                                       sums3, tl, token, uses_triton, warps)
+                                       folded_query_torch, gradient_modes_at, gradient_table, gradients_at, in_dtype,
+                                       interpreting, jit, launch, nothing, partial_sums, pointer_table, pointers_at,
+                                       pow2, programs, register_fake, rms_inverse_torch, row_warps, rows, source_rows,
+                                       sum_rows, sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -93,18 +102,26 @@ def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
 
 
 @jit
-def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, part_ptr, PW, K, N, D, C, H, eps, TOK,
-                BH: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, PER_TOKEN: tl.constexpr, NORM: tl.constexpr,
-                SIGMOID: tl.constexpr):
+def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, part_ptr, coef_ptr, fold_ptr, PW, K, N,
+                NP, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, PER_TOKEN: tl.constexpr,
+                NORM: tl.constexpr, SIGMOID: tl.constexpr, DEFER: tl.constexpr = False):
     """One pass over the sources per token, KB a step: source k's weight from its logit and the saved lse, the
     softmax gradient's normaliser go . h from the saved output h. The source gradients are stored, or added to what
     a buffer holds (gtable: common.gradient_table). Per-token query: dL/dq per token goes to dq_ptr [N, d]. The
     parameter gradient summed over the program's tokens (fp32; the folded query's with a static query, the gain's
-    with a per-token one) goes to its row of part_ptr [programs, PW], which common.sum_rows reduces in order."""
+    with a per-token one) goes to its row of part_ptr [programs, PW], which common.sum_rows reduces in order.
+
+    DEFER (a static query): the sources whose gradient-table entry has bit 1 set get no gradient here. Source k's
+    gradient is a * go + e * f - u * v_k (per token; a and e per head): for those the kernel stores the coefficients
+    in coef_ptr [K, 2H + 1, NP] (fp32, rows a | e | u, NP the token count rounded up to 4), and program 0 the folded
+    query f in fold_ptr [d] (fp32). Each such source's gradient is then summed over all of its readers at once
+    (`attnres_source_grad`), one pass over their output gradients."""
     oh, offs, cmask = channel_block(C, H, BH, BC)
     if NORM:
         gain = tl.load(g_ptr + offs, mask=cmask, other=0.).to(tl.float32)
     static = folded_query(q_ptr, g_ptr, offs, cmask, go_ptr, NORM)  # per-token queries replace it
+    if DEFER:
+        tl.store(fold_ptr + offs, static, mask=cmask & (tl.program_id(0) == 0))
     total = tl.zeros([BH, BC], dtype=tl.float32)  # static: sum of df; per-token: sum of df * q (the gain's)
     for t in range(TOK):
         n = token(tl.program_id(0), t, TOK)
@@ -117,8 +134,13 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
         for k0 in range(0, K, KB):
             v, kmask = _source_block(table, k0, K, row, mask, go_ptr, KB)
             # the gradients already there (added to), loaded beside the rows: both in flight before the reductions
-            into, adding = gradients_at(gtable, k0 + tl.arange(0, KB), kmask, go_ptr)
-            tile = kmask[:, None, None] & mask[None, :, :]
+            if DEFER:  # a deferred source's gradient is left to its sink: its coefficients are stored instead
+                into, adding, lazy = gradient_modes_at(gtable, k0 + tl.arange(0, KB), kmask, go_ptr)
+                stored = kmask & (lazy == 0)
+            else:
+                into, adding = gradients_at(gtable, k0 + tl.arange(0, KB), kmask, go_ptr)
+                stored = kmask
+            tile = stored[:, None, None] & mask[None, :, :]
             held = tl.load(into[:, None, None] + row[None, :, :], mask=tile & adding[:, None, None], other=0.)
             if NORM:  # [KB, BH] each: one exchange for the three
                 dot, gv, vv = sums3(v * f[None, :, :], go[None, :, :] * v, v * v, 2)
@@ -135,15 +157,26 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
                 ds = a * (gv - go_h[None, :])
             a = tl.where(kmask[:, None], a, 0.)
             ds = tl.where(kmask[:, None], ds, 0.)
-            dv = a[:, :, None] * go[None, :, :]
             if NORM:
                 dr = tl.sum(ds * dot, axis=1)  # dL/dr [KB]
                 ds = ds * r[:, None]
-                dv -= (dr * r * r * r / D)[:, None, None] * v
+                u = dr * r * r * r / D  # [KB]: v_k's own term
+            if DEFER:  # the coefficients of a * go + e * f - u * v_k, ds being e
+                ok = (k0 + tl.arange(0, KB)).to(tl.int64) * (2 * H + 1)
+                at = coef_ptr + (ok[:, None] + oh[None, :]) * NP + n
+                kept = kmask & lazy & (n < N)
+                cm = kept[:, None] & (oh < H)[None, :]
+                tl.store(at, a, mask=cm)
+                tl.store(at + H * NP, ds, mask=cm)
+                if NORM:
+                    tl.store(coef_ptr + (ok + 2 * H) * NP + n, u, mask=kept)
+            dv = a[:, :, None] * go[None, :, :]
+            if NORM:
+                dv -= u[:, None, None] * v
             dv += ds[:, :, None] * f[None, :, :]
-            df += tl.sum(ds[:, :, None] * v, axis=0)
             dv += held.to(tl.float32)
             tl.store(into[:, None, None] + row[None, :, :], dv.to(go_ptr.dtype.element_ty), mask=tile)
+            df += tl.sum(ds[:, :, None] * v, axis=0)
         if PER_TOKEN:
             if NORM:
                 tl.store(dq_ptr + row, df * gain, mask=mask)
@@ -154,6 +187,45 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
             total += df
     if NORM or not PER_TOKEN:
         tl.store(part_ptr + tl.program_id(0).to(tl.int64) * PW + offs, total, mask=cmask)
+
+
+@jit
+def _source_grad_kernel(v_ptr, table, held_ptr, out_ptr, f32_ptr, R, N, NP, D, C, H,
+                        BT: tl.constexpr, BC: tl.constexpr, RB: tl.constexpr, NORM: tl.constexpr,
+                        ADD: tl.constexpr):
+    """One source's gradient from all R mixes that read it (their DEFER backward): for a [BT tokens, BC channels]
+    tile of one head, sum over the readers m of a_m * go_m + e_m * f_m, minus (sum of u_m) * v, RB readers a step.
+    table [3R]: the readers' output gradients (rows [N, d], v's dtype), their folded queries ([d] fp32), then their
+    coefficient blocks of this source ([2H + 1, NP] fp32: a | e | u). ADD: held_ptr's gradient (other readers') is
+    added. A stream of rows: no reduction, each output gradient read once."""
+    tok = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    h = tl.program_id(1)
+    col = tl.program_id(2) * BC + tl.arange(0, BC)
+    tmask, cmask = tok < N, col < C
+    tile = tmask[:, None] & cmask[None, :]
+    offs = tok[:, None] * D + (h * C + col)[None, :]  # [BT, BC]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    usum = tl.zeros([BT], dtype=tl.float32)
+    for m0 in range(0, R, RB):
+        om = m0 + tl.arange(0, RB)
+        rmask = om < R
+        go = pointers_at(table, om, rmask, v_ptr)  # [RB]
+        f = pointers_at(table + R, om, rmask, f32_ptr)
+        c = pointers_at(table + 2 * R, om, rmask, f32_ptr)
+        both = rmask[:, None] & tmask[None, :]
+        a = tl.load(c[:, None] + h * NP + tok[None, :], mask=both, other=0.)  # [RB, BT]
+        e = tl.load(c[:, None] + (H + h) * NP + tok[None, :], mask=both, other=0.)
+        g = tl.load(go[:, None, None] + offs[None, :, :], mask=rmask[:, None, None] & tile[None, :, :],
+                    other=0.).to(tl.float32)  # [RB, BT, BC]
+        fq = tl.load(f[:, None] + (h * C + col)[None, :], mask=rmask[:, None] & cmask[None, :], other=0.)  # [RB, BC]
+        acc += tl.sum(a[:, :, None] * g + e[:, :, None] * fq[:, None, :], axis=0)
+        if NORM:
+            usum += tl.sum(tl.load(c[:, None] + 2 * H * NP + tok[None, :], mask=both, other=0.), axis=0)
+    if NORM:
+        acc -= usum[:, None] * tl.load(v_ptr + offs, mask=tile, other=0.).to(tl.float32)
+    if ADD:
+        acc += tl.load(held_ptr + offs, mask=tile, other=0.).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=tile)
 
 
 def _lse_like(out: Tensor, heads: int, sigmoid: bool) -> Tensor:
@@ -204,13 +276,18 @@ def _sources_a_step(k: int, row: int, most: int) -> int:
 
 
 def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], out: Tensor, lse: Tensor, eps: float,
-                sigmoid: bool, heads: int, grads: List[Tensor], adding: List[bool]):
+                sigmoid: bool, heads: int, grads: List[Tensor], adding: List[bool],
+                deferred: Optional[Tuple[Tensor, Tensor, List[bool]]] = None):
     """Source gradients into `grads` (rows [N, d]; added to those with `adding` set) -> (dq shaped like q, dg [d] or
     None): the parameter gradients in the parameters' dtypes, a per-token query's (an activation's) in fp32. out
-    and lse: the forward's (unused with sigmoid weights)."""
+    and lse: the forward's (unused with sigmoid weights). deferred (coef [K, 2H + 1, NP] and folded query [d], both
+    fp32, and a flag per source; a static query): the flagged sources' coefficients go to coef instead of their
+    gradients to grads (theirs are placeholders), and the folded query to its buffer."""
     n, d = srcs[0].shape
     per_token = q.dim() == 2
     if n == 0:
+        if deferred is not None:
+            deferred[1].copy_(folded_query_torch(q, g, srcs[0].dtype, F32))
         return (torch.zeros(q.shape, dtype=F32, device=go.device),
                 None if g is None else torch.zeros(d, dtype=F32, device=go.device))
     dq = torch.empty(q.shape, dtype=F32, device=go.device) if per_token else None  # stored row by row
@@ -219,14 +296,18 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     # per-program partial sums of the parameter gradient (a per-token query without a key norm has none)
     parts = partial_sums(count, d, go.device) if g is not None or not per_token else dq
     kb = _sources_a_step(len(srcs), bh * bc, BWD_SOURCES_A_STEP)
-    if go.device.type != "meta" and len({t.data_ptr() for t in grads}) < len(grads):
+    coef, fold, flags = deferred if deferred is not None else (parts, parts, [False] * len(grads))
+    stored = [t.data_ptr() for t, lazy in zip(grads, flags) if not lazy]
+    if go.device.type != "meta" and len(set(stored)) < len(stored):
         # one buffer for two sources: a [KB, d] tile would read it twice and store it twice, losing one source's
         # gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
         kb = 1
-    launch(_bwd_kernel, (count,), (pointer_table(srcs), gradient_table(grads, adding), q, q if g is None else g, go,
-                                   go if sigmoid else out, go if sigmoid else lse, parts if dq is None else dq, parts,
-                                   parts.shape[1], len(srcs), n, d, d // heads, heads, eps, tok),
-           warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid)
+    gtable = gradient_table(grads, adding, flags if deferred is not None else None)
+    defer = {"DEFER": True} if deferred is not None else {}  # (the key of a launch without it, as tuned.json has)
+    launch(_bwd_kernel, (count,), (pointer_table(srcs), gtable, q, q if g is None else g, go, go if sigmoid else out,
+                                   go if sigmoid else lse, parts if dq is None else dq, parts, coef, fold,
+                                   parts.shape[1], len(srcs), n, coef.shape[-1], d, d // heads, heads, eps, tok),
+           warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid, **defer)
     if per_token:  # the gain's gradient, summed over tokens
         return dq, None if g is None else sum_rows(parts, d, dtypes=[g.dtype])
     if g is None:
@@ -234,6 +315,39 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     # folded = gain * query: the sum times each other factor, in the parameters' dtypes
     dq_, dg = sum_rows(parts, d, (g, q), (q.dtype, g.dtype))
     return dq_, dg
+
+
+def _coefficients(k: int, n: int, heads: int, device: torch.device) -> Tensor:
+    """The DEFER backward's coefficient buffer [K, 2H + 1, NP] (fp32; NP = n rounded up to 4, so that each source's
+    [2H + 1, NP] block starts on a 16-byte boundary, as a pointer table needs)."""
+    return torch.empty((k, 2 * heads + 1, cdiv(n, 4) * 4), dtype=F32, device=device)
+
+
+# Readers a step of the source-gradient kernel, and its [tokens, channels] tile: 4 x 4 x 512 values, 16 KiB of bf16
+# output-gradient rows in flight a program on 8 warps.
+SOURCE_GRAD_READERS = 4
+SOURCE_GRAD_TILE = 2048  # tokens x channels
+
+
+def _triton_source_grad(v: Tensor, grads: List[Tensor], folds: List[Tensor], coefs: List[Tensor], heads: int,
+                        norm: bool, held: Optional[Tensor]) -> Tensor:
+    """attnres_source_grad's kernel: v, grads and held as rows [N, d] -> the source's gradient rows [N, d]."""
+    n, d = v.shape
+    c = d // heads
+    out = torch.empty_like(v)
+    if n == 0:
+        return out
+    if interpreting():  # several token tiles, chunks and reader steps, with masked tails, in the tests
+        rb, bc, bt = 2, min(pow2(c), 4), 2
+    else:
+        rb = min(SOURCE_GRAD_READERS, pow2(len(grads)))
+        bc = min(pow2(c), 512)
+        bt = max(1, SOURCE_GRAD_TILE // bc)
+    launch(_source_grad_kernel, (cdiv(n, bt), heads, cdiv(c, bc)),
+           (v, pointer_table(grads + folds + coefs), v if held is None else held, out, folds[0], len(grads), n,
+            coefs[0].shape[-1], d, c, heads),
+           max(1, min(8, rb * bt * bc // 1024)), BT=bt, BC=bc, RB=rb, NORM=norm, ADD=held is not None)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -274,10 +388,12 @@ def _torch_fwd(srcs, q, g, eps, sigmoid, heads):
     return (acc / z.unsqueeze(-1)).view(n, d).to(dt), m + torch.log(z)
 
 
-def _torch_bwd(go, srcs, q, g, out, lse, eps, sigmoid, heads, grads, adding):
+def _torch_bwd(go, srcs, q, g, out, lse, eps, sigmoid, heads, grads, adding, deferred=None):
     (n, d), dt = srcs[0].shape, srcs[0].dtype
     ct, c = accumulation_dtype(dt), d // heads
     f = folded_query_torch(q, g, dt, ct).view(-1, heads, c)
+    if deferred is not None:
+        deferred[1].copy_(f.reshape(-1))
     go = go.to(ct).view(n, heads, c)
     if not sigmoid:
         go_h = (go * out.to(ct).view(n, heads, c)).sum(-1)  # = sum_j alpha_j go . v_j
@@ -298,9 +414,17 @@ def _torch_bwd(go, srcs, q, g, out, lse, eps, sigmoid, heads, grads, adding):
         if r is not None:
             dr = (ds * dot).sum(-1)
             ds = ds * r.unsqueeze(-1)
-            dv = dv - (dr * r.pow(3) / d).view(n, 1, 1) * v
-        dv = dv + ds.unsqueeze(-1) * f
+            u = dr * r.pow(3) / d
+            dv = dv - u.view(n, 1, 1) * v
         df += ds.unsqueeze(-1) * v
+        if deferred is not None and deferred[2][k]:  # the coefficients of a * go + e * f - u * v (DEFER)
+            coef = deferred[0][k]
+            coef[:heads, :n] = a.t()
+            coef[heads:2 * heads, :n] = ds.t()
+            if r is not None:
+                coef[2 * heads, :n] = u
+            continue
+        dv = dv + ds.unsqueeze(-1) * f
         if adding[k]:
             dv = dv.view(n, d) + grads[k].to(ct)
         grads[k].copy_(dv.view(n, d))
@@ -311,6 +435,25 @@ def _torch_bwd(go, srcs, q, g, out, lse, eps, sigmoid, heads, grads, adding):
         return df, None
     dg = df * q.to(ct)
     return df * g.to(ct), dg.sum(0) if q.dim() == 2 else dg
+
+
+def _torch_source_grad(v, grads, folds, coefs, heads, norm, held):
+    """_triton_source_grad's twin."""
+    (n, d), dt = v.shape, v.dtype
+    ct, c = accumulation_dtype(dt), d // heads
+    acc = torch.zeros(n, heads, c, dtype=ct, device=v.device)
+    usum = torch.zeros(n, dtype=ct, device=v.device)
+    for go, f, coef in zip(grads, folds, coefs):
+        a, e = coef[:heads, :n].t().to(ct), coef[heads:2 * heads, :n].t().to(ct)  # [n, H]
+        acc += a.unsqueeze(-1) * go.to(ct).view(n, heads, c) + e.unsqueeze(-1) * f.to(ct).view(1, heads, c)
+        if norm:
+            usum += coef[2 * heads, :n].to(ct)
+    if norm:
+        acc -= usum.view(n, 1, 1) * v.to(ct).view(n, heads, c)
+    acc = acc.view(n, d)
+    if held is not None:
+        acc += held.to(ct)
+    return acc.to(dt)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -386,12 +529,71 @@ def _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse
             nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]
 
 
+@torch.library.custom_op("mega_depth::attnres_mix_backward_deferred", mutates_args=("into",))
+def attnres_mix_backward_deferred_op(grad: Tensor, sources: List[Tensor], into: List[Tensor], adding: List[bool],
+                                     deferred: List[bool], query: Tensor, key_norm_weight: Optional[Tensor],
+                                     out: Tensor, lse: Tensor, eps: float, sigmoid: bool,
+                                     heads: int) -> List[Tensor]:
+    """A static query's backward with the `deferred` sources' gradients left out -> [coef [K, 2H + 1, NP] fp32,
+    folded [d] fp32 (the folded query), dq, dg]. A deferred source's gradient is a * grad + e * folded - u * source
+    per token, from its block of coef (rows a | e (per head) | u): `attnres_source_grad` sums it over all of the
+    source's readers at once. The other sources' gradients are stored into `into` or added (attnres_mix_backward_
+    into); a deferred source's `into` is a placeholder, never written."""
+    d = sources[0].shape[-1]
+    srcs = source_rows(sources, d)
+    bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
+    g = None if key_norm_weight is None else key_norm_weight.contiguous()
+    if not sigmoid:
+        out, lse = rows(out, d), rows(lse, heads)
+    coef = _coefficients(len(srcs), srcs[0].shape[0], heads, grad.device)
+    folded = torch.empty(d, dtype=F32, device=grad.device)
+    into = [t if lazy else rows(t, d) for t, lazy in zip(into, deferred)]
+    dq, dg = bwd(rows(grad, d), srcs, query.contiguous(), g, out, lse, eps, sigmoid, heads, into, adding,
+                 (coef, folded, deferred))
+    return [coef, folded, in_dtype(dq.view_as(query), query.dtype),
+            nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]
+
+
+@register_fake(attnres_mix_backward_deferred_op)
+def _(grad, sources, into, adding, deferred, query, key_norm_weight, out, lse, eps, sigmoid, heads):
+    n = sources[0].numel() // sources[0].shape[-1]
+    coef = grad.new_empty((len(sources), 2 * heads + 1, cdiv(n, 4) * 4), dtype=F32)
+    return [coef, grad.new_empty(sources[0].shape[-1:], dtype=F32)] + _fake_backward(grad, sources, query,
+                                                                                     key_norm_weight)[len(sources):]
+
+
+@torch.library.custom_op("mega_depth::attnres_source_grad", mutates_args=())
+def attnres_source_grad_op(source: Tensor, grads: List[Tensor], folds: List[Tensor], coefs: List[Tensor],
+                           heads: int, norm: bool, held: Optional[Tensor]) -> Tensor:
+    """A source's gradient from all the mixes that read it: sum over readers m of a_m * grads[m] + e_m * folds[m] -
+    u_m * source (coefs[m]: this source's [2H + 1, NP] block of reader m's `attnres_mix_backward_deferred`
+    coefficients; u only with a key norm), plus held (other readers' gradient) where given."""
+    d = source.shape[-1]
+    v = rows(source, d)
+    fn = _triton_source_grad if uses_triton(v) else _torch_source_grad
+    return fn(v, source_rows(grads, d), [f.contiguous() for f in folds], [c.contiguous() for c in coefs], heads, norm,
+              None if held is None else rows(held, d)).view(source.shape)
+
+
+@register_fake(attnres_source_grad_op)
+def _(source, grads, folds, coefs, heads, norm, held):
+    return source.new_empty(source.shape)
+
+
+def _resolve(source: Tensor, records: List[tuple], held: Optional[Tensor], heads: int, norm: bool) -> Tensor:
+    """A gradient sink's resolver (grad_sink.Sink.defer): the source's gradient from its readers' records
+    (output gradient rows, folded query, coefficient block)."""
+    grads, folds, coefs = (list(x) for x in zip(*records))
+    return call(attnres_source_grad_op, source, grads, folds, coefs, heads, norm, held)
+
+
 def _setup(ctx, inputs, output):
     sources, query, gain, eps, sigmoid, heads = inputs
     out, lse = output
     ctx.save_for_backward(query, gain, out, lse, *sources)
     ctx.cfg = (eps, sigmoid, heads)
     ctx.sinks = grad_sink.sinks_of(sources)
+    ctx.static = query.dim() == 1
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -400,6 +602,20 @@ def _backward(ctx, grads):
     query, gain, out, lse, *sources = ctx.saved_tensors
     grad = torch.zeros_like(out) if grads[0] is None else grads[0]  # (lse's is always None)
     need = ctx.needs_input_grad
+    # A static query: the gradients of sources that many mixes read are left to their sinks, which sum all of
+    # their readers' at once (one pass over the readers' output gradients), not added into a buffer in turn
+    deferred = grad_sink.deferring(ctx.sinks) if ctx.static and need[0] else None
+    if deferred is not None:
+        grad = rows(grad, grad.shape[-1])  # what the records keep: contiguous, aligned rows
+        into, adding = grad_sink.buffers(ctx.sinks, sources, deferred)
+        coef, folded, dq, dg = call(attnres_mix_backward_deferred_op, grad, sources, into, adding, deferred, query,
+                                    gain, out, lse, *ctx.cfg)
+        key, blocks = (_resolve, ctx.cfg[2], gain is not None), coef.unbind(0)  # (one call, not one index a source)
+        for sink, lazy, block in zip(ctx.sinks, deferred, blocks):
+            if lazy:
+                sink.defer(key, (grad, folded, block))
+        source_grads = grad_sink.returned(ctx.sinks, into, need[0])
+        return source_grads, cast_grad(dq, query, need[1]), cast_grad(dg, gain, need[2]), None, None, None
     if ctx.sinks is None:
         got = call(attnres_mix_backward_op, grad, sources, query, gain, out, lse, *ctx.cfg)
         source_grads = [g if need[0] else None for g in got[:-2]]

@@ -147,7 +147,7 @@ def launch_bytes(launch: Launch) -> int:
             touch(arg, 2 if id(arg) in added else 1)
             continue
         for t, bit in zip(*rows):
-            touch(t, 2 if bit else 1)
+            touch(t, 2 if bit & 1 else 0 if bit & 2 else 1)  # added to / deferred (a placeholder)
     return sum(seen.values())
 
 
@@ -431,11 +431,15 @@ def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] 
     return table
 
 
-def gradient_table(buffers: Sequence[Tensor], adding: Sequence[bool]) -> Tensor:
+def gradient_table(buffers: Sequence[Tensor], adding: Sequence[bool],
+                   deferred: Optional[Sequence[bool]] = None) -> Tensor:
     """pointer_table of gradient buffers, with each pointer's low bit set where the kernel adds to the buffer
     instead of storing into it (kernels/grad_sink.py): a buffer already holding other readers' gradients. The
-    pointers are 16-byte aligned, so the bit is free; no zero fill and no second table."""
-    return pointer_table(buffers, adding)
+    pointers are 16-byte aligned, so the bit is free; no zero fill and no second table. deferred: bit 1 set where
+    the kernel stores no gradient at all (gradient_modes_at; the buffer is a placeholder)."""
+    if deferred is None:
+        return pointer_table(buffers, adding)
+    return pointer_table(buffers, [int(a) | 2 * int(d) for a, d in zip(adding, deferred)])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -671,6 +675,16 @@ def gradients_at(table, ok, kmask, like_ptr):
     raw = tl.load(table + ok, mask=kmask, other=0)
     adding = (raw & 1) == 1
     return tl.multiple_of((raw - (raw & 1)).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16), adding
+
+
+@jit
+def gradient_modes_at(table, ok, kmask, like_ptr):
+    """gradients_at, and deferred [BK]: bit 1 of an entry, a source whose gradient is left to its sink (no store;
+    gradient_table's `deferred`)."""
+    raw = tl.load(table + ok, mask=kmask, other=0)
+    low = raw & 3
+    return tl.multiple_of((raw - low).to(tl.pointer_type(like_ptr.dtype.element_ty)), 16), (low & 1) == 1, \
+        (low & 2) == 2
 
 
 # Whether tl.dot takes bf16/fp16 operands as they are (on the tensor cores: exact products, fp32 sums). Compiled

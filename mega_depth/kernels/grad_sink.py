@@ -67,47 +67,73 @@ def share(copy: Tensor, source: Tensor) -> Tensor:
 
 
 class Sink:
-    """The gradient buffer of one source, for the backward pass (graph task) that is filling it."""
+    """The gradient buffer of one source, and the records of its deferred readers, for the backward pass (graph
+    task) that is filling them."""
 
     def __init__(self):
         self.buffer: Optional[Tensor] = None
+        self.deferred: Dict[tuple, list] = {}  # resolver key -> its readers' records
         self.task = -1
+        self.readers = 0  # the ops that read the source through its alias in forward (`aliased`)
+
+    def _drop_stale(self) -> None:
+        """What another pass left (one that did not reach the source, e.g. torch.autograd.grad for a later
+        parameter alone) is dropped, never added to."""
+        if self.task != task():
+            self.buffer, self.deferred, self.task = None, {}, task()
 
     def current(self) -> Optional[Tensor]:
-        """The buffer of this backward pass; one left from another pass (one that did not reach the source, e.g.
-        torch.autograd.grad for a later parameter alone) is dropped, never added to."""
-        if self.buffer is not None and self.task != task():
-            self.buffer = None
+        """The buffer of this backward pass."""
+        self._drop_stale()
         return self.buffer
 
     def hold(self, buffer: Tensor) -> None:
-        self.buffer, self.task = buffer, task()
+        self._drop_stale()
+        self.buffer = buffer
 
-    def take(self) -> Optional[Tensor]:
-        buffer, self.buffer = self.current(), None
-        return buffer
+    def defer(self, key: tuple, record: tuple) -> None:
+        """A reader leaves its part of the source's gradient to the sink: key = (resolve, *settings), and the sink's
+        node calls resolve(source, records, held, *settings) once with every record of that key (held: the buffer
+        so far, or None), which returns the buffer with all of them added. A reader whose records are summed
+        together reads each reader's output gradient once, where adding in turn reads and writes the buffer each
+        time (kernels/attnres_mix.py: Full AttnRes's source gradients)."""
+        self._drop_stale()
+        self.deferred.setdefault(key, []).append(record)
+
+    def take(self) -> Tuple[Optional[Tensor], Dict[tuple, list]]:
+        self._drop_stale()
+        taken = self.buffer, self.deferred
+        self.buffer, self.deferred = None, {}
+        return taken
 
 
 class _Sink(torch.autograd.Function):
-    """Identity in forward; in backward the sink's buffer (plus the gradient of any reader that returned one)."""
+    """Identity in forward; in backward the sink's buffer, its deferred readers' parts summed in, plus the gradient
+    of any reader that returned one."""
 
     @staticmethod
     def forward(ctx, source: Tensor, sink: Sink) -> Tensor:
         ctx.sink = sink
+        ctx.save_for_backward(source)  # (a reference: the readers keep it too) for the deferred readers' resolvers
         ctx.set_materialize_grads(False)  # readers return None: no zero tensor for them
         return source.view_as(source)
 
     @staticmethod
     def backward(ctx, grad: Optional[Tensor]):
-        buffer = ctx.sink.take()
+        buffer, deferred = ctx.sink.take()
+        if deferred:
+            source, = ctx.saved_tensors
+            for (resolve, *settings), records in deferred.items():
+                buffer = resolve(source, records, buffer, *settings)
         if buffer is None:
             return grad, None
         return (buffer if grad is None else buffer.add_(grad)), None
 
 
 def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
-    """Each source that requires grad as its alias (made on first use, then the same for every reader). Returns the
-    sources unchanged where grad is off, or where one tensor appears twice (its two gradients would race)."""
+    """Each source that requires grad as its alias (made on first use, then the same for every reader; each call
+    counts as one reader of each). Returns the sources unchanged where grad is off, or where one tensor appears twice
+    (its two gradients would race)."""
     if not torch.is_grad_enabled() or len({id(s) for s in sources}) < len(sources):
         return list(sources)
     out = []
@@ -115,8 +141,26 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
         if not s.requires_grad or hasattr(s, _SINK):
             out.append(s)
             continue
-        out.append(_alias_of(s))
+        alias = _alias_of(s)
+        getattr(alias, _SINK).readers += 1
+        out.append(alias)
     return out
+
+
+# A source whose gradient at least this many readers sum is deferred by readers that can defer (Sink.defer): adding
+# in turn reads and writes its buffer once a reader (3R - 1 rows for R readers: read the source, read and write the
+# buffer); summed at once, each reader reads the source and leaves a few coefficients a token, and the sink reads
+# each reader's output gradient, the source and writes the gradient once (2R + 2). Equal at 3 readers.
+DEFER_READERS = 4
+
+
+def deferring(sinks: Optional[Sequence[Optional[Sink]]]) -> Optional[List[bool]]:
+    """For a reader that can defer: which of its sources' gradients to leave to their sinks (those that many
+    readers read, DEFER_READERS), or None where it defers none."""
+    if sinks is None:
+        return None
+    flags = [sink is not None and sink.readers >= DEFER_READERS for sink in sinks]
+    return flags if any(flags) else None
 
 
 def _alias_of(source: Tensor) -> Tensor:
@@ -144,12 +188,20 @@ def sinks_of(sources: Sequence[Tensor]) -> Optional[List[Optional[Sink]]]:
     return sinks if any(s is not None for s in sinks) else None
 
 
-def buffers(sinks: Sequence[Optional[Sink]], sources: Sequence[Tensor]) -> Tuple[List[Tensor], List[bool]]:
+def buffers(sinks: Sequence[Optional[Sink]], sources: Sequence[Tensor],
+            deferred: Optional[Sequence[bool]] = None) -> Tuple[List[Tensor], List[bool]]:
     """(where the backward kernel puts each source's gradient, whether it adds to what is there: a sink that already
     holds other readers' gradients). The other buffers are new and empty, the kernel stores into them; a source
-    without a sink gets one of its own (its gradient is returned to autograd as before)."""
+    without a sink gets one of its own (its gradient is returned to autograd as before). A `deferred` source gets
+    an empty placeholder: its reader leaves its gradient to the sink (Sink.defer)."""
     out, adding = [], []
-    for sink, src in zip(sinks, sources):
+    placeholder = None
+    for i, (sink, src) in enumerate(zip(sinks, sources)):
+        if deferred is not None and deferred[i]:
+            placeholder = src.new_empty(0) if placeholder is None else placeholder  # one a call (host time)
+            out.append(placeholder)
+            adding.append(False)
+            continue
         held = sink.current() if sink is not None else None
         adding.append(held is not None)
         if held is None:

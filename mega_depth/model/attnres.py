@@ -341,8 +341,8 @@ class AttnRes(Mechanism):
     def kernel_io_units(self, recompute=True):
         """Sublayer by sublayer (Full AttnRes, the input-dependent query): each mix reads its K sources and writes
         its input; backward reads them again with the output gradient (and, with softmax weights, the output), and
-        the sources' gradients are summed in the kernels; a per-token query is read, and its gradient written in
-        fp32. Two-phase (Block AttnRes): per
+        the sources' gradients are summed in the kernels (with static queries, a source that many mixes read by its
+        sink, at once); a per-token query is read, and its gradient written in fp32. Two-phase (Block AttnRes): per
         block, phase 1 reads the n completed blocks and writes one output per member sublayer, its backward reads
         the blocks once more; per sublayer, phase 2 reads phase 1's output (and the partial sum) and writes the
         input, and its backward reads those and the input's gradient and writes theirs. With the recomputation
@@ -373,7 +373,17 @@ class AttnRes(Mechanism):
             total += 2 * (len(sources) + 1) + saved_output + (4 if per_token_query else 0)
             for s in sources:
                 readers[s] = readers.get(s, 0) + 1
-        return total + sunk_gradients(readers)
+        if per_token_query:
+            return total + sunk_gradients(readers)
+        # static queries: a source that many mixes read has its gradient summed by its sink at once (kernels/
+        # grad_sink.py, Sink.defer): each reader's output gradient read, the source read (the key norm's term) and
+        # its gradient written once, and each reader's coefficients of it (2H + 1 fp32 a token) written and read
+        from mega_depth.kernels.grad_sink import DEFER_READERS
+
+        coefficients = 2 * (2 * self.heads + 1) * 4 / (2 * self.shape.hidden_size)  # in [T, d] bf16 units
+        deferred = {s: r for s, r in readers.items() if r >= DEFER_READERS}
+        summed = sum(r + 1 + int(self.key_norm) + r * coefficients for r in deferred.values())
+        return total + summed + sunk_gradients({s: r for s, r in readers.items() if s not in deferred})
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -196,6 +196,18 @@ def test_the_interpreted_layouts_ran_the_fused_norms_remade_paths(runs):
         assert json.loads((runs / "single" / mechanism / "fused_paths.json").read_text()) == {}, mechanism
 
 
+def test_the_fused_layouts_summed_full_attnres_source_gradients_at_once(runs):
+    """AttnRes's static-query mixes on the fused path leave their sources' gradients to the sinks, which sum them at
+    once (kernels/grad_sink.py, Sink.defer; every source here, run_layout.py), under virtual pipeline stages and
+    under TP + SP with full recompute (whose regions read detached copies); the eager reference sums none so."""
+    # (rank 0 writes the counts: under PP it holds no final mix, Block AttnRes's one mix over sources)
+    for layout, mechanism in (("pp2-vpp-fused", "attnres-full"), ("tp2-sp-recompute-fused", "attnres-full"),
+                              ("tp2-sp-recompute-fused", "attnres-block")):
+        paths = json.loads((runs / layout / mechanism / "fused_paths.json").read_text())
+        assert paths.get("summed_at_once", 0) > 0, (layout, mechanism, paths)
+    assert json.loads((runs / "single" / "attnres-full" / "fused_paths.json").read_text()) == {}
+
+
 def test_a_closed_backend_leaves_only_the_default_process_group(runs):
     """One launch builds a backend per layout and mechanism (up to ~130): each close must free the groups Megatron
     made for it, and the backend itself, else every gloo group's threads and sockets stay (a launch slowed ~5x by

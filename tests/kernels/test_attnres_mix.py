@@ -5,8 +5,10 @@ import torch
 from kernel_checks import (EPS, SCALES, SourceGradAdds, bf16_matches_fp32, check, close, detached, gradcheck, leaf,
                            opcheck, saved_storages, sources_of)
 
-from mega_depth.kernels.attnres_mix import (attnres_mix_backward_into_op, attnres_mix_backward_op, attnres_mix_op,
-                                            attnres_mix_sources)
+from mega_depth.kernels import attnres_mix, grad_sink
+from mega_depth.kernels.attnres_mix import (attnres_mix_backward_deferred_op, attnres_mix_backward_into_op,
+                                            attnres_mix_backward_op, attnres_mix_op, attnres_mix_sources,
+                                            attnres_source_grad_op)
 from mega_depth.model import mixing
 
 
@@ -172,3 +174,99 @@ def test_two_sources_with_one_gradient_buffer_both_arrive(path):
                                  EPS, False, 1)
     torch.testing.assert_close(shared, apart[0] + apart[1])
     torch.testing.assert_close(last, apart[2])
+
+
+def _chain(mix, per_token_at=()):
+    """Full AttnRes deeper: 5 mixes, mix i reading sources 0 .. i + 1 and the outputs of the mixes before it, so
+    that the first sources have 5 readers and the last ones 1 or 2. The mixes in per_token_at read a per-token query
+    (made from the first source): they add their sources' gradients into the sinks' buffers, never defer."""
+    def run(q0, q1, q2, q3, q4, g, *s):
+        sources, outs = list(s[:2]), []
+        for i, q in enumerate((q0, q1, q2, q3, q4)):
+            query = s[0] * q if i in per_token_at else q
+            outs.append(mix(sources + outs, query, g))
+            sources.append(s[2 + i] if i + 2 < len(s) else outs[-1] * 0.5)
+        return outs[-1], outs[1]
+    return run
+
+
+@pytest.mark.parametrize("weight, heads, norm, per_token_at", [
+    ("softmax", 1, True, ()), ("softmax", 2, True, (2,)), ("sigmoid", 2, True, ()), ("softmax", 2, False, (1,)),
+])
+def test_a_source_that_many_mixes_read_sums_their_gradients_at_once(path, weight, heads, norm, per_token_at):
+    """A source read by DEFER_READERS or more mixes: each static-query mix leaves its part of the source's gradient
+    to the sink (coefficients a token), and the sink sums all of them in one call (attnres_source_grad), adding what
+    per-token mixes put in its buffer. The gradients equal the eager reference's; every such source is summed once,
+    with one record per static reader; a source with fewer readers is added into its buffer as before."""
+    d = 12
+    sources = sources_of(5, 2, 3, d)
+    queries, gain = [leaf(d) for _ in range(5)], (leaf(d, scale=0.3, shift=1.0) if norm else None)
+    fast = _chain(lambda s, q, g: attnres_mix_sources(s, q, g, EPS, weight, heads), per_token_at)
+    ref = _chain(lambda s, q, g: mixing.attnres_mix(torch.stack(s), q, g, EPS, weight, heads), per_token_at)
+    check(fast, ref, [*queries, gain, *sources], f"deferred {weight} heads={heads} norm={norm}")
+    resolved, resolve = [], attnres_mix._resolve
+
+    def spy(source, records, held, *settings):
+        resolved.append((len(records), held is not None))
+        return resolve(source, records, held, *settings)
+
+    attnres_mix._resolve = spy
+    try:
+        out, _ = fast(*queries, gain, *sources)
+        torch.autograd.grad((out * torch.randn_like(out)).sum(), sources + queries)
+    finally:
+        attnres_mix._resolve = resolve
+    # sources 0 and 1 are read by all 5 mixes, source 2 and the first mix's output by the last 4, the rest by 3 or
+    # fewer: (records, whether a per-token reader's buffer was added) for each summed source
+    expected = [(len(readers - set(per_token_at)), bool(readers & set(per_token_at)))
+                for readers in [{0, 1, 2, 3, 4}] * 2 + [{1, 2, 3, 4}] * 2]
+    assert sorted(resolved) == sorted(expected), resolved
+
+
+def test_deferred_gradients_pass_gradcheck(twin, monkeypatch):
+    """fp64 gradcheck through the deferred path: every source deferred (one reader is enough here)."""
+    monkeypatch.setattr(grad_sink, "DEFER_READERS", 1)
+    sources = [s.double().detach().requires_grad_() for s in sources_of(3, 2, 8)]
+    queries = [leaf(8, dtype=torch.float64) for _ in range(2)]
+    gain = leaf(8, scale=0.3, shift=1.0, dtype=torch.float64)
+
+    def run(q0, q1, g, *s):
+        h = attnres_mix_sources(list(s), q0, g, EPS, heads=2)
+        return attnres_mix_sources(list(s) + [h], q1, g, EPS, heads=2)
+    gradcheck(run, [*queries, gain, *sources], "deferred attnres_mix")
+
+
+def test_opcheck_of_the_deferred_ops(twin):
+    sources = detached(sources_of(3, 2, 3, 8))
+    query, gain = torch.randn(8), torch.randn(8) * 0.3 + 1.0
+    for sigmoid, heads, g in ((False, 2, gain), (True, 1, None)):
+        out, lse = attnres_mix_op(sources, query, g, EPS, sigmoid, heads)
+        grad = torch.randn_like(out)
+        into = [torch.randn(2, 3, 8), torch.empty(0), torch.randn(2, 3, 8)]
+        args = (grad, sources, into, [False, False, True], [False, True, False], query, g, out, lse, EPS, sigmoid,
+                heads)
+        opcheck(attnres_mix_backward_deferred_op, args, eager_only=True)
+        coef, folded = attnres_mix_backward_deferred_op(*args)[:2]
+        for held in (None, torch.randn(2, 3, 8)):
+            opcheck(attnres_source_grad_op, (sources[1], [grad, grad * 2], [folded, folded], [coef[1], coef[1]],
+                                             heads, g is not None, held))
+
+
+def test_the_deferred_source_gradient_is_the_one_a_mix_stores(path):
+    """One mix, its middle source deferred: the coefficients it leaves, summed by attnres_source_grad, give the
+    gradient that attnres_mix_backward_into stores for it; the other sources' gradients are stored as before."""
+    d = 8
+    sources = detached(sources_of(3, 2, 3, d))
+    query, gain = torch.randn(d), torch.randn(d) * 0.3 + 1.0
+    out, lse = attnres_mix_op(sources, query, gain, EPS, False, 2)
+    grad = torch.randn_like(out)
+    stored = [torch.zeros(2, 3, d) for _ in sources]
+    dq, dg = attnres_mix_backward_into_op(grad, sources, stored, [False] * 3, query, gain, out, lse, EPS, False, 2)
+    into = [torch.zeros(2, 3, d), torch.empty(0), torch.zeros(2, 3, d)]
+    coef, folded, dq_, dg_ = attnres_mix_backward_deferred_op(grad, sources, into, [False] * 3, [False, True, False],
+                                                              query, gain, out, lse, EPS, False, 2)
+    close(into[0], stored[0], "stored source 0")
+    close(into[2], stored[2], "stored source 2")
+    close(attnres_source_grad_op(sources[1], [grad], [folded], [coef[1]], 2, True, None), stored[1], "deferred")
+    close(dq_, dq, "query")
+    close(dg_, dg, "gain")

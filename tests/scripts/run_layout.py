@@ -68,10 +68,10 @@ def full_grads(modules, cfg) -> dict:
 class _FusedPaths:
     """Counts, per mechanism, the calls of the fused norm's paths that keep what makes a sublayer input instead of
     the input (they run where the fused norm does: a GPU, or here Liger's norm under Triton's interpreter with
-    FUSED_NORM_INTERPRETED=1)."""
+    FUSED_NORM_INTERPRETED=1), and of the fused mixing's deferred source gradients (any --mixing-impl triton)."""
 
     def __init__(self):
-        from mega_depth.kernels import attnres_block, depth_attention, streams
+        from mega_depth.kernels import attnres_block, attnres_mix, depth_attention, streams
         from mega_depth.megatron import norm
         from mega_depth.megatron.qkv_projection import RemadeQKVProjection
 
@@ -85,6 +85,8 @@ class _FusedPaths:
         # Depth-Attention's value mix with the key norm folded in (the candidates' raw keys normalised in the op)
         depth_attention.depth_attention_mix_normed = self._counted("folded",
                                                                    depth_attention.depth_attention_mix_normed)
+        # a source's gradient summed over its static-query AttnRes readers at once, by its sink (grad_sink.Sink.defer)
+        attnres_mix._resolve = self._counted("summed_at_once", attnres_mix._resolve)
 
     def _counted(self, key, fn):
         def counted(*args, **kwargs):
@@ -176,6 +178,12 @@ def main() -> None:
     else:
         plan = [{"out": sys.argv[1], "flags": sys.argv[2:], "mechanisms": os.environ.get("MECHANISMS")}]
     fused_paths = _FusedPaths()
+    # Every source that a static-query AttnRes mix reads has its gradient summed by its sink (grad_sink.Sink.defer),
+    # however few its readers: a layout's stage, virtual stage or recomputed layer holds 1 to 3 of them, under the
+    # threshold a 1B model's sources pass (most are read by 4 to 49 mixes)
+    from mega_depth.kernels import grad_sink
+
+    grad_sink.DEFER_READERS = 1
     if os.environ.get("FUSED_NORM_INTERPRETED") == "1":
         # Liger's norm as a GPU runs it, on CPU tensors under Triton's interpreter (the mixing ops keep their torch
         # twins: interpreting them too costs minutes a mechanism)
