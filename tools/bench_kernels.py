@@ -50,8 +50,9 @@ EPS = 1e-6
 NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out", "depth_attention", "mhc_maps",
-       "mhc_projection")
+OPS = ("attnres_mix", "attnres_mix_shared", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out",
+       "depth_attention", "mhc_maps", "mhc_projection")
+SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared case (grad_sink.DEFER_READERS)
 
 
 @dataclass
@@ -120,6 +121,18 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources",
                 lambda: rows_of(k) + query_and_gain(),
                 lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
+    # Full AttnRes's sources are each read by many mixes (4 to 49 at 1B): their gradients are summed by their sinks
+    # at once (kernels/grad_sink.py, Sink.defer). R mixes over the same K sources: each mix's backward leaves a few
+    # coefficients a token per source, then each source's gradient is one pass over the R output gradients
+    # (attnres_source_grad). Bytes: each mix reads its K sources and writes its output; backward, each mix reads its
+    # K sources, its output gradient and output, and each source's sum reads R output gradients and the source and
+    # writes the gradient
+    r = SHARED_READERS
+    shared = Case("attnres_mix_shared", shape, f"Full AttnRes, {r} mixes over one set of {k} sources (each source's "
+                  f"gradient summed over its {r} readers at once)",
+                  lambda: rows_of(k) + [rand(r, d, scale=d ** -0.5, seed=100), rand(d, scale=0.1, shift=1.0, seed=101)],
+                  lambda *a: _shared_mixes(attnres_mix_sources, a), r * (k + 1) * row,
+                  (r * (k + 2) + k * (r + 2)) * row)
     # one block's whole Block AttnRes work, as the model does it: phase 1 of its q sublayers' queries over the b
     # completed blocks, then each sublayer's phase-2 merge of its partial sum (the first sublayer has none). Phase 1
     # alone is not one function across implementations: ours leaves (m, z, o) for the merges to normalise,
@@ -177,10 +190,16 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                    lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 3 * ns * row)
     from kernel_peers import peers_for
 
-    out = [full, block, phase2, normed, grn, streams, depth, maps, project]
+    out = [full, shared, block, phase2, normed, grn, streams, depth, maps, project]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
+
+
+def _shared_mixes(mix, args):
+    """R mixes over the sources args[:-2], mix r with query args[-2][r] and the gain args[-1], a tuple."""
+    queries, gain = args[-2], args[-1]
+    return tuple(mix(list(args[:-2]), q, gain, EPS) for q in queries.unbind(0))
 
 
 def _concatenated(coefficients):
@@ -226,6 +245,8 @@ def reference(op: str):
 
     return {
         "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
+        "attnres_mix_shared": lambda *a: _shared_mixes(
+            lambda sources, q, g, eps: mixing.attnres_mix(torch.stack(sources), q, g, eps), a),
         "attnres_block": lambda *a: _merged(lambda blocks, *rest: mixing.attnres_block_phase1(torch.stack(blocks),
                                                                                               *rest),
                                             mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1),  # q - 1 partials
@@ -522,7 +543,13 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
     go = output_gradient(out)
     with tuning.observing() as bwd_seen:
         ref_grads = torch.autograd.grad(out, wanted, go, retain_graph=True)
-    phases = {"fwd": (lambda: case.run(*leaves), outputs, [o.detach() for o in out]),
+    def forward():  # without autograd (the same kernels): a forward with it would join the sources' gradient
+        # sinks as one more reader each, and a source that enough mixes read has its gradient summed otherwise
+        # (grad_sink.Sink.defer): the backward phase would time other kernels than it observed
+        with torch.no_grad():
+            return case.run(*leaves)
+
+    phases = {"fwd": (forward, outputs, [o.detach() for o in out]),
               "bwd": (lambda: torch.autograd.grad(out, wanted, go, retain_graph=True), list, list(ref_grads))}
     rows = []
     for phase, seen in (("fwd", fwd_seen), ("bwd", bwd_seen)):
