@@ -31,6 +31,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from mega_depth.model.base import DEFER_READERS
+
 _SINK = "_mega_depth_grad_sink"  # attribute of an alias (and of a recomputed region's copy): its sink
 # id(source) -> (the source, its alias), both weakly: an attribute on the source would hold the alias, which holds
 # the source as its view base in C++, a cycle the garbage collector cannot see (every step's activations would stay
@@ -147,16 +149,9 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
-# A source whose gradient at least this many readers sum is deferred by readers that can defer (Sink.defer): adding
-# in turn reads and writes its buffer once a reader (3R - 1 rows for R readers: read the source, read and write the
-# buffer); summed at once, each reader reads the source and leaves a few coefficients a token, and the sink reads
-# each reader's output gradient, the source and writes the gradient once (2R + 2). Equal at 3 readers.
-DEFER_READERS = 4
-
-
 def deferring(sinks: Optional[Sequence[Optional[Sink]]]) -> Optional[List[bool]]:
-    """For a reader that can defer: which of its sources' gradients to leave to their sinks (those that many
-    readers read, DEFER_READERS), or None where it defers none."""
+    """For a reader that can defer: which of its sources' gradients to leave to their sinks (those that
+    DEFER_READERS or more ops read, where that pays: model/base.py), or None where it defers none."""
     if sinks is None:
         return None
     flags = [sink is not None and sink.readers >= DEFER_READERS for sink in sinks]

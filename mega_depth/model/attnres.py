@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Entry, Mechanism, Option, Recomputed, sublayer_label, sunk_gradients
+from .base import Entry, Mechanism, Option, Recomputed, sublayer_label, summed_gradients, sunk_gradients
 from .mixing import (attnres_block_phase2, attnres_logits, attnres_mix_sources, attnres_phase1_sources,
                      depth_weights, rms_inverse, scalar_mix)
 
@@ -375,15 +375,10 @@ class AttnRes(Mechanism):
                 readers[s] = readers.get(s, 0) + 1
         if per_token_query:
             return total + sunk_gradients(readers)
-        # static queries: a source that many mixes read has its gradient summed by its sink at once (kernels/
-        # grad_sink.py, Sink.defer): each reader's output gradient read, the source read (the key norm's term) and
-        # its gradient written once, and each reader's coefficients of it (2H + 1 fp32 a token) written and read
-        from mega_depth.kernels.grad_sink import DEFER_READERS
-
-        coefficients = 2 * (2 * self.heads + 1) * 4 / (2 * self.shape.hidden_size)  # in [T, d] bf16 units
-        deferred = {s: r for s, r in readers.items() if r >= DEFER_READERS}
-        summed = sum(r + 1 + int(self.key_norm) + r * coefficients for r in deferred.values())
-        return total + summed + sunk_gradients({s: r for s, r in readers.items() if s not in deferred})
+        # static queries: a source that many mixes read has its gradient summed by its sink at once, each reader
+        # leaving 2H + 1 fp32 coefficients a token for it (written and read: in [T, d] bf16 units)
+        coefficients = 2 * (2 * self.heads + 1) * 4 / (2 * self.shape.hidden_size)
+        return total + summed_gradients(readers, coefficients, reads_source=self.key_norm)
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -206,6 +206,24 @@ def sunk_gradients(readers: Dict[Any, int], width: Callable[[Any], float] = lamb
     return sum(width(source) * (2 * count - 1) for source, count in readers.items() if count)
 
 
+# A source whose gradient at least this many readers sum has it summed by its sink at once, where its readers can
+# leave their parts to it (kernels/grad_sink.py, Sink.defer): adding in turn reads and writes its buffer once a
+# reader (3R - 1 rows for R readers: read the source, read and write the buffer); summed at once, each reader reads
+# the source and leaves a few coefficients a token, and the sink reads each reader's output gradient, the source, and
+# writes the gradient once (2R + 2). Equal at 3 readers.
+DEFER_READERS = 4
+
+
+def summed_gradients(readers: Dict[Any, int], per_reader: float = 0.0, reads_source: bool = True) -> float:
+    """The traffic of the source gradients of readers that leave their parts to the sinks (Sink.defer): sources with
+    DEFER_READERS or more readers are summed at once (each reader's output gradient read, the source read where
+    `reads_source`, the gradient written; per_reader: more a reader, its coefficients), the others as in
+    sunk_gradients."""
+    deferred = {s: r for s, r in readers.items() if r >= DEFER_READERS}
+    summed = sum(r * (1 + per_reader) + 1 + int(reads_source) for r in deferred.values())
+    return summed + sunk_gradients({s: r for s, r in readers.items() if s not in deferred})
+
+
 def sublayer_label(sublayer: int, num_sublayers: int) -> Tuple[float, str]:
     """Heatmap row of sublayer 1..L, and of L+1: the output aggregation (the final norm's input)."""
     if sublayer > num_sublayers:

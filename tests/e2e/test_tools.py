@@ -75,8 +75,11 @@ def test_the_bound_takes_the_training_model_of_the_kernels():
     """The bound's traffic is a training step's as the fused kernels move it (Mechanism.training_io_units; the step
     trace checks each model against the recorded launches): the plain residual's 6 per sublayer (forward and the
     gradient's add); Full AttnRes's mixes of K = 1 .. 49 sources read them and write their input forward and again
-    with the output gradient backward, with the forward's output (the softmax gradient's go . h), and each source's
-    gradient is stored by its first reader and added to by every other (1,225 reads of 49 sources: 2 * 1225 - 49)."""
+    with the output gradient backward, with the forward's output (the softmax gradient's go . h). Source j is read by
+    49 - j mixes: with 4 readers or more (46 sources, 1,219 readers) its sink sums the readers' parts at once (each
+    reader's output gradient read and 3 fp32 coefficients a token written and read, the source read, its gradient
+    written: grad_sink.Sink.defer); the last 3 sources' gradients are stored by their first reader and added to by
+    every other (2R - 1: 1 + 3 + 5)."""
     import sys
 
     sys.path.insert(0, "tools")
@@ -84,7 +87,9 @@ def test_the_bound_takes_the_training_model_of_the_kernels():
 
     assert training_io_units({"mechanism": "standard"}, 24, 2048, 16, 16) == 6 * 48
     full = training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16)
-    assert full == sum(2 * (k + 1) + 1 for k in range(1, 50)) + (2 * 1225 - 49)
+    coefficients = 2 * 3 * 4 / (2 * 2048)  # [T, d] bf16 units
+    summed = 1219 * (1 + coefficients) + 2 * 46 + (1 + 3 + 5)
+    assert full == pytest.approx(sum(2 * (k + 1) + 1 for k in range(1, 50)) + summed)
     assert training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16, fused=False) == 3 * io_units(
         {"mechanism": "attnres"}, 24, 2048, 16, 16, fused=False)
 

@@ -125,9 +125,12 @@ def test_readers_of_one_source_add_into_one_buffer(path, views):
     assert adds.count > 0  # the counter sees autograd's adds
 
 
-def test_a_second_backward_and_a_partial_one_give_the_same_gradients(path):
-    """A buffer left by a backward pass that did not reach the source (autograd.grad of a query alone) is never
-    added to by the next pass; retain_graph's second pass equals the first."""
+@pytest.mark.parametrize("defer_readers", [grad_sink.DEFER_READERS, 1])
+def test_a_second_backward_and_a_partial_one_give_the_same_gradients(path, defer_readers, monkeypatch):
+    """A buffer (or deferred readers' records, grad_sink.Sink.defer) left by a backward pass that did not reach the
+    source (autograd.grad of a query alone) is never added to by the next pass; retain_graph's second pass equals
+    the first."""
+    monkeypatch.setattr(grad_sink, "DEFER_READERS", defer_readers)
     lead, d = (5,), 12
     sources = sources_of(3, *lead, d)
     queries, gain = [leaf(d) for _ in range(3)], leaf(d, scale=0.3, shift=1.0)
