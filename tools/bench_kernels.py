@@ -52,7 +52,7 @@ BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings 
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
 OPS = ("attnres_mix", "attnres_mix_shared", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out",
        "depth_attention", "mhc_maps", "mhc_projection")
-SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared case (grad_sink.DEFER_READERS)
+SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared case (model/base.DEFER_READERS)
 
 
 @dataclass
@@ -598,20 +598,24 @@ def host_seconds(case: Case, repeats: int) -> Tuple[float, float]:
 
     leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in case.make()]
     wanted = [t for t in leaves if t.requires_grad]
+    def median(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        return sorted(times)[len(times) // 2]
+
     with common.recording(132):
+        # the forward's calls first, each graph dropped with its output: a graph kept alive keeps its sources'
+        # gradient sinks, and each later forward would join them as one more reader (the backward could then sum a
+        # source's gradient at once, grad_sink.Sink.defer, where the op alone does not)
+        fwd = median(lambda: case.run(*leaves))
         out = outputs(case.run(*leaves))
         go = [torch.ones_like(o) for o in out]
-        phases = (lambda: case.run(*leaves), lambda: torch.autograd.grad(out, wanted, go, retain_graph=True))
-        medians = []
-        for fn in phases:
-            fn()  # warm-up
-            times = []
-            for _ in range(repeats):
-                began = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - began)
-            medians.append(sorted(times)[len(times) // 2])
-    return medians[0], medians[1]
+        bwd = median(lambda: torch.autograd.grad(out, wanted, go, retain_graph=True))
+    return fwd, bwd
 
 
 def bandwidth_references(device, dtype, row_bytes: int, repeats: int) -> Dict[str, Optional[float]]:

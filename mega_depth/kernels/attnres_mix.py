@@ -317,10 +317,12 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     return dq_, dg
 
 
-def _coefficients(k: int, n: int, heads: int, device: torch.device) -> Tensor:
-    """The DEFER backward's coefficient buffer [K, 2H + 1, NP] (fp32; NP = n rounded up to 4, so that each source's
-    [2H + 1, NP] block starts on a 16-byte boundary, as a pointer table needs)."""
-    return torch.empty((k, 2 * heads + 1, cdiv(n, 4) * 4), dtype=F32, device=device)
+def _coefficients(k: int, n: int, heads: int, like: Tensor) -> Tensor:
+    """The DEFER backward's coefficient buffer [K, 2H + 1, NP] (in the accumulation dtype of `like`'s, fp32 for the
+    kernels; NP = n rounded up to 4, so that each source's [2H + 1, NP] block starts on a 16-byte boundary, as a
+    pointer table needs). Each reader's buffer lives until its last deferred source is summed (Full AttnRes: the
+    end of the stage's backward): about 120 MB a 1B step with one depth head, 2H + 1 times a third of that with H."""
+    return torch.empty((k, 2 * heads + 1, cdiv(n, 4) * 4), dtype=accumulation_dtype(like.dtype), device=like.device)
 
 
 # Readers a step of the source-gradient kernel, and its [tokens, channels] tile: 4 x 4 x 512 values, 16 KiB of bf16
@@ -534,8 +536,8 @@ def attnres_mix_backward_deferred_op(grad: Tensor, sources: List[Tensor], into: 
                                      deferred: List[bool], query: Tensor, key_norm_weight: Optional[Tensor],
                                      out: Tensor, lse: Tensor, eps: float, sigmoid: bool,
                                      heads: int) -> List[Tensor]:
-    """A static query's backward with the `deferred` sources' gradients left out -> [coef [K, 2H + 1, NP] fp32,
-    folded [d] fp32 (the folded query), dq, dg]. A deferred source's gradient is a * grad + e * folded - u * source
+    """A static query's backward with the `deferred` sources' gradients left out -> [coef [K, 2H + 1, NP], folded
+    [d] (the folded query), both fp32 (fp64 for fp64 sources), dq, dg]. A deferred source's gradient is a * grad + e * folded - u * source
     per token, from its block of coef (rows a | e (per head) | u): `attnres_source_grad` sums it over all of the
     source's readers at once. The other sources' gradients are stored into `into` or added (attnres_mix_backward_
     into); a deferred source's `into` is a placeholder, never written."""
@@ -545,8 +547,8 @@ def attnres_mix_backward_deferred_op(grad: Tensor, sources: List[Tensor], into: 
     g = None if key_norm_weight is None else key_norm_weight.contiguous()
     if not sigmoid:
         out, lse = rows(out, d), rows(lse, heads)
-    coef = _coefficients(len(srcs), srcs[0].shape[0], heads, grad.device)
-    folded = torch.empty(d, dtype=F32, device=grad.device)
+    coef = _coefficients(len(srcs), srcs[0].shape[0], heads, srcs[0])
+    folded = torch.empty(d, dtype=coef.dtype, device=grad.device)  # (fp64 sources: fp64, as the twin computes)
     into = [t if lazy else rows(t, d) for t, lazy in zip(into, deferred)]
     dq, dg = bwd(rows(grad, d), srcs, query.contiguous(), g, out, lse, eps, sigmoid, heads, into, adding,
                  (coef, folded, deferred))
@@ -557,8 +559,9 @@ def attnres_mix_backward_deferred_op(grad: Tensor, sources: List[Tensor], into: 
 @register_fake(attnres_mix_backward_deferred_op)
 def _(grad, sources, into, adding, deferred, query, key_norm_weight, out, lse, eps, sigmoid, heads):
     n = sources[0].numel() // sources[0].shape[-1]
-    coef = grad.new_empty((len(sources), 2 * heads + 1, cdiv(n, 4) * 4), dtype=F32)
-    return [coef, grad.new_empty(sources[0].shape[-1:], dtype=F32)] + _fake_backward(grad, sources, query,
+    ct = accumulation_dtype(sources[0].dtype)
+    coef = grad.new_empty((len(sources), 2 * heads + 1, cdiv(n, 4) * 4), dtype=ct)
+    return [coef, grad.new_empty(sources[0].shape[-1:], dtype=ct)] + _fake_backward(grad, sources, query,
                                                                                      key_norm_weight)[len(sources):]
 
 

@@ -31,7 +31,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from mega_depth.model.base import DEFER_READERS
+from mega_depth.model import base as model_base
 
 _SINK = "_mega_depth_grad_sink"  # attribute of an alias (and of a recomputed region's copy): its sink
 # id(source) -> (the source, its alias), both weakly: an attribute on the source would hold the alias, which holds
@@ -100,6 +100,8 @@ class Sink:
         together reads each reader's output gradient once, where adding in turn reads and writes the buffer each
         time (kernels/attnres_mix.py: Full AttnRes's source gradients)."""
         self._drop_stale()
+        # a record keeps its reader's output gradient until the sum: autograd hands that tensor to this reader alone
+        # and nothing writes it after (a reader that got a tensor others share would have to copy it first)
         self.deferred.setdefault(key, []).append(record)
 
     def take(self) -> Tuple[Optional[Tensor], Dict[tuple, list]]:
@@ -116,17 +118,17 @@ class _Sink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source: Tensor, sink: Sink) -> Tensor:
         ctx.sink = sink
-        ctx.save_for_backward(source)  # (a reference: the readers keep it too) for the deferred readers' resolvers
+        # for the deferred readers' resolvers: a detached reference (the readers keep the tensor too), not a saved
+        # tensor, which a first backward without retain_graph would free under a second graph that shares the alias
+        ctx.source = source.detach()
         ctx.set_materialize_grads(False)  # readers return None: no zero tensor for them
         return source.view_as(source)
 
     @staticmethod
     def backward(ctx, grad: Optional[Tensor]):
         buffer, deferred = ctx.sink.take()
-        if deferred:
-            source, = ctx.saved_tensors
-            for (resolve, *settings), records in deferred.items():
-                buffer = resolve(source, records, buffer, *settings)
+        for (resolve, *settings), records in deferred.items():
+            buffer = resolve(ctx.source, records, buffer, *settings)
         if buffer is None:
             return grad, None
         return (buffer if grad is None else buffer.add_(grad)), None
@@ -134,7 +136,8 @@ class _Sink(torch.autograd.Function):
 
 def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
     """Each source that requires grad as its alias (made on first use, then the same for every reader; each call
-    counts as one reader of each). Returns the sources unchanged where grad is off, or where one tensor appears twice
+    counts as one reader of each, for as long as the alias lives: two forward passes over the same source, both
+    graphs kept, count the readers of both). Returns the sources unchanged where grad is off, or where one tensor appears twice
     (its two gradients would race)."""
     if not torch.is_grad_enabled() or len({id(s) for s in sources}) < len(sources):
         return list(sources)
@@ -154,7 +157,8 @@ def deferring(sinks: Optional[Sequence[Optional[Sink]]]) -> Optional[List[bool]]
     DEFER_READERS or more ops read, where that pays: model/base.py), or None where it defers none."""
     if sinks is None:
         return None
-    flags = [sink is not None and sink.readers >= DEFER_READERS for sink in sinks]
+    least = model_base.DEFER_READERS  # (read at the call: a test may lower it)
+    flags = [sink is not None and sink.readers >= least for sink in sinks]
     return flags if any(flags) else None
 
 

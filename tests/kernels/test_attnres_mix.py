@@ -5,10 +5,11 @@ import torch
 from kernel_checks import (EPS, SCALES, SourceGradAdds, bf16_matches_fp32, check, close, detached, gradcheck, leaf,
                            opcheck, saved_storages, sources_of)
 
-from mega_depth.kernels import attnres_mix, grad_sink
+from mega_depth.kernels import attnres_mix
 from mega_depth.kernels.attnres_mix import (attnres_mix_backward_deferred_op, attnres_mix_backward_into_op,
                                             attnres_mix_backward_op, attnres_mix_op, attnres_mix_sources,
                                             attnres_source_grad_op)
+from mega_depth.model import base as model_base
 from mega_depth.model import mixing
 
 
@@ -125,12 +126,12 @@ def test_readers_of_one_source_add_into_one_buffer(path, views):
     assert adds.count > 0  # the counter sees autograd's adds
 
 
-@pytest.mark.parametrize("defer_readers", [grad_sink.DEFER_READERS, 1])
+@pytest.mark.parametrize("defer_readers", [model_base.DEFER_READERS, 1])
 def test_a_second_backward_and_a_partial_one_give_the_same_gradients(path, defer_readers, monkeypatch):
     """A buffer (or deferred readers' records, grad_sink.Sink.defer) left by a backward pass that did not reach the
     source (autograd.grad of a query alone) is never added to by the next pass; retain_graph's second pass equals
     the first."""
-    monkeypatch.setattr(grad_sink, "DEFER_READERS", defer_readers)
+    monkeypatch.setattr(model_base, "DEFER_READERS", defer_readers)
     lead, d = (5,), 12
     sources = sources_of(3, *lead, d)
     queries, gain = [leaf(d) for _ in range(3)], leaf(d, scale=0.3, shift=1.0)
@@ -228,7 +229,7 @@ def test_a_source_that_many_mixes_read_sums_their_gradients_at_once(path, weight
 
 def test_deferred_gradients_pass_gradcheck(twin, monkeypatch):
     """fp64 gradcheck through the deferred path: every source deferred (one reader is enough here)."""
-    monkeypatch.setattr(grad_sink, "DEFER_READERS", 1)
+    monkeypatch.setattr(model_base, "DEFER_READERS", 1)
     sources = [s.double().detach().requires_grad_() for s in sources_of(3, 2, 8)]
     queries = [leaf(8, dtype=torch.float64) for _ in range(2)]
     gain = leaf(8, scale=0.3, shift=1.0, dtype=torch.float64)
@@ -273,3 +274,20 @@ def test_the_deferred_source_gradient_is_the_one_a_mix_stores(path):
     close(attnres_source_grad_op(sources[1], [grad], [folded], [coef[1]], 2, True, None), stored[1], "deferred")
     close(dq_, dq, "query")
     close(dg_, dg, "gain")
+
+
+def test_two_graphs_over_the_same_sources_each_get_their_gradients(path, monkeypatch):
+    """Two forward passes over the same leaf sources share each source's alias (and its sink), so its readers count
+    both graphs'. The first graph's backward, without retain_graph, must leave what the second one's sums need: each
+    equals the eager reference's gradients."""
+    monkeypatch.setattr(model_base, "DEFER_READERS", 2)
+    d = 12
+    sources = sources_of(5, 2, 3, d)
+    queries, gain = [leaf(d) for _ in range(5)], leaf(d, scale=0.3, shift=1.0)
+    fast = _chain(lambda s, q, g: attnres_mix_sources(s, q, g, EPS, heads=2))
+    ref = _chain(lambda s, q, g: mixing.attnres_mix(torch.stack(s), q, g, EPS, heads=2))
+    first, second = fast(*queries, gain, *sources)[0], fast(*queries, gain, *sources)[0]
+    expected = torch.autograd.grad(ref(*queries, gain, *sources)[0].square().sum(), sources)
+    for out in (first, second):
+        for got, want in zip(torch.autograd.grad(out.square().sum(), sources), expected):
+            close(got, want, "a graph sharing its sources' sinks")

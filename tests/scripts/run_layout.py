@@ -181,9 +181,9 @@ def main() -> None:
     # Every source that a static-query AttnRes mix reads has its gradient summed by its sink (grad_sink.Sink.defer),
     # however few its readers: a layout's stage, virtual stage or recomputed layer holds 1 to 3 of them, under the
     # threshold a 1B model's sources pass (most are read by 4 to 49 mixes)
-    from mega_depth.kernels import grad_sink
+    from mega_depth.model import base as model_base
 
-    grad_sink.DEFER_READERS = 1
+    model_base.DEFER_READERS = 1
     if os.environ.get("FUSED_NORM_INTERPRETED") == "1":
         # Liger's norm as a GPU runs it, on CPU tensors under Triton's interpreter (the mixing ops keep their torch
         # twins: interpreting them too costs minutes a mechanism)
