@@ -517,18 +517,29 @@ def _(grad, sources, into, adding, query, key_norm_weight, *_):
     return _fake_backward(grad, sources, query, key_norm_weight)[len(sources):]
 
 
-def _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse, eps, sigmoid, heads) -> List[Tensor]:
+def _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse, eps, sigmoid, heads,
+                   deferred: Optional[List[bool]] = None) -> List[Tensor]:
+    """[dq, dg], the source gradients into `into`; with `deferred` flags, [coef, folded, dq, dg] and the flagged
+    sources' coefficients instead of their gradients (attnres_mix_backward_deferred)."""
     d = sources[0].shape[-1]
     srcs = source_rows(sources, d)
     bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
     g = None if key_norm_weight is None else key_norm_weight.contiguous()
     if not sigmoid:
         out, lse = rows(out, d), rows(lse, heads)
-    dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, out, lse, eps, sigmoid, heads,
-                 source_rows(into, d), adding)
+    lazy = None
+    if deferred is None:
+        into = source_rows(into, d)
+    else:  # a deferred source's `into` is a placeholder
+        coef = _coefficients(len(srcs), srcs[0].shape[0], heads, srcs[0])
+        folded = torch.empty(d, dtype=coef.dtype, device=grad.device)  # (fp64 sources: fp64, as the twin computes)
+        into = [t if flag else rows(t, d) for t, flag in zip(into, deferred)]
+        lazy = (coef, folded, deferred)
+    dq, dg = bwd(rows(grad, d), srcs, _query_rows(query, d), g, out, lse, eps, sigmoid, heads, into, adding, lazy)
     # in the parameters' dtypes (the static query's sum_rows already made them so; the rest are fp32 until here)
-    return [in_dtype(dq.view_as(query), query.dtype),
-            nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]
+    grads = [in_dtype(dq.view_as(query), query.dtype),
+             nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]
+    return grads if lazy is None else [coef, folded] + grads
 
 
 @torch.library.custom_op("mega_depth::attnres_mix_backward_deferred", mutates_args=("into",))
@@ -537,23 +548,12 @@ def attnres_mix_backward_deferred_op(grad: Tensor, sources: List[Tensor], into: 
                                      out: Tensor, lse: Tensor, eps: float, sigmoid: bool,
                                      heads: int) -> List[Tensor]:
     """A static query's backward with the `deferred` sources' gradients left out -> [coef [K, 2H + 1, NP], folded
-    [d] (the folded query), both fp32 (fp64 for fp64 sources), dq, dg]. A deferred source's gradient is a * grad + e * folded - u * source
-    per token, from its block of coef (rows a | e (per head) | u): `attnres_source_grad` sums it over all of the
-    source's readers at once. The other sources' gradients are stored into `into` or added (attnres_mix_backward_
-    into); a deferred source's `into` is a placeholder, never written."""
-    d = sources[0].shape[-1]
-    srcs = source_rows(sources, d)
-    bwd = _triton_bwd if uses_triton(srcs[0]) else _torch_bwd
-    g = None if key_norm_weight is None else key_norm_weight.contiguous()
-    if not sigmoid:
-        out, lse = rows(out, d), rows(lse, heads)
-    coef = _coefficients(len(srcs), srcs[0].shape[0], heads, srcs[0])
-    folded = torch.empty(d, dtype=coef.dtype, device=grad.device)  # (fp64 sources: fp64, as the twin computes)
-    into = [t if lazy else rows(t, d) for t, lazy in zip(into, deferred)]
-    dq, dg = bwd(rows(grad, d), srcs, query.contiguous(), g, out, lse, eps, sigmoid, heads, into, adding,
-                 (coef, folded, deferred))
-    return [coef, folded, in_dtype(dq.view_as(query), query.dtype),
-            nothing(grad) if dg is None else in_dtype(dg, key_norm_weight.dtype)]
+    [d] (the folded query), both fp32 (fp64 for fp64 sources), dq, dg]. A deferred source's gradient is a * grad +
+    e * folded - u * source per token, from its block of coef (rows a | e (per head) | u): `attnres_source_grad`
+    sums it over all of the source's readers at once. The other sources' gradients are stored into `into` or added
+    (attnres_mix_backward_into); a deferred source's `into` is a placeholder, never written."""
+    return _backward_into(grad, sources, into, adding, query, key_norm_weight, out, lse, eps, sigmoid, heads,
+                          deferred)
 
 
 @register_fake(attnres_mix_backward_deferred_op)

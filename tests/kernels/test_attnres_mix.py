@@ -162,15 +162,20 @@ def test_an_aliased_source_is_freed_with_its_graph(path):
     assert [torch._C._storage_Use_Count(s._cdata) for s in storages] == [1, 1, 1]
 
 
+def _one_mix(d, heads):
+    """Three detached sources [2, 3, d], a static query and gain, one mix's forward (out, lse) and a gradient."""
+    sources = detached(sources_of(3, 2, 3, d))
+    query, gain = torch.randn(d), torch.randn(d) * 0.3 + 1.0
+    out, lse = attnres_mix_op(sources, query, gain, EPS, False, heads)
+    return sources, query, gain, out, lse, torch.randn_like(out)
+
+
 def test_two_sources_with_one_gradient_buffer_both_arrive(path):
     """The backward stores or adds a block of sources' gradients as one tile; two sources of one block that share
     a buffer would each read it before the other's store, and one gradient would be lost. The second one's must
     add to the first's, as one source at a time does."""
     d = 8
-    sources = detached(sources_of(3, 2, 3, d))
-    query, gain = torch.randn(d), torch.randn(d) * 0.3 + 1.0
-    out, lse = attnres_mix_op(sources, query, gain, EPS, False, 1)
-    grad = torch.randn_like(out)
+    sources, query, gain, out, lse, grad = _one_mix(d, heads=1)
     apart = [torch.zeros(2, 3, d) for _ in sources]
     attnres_mix_backward_into_op(grad, sources, apart, [False] * 3, query, gain, out, lse, EPS, False, 1)
     shared, last = torch.zeros(2, 3, d), torch.zeros(2, 3, d)
@@ -260,10 +265,7 @@ def test_the_deferred_source_gradient_is_the_one_a_mix_stores(path):
     """One mix, its middle source deferred: the coefficients it leaves, summed by attnres_source_grad, give the
     gradient that attnres_mix_backward_into stores for it; the other sources' gradients are stored as before."""
     d = 8
-    sources = detached(sources_of(3, 2, 3, d))
-    query, gain = torch.randn(d), torch.randn(d) * 0.3 + 1.0
-    out, lse = attnres_mix_op(sources, query, gain, EPS, False, 2)
-    grad = torch.randn_like(out)
+    sources, query, gain, out, lse, grad = _one_mix(d, heads=2)
     stored = [torch.zeros(2, 3, d) for _ in sources]
     dq, dg = attnres_mix_backward_into_op(grad, sources, stored, [False] * 3, query, gain, out, lse, EPS, False, 2)
     into = [torch.zeros(2, 3, d), torch.empty(0), torch.zeros(2, 3, d)]
