@@ -322,7 +322,8 @@ def _coefficients(k: int, n: int, heads: int, like: Tensor) -> Tensor:
     kernels; NP = n rounded up to 4, so that each source's [2H + 1, NP] block starts on a 16-byte boundary, as a
     pointer table needs). Each reader's buffer lives until its last deferred source is summed (Full AttnRes: the
     end of the stage's backward): about 120 MB a 1B step with one depth head, 2H + 1 times a third of that with H."""
-    return torch.empty((k, 2 * heads + 1, cdiv(n, 4) * 4), dtype=accumulation_dtype(like.dtype), device=like.device)
+    dtype = torch.float64 if like.dtype == torch.float64 else F32  # (no promote_types call: host time)
+    return torch.empty((k, 2 * heads + 1, cdiv(n, 4) * 4), dtype=dtype, device=like.device)
 
 
 # Readers a step of the source-gradient kernel, and its [tokens, channels] tile: 4 x 4 x 512 values, 16 KiB of bf16
