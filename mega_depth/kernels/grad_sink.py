@@ -152,12 +152,12 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
     return out
 
 
-def deferring(sinks: Optional[Sequence[Optional[Sink]]]) -> Optional[List[bool]]:
-    """For a reader that can defer: which of its sources' gradients to leave to their sinks (those that
-    DEFER_READERS or more ops read, where that pays: model/base.py), or None where it defers none."""
+def deferring(sinks: Optional[Sequence[Optional[Sink]]], least: Optional[int] = None) -> Optional[List[bool]]:
+    """For a reader that can defer: which of its sources' gradients to leave to their sinks (those that `least`
+    or more ops read, where that pays; by default DEFER_READERS: model/base.py), or None where it defers none."""
     if sinks is None:
         return None
-    least = model_base.DEFER_READERS  # (read at the call: a test may lower it)
+    least = model_base.DEFER_READERS if least is None else least  # (read at the call: a test may lower it)
     flags = [sink is not None and sink.readers >= least for sink in sinks]
     return flags if any(flags) else None
 

@@ -9,11 +9,12 @@ products on the tensor cores from the streams' own dtype (exact, fp32 sums) and 
 program per (token block, stream), so that the grid fills the GPU: each stream's share of both outputs is a row of
 fp32 partial sums, added in order after (common.sum_rows: deterministic).
 
-Backward, two kernels: the stream gradient (g_proj phi + 2 g_ms x~ / (n*d), one read of the streams and one write)
-and phi's gradient (g_proj^T x~, one program per (channel chunk, token split), fp32 partials summed by split: no
-atomics, deterministic). The products with the fp32 gradients run as three TF32 products (fp32 accuracy). Where
-the streams have a gradient sink (kernels/grad_sink.py: the stream read and write kernels add into it too), the
-streams' gradient is added into its buffer, not returned for autograd to add.
+Backward, two kernels: the stream gradient (g_proj phi + 2 g_ms x~ / (n*d), one read of the streams and one write:
+streams._sum_kernel) and phi's gradient (g_proj^T x~, one program per (channel chunk, token split), fp32 partials
+summed by split: no atomics, deterministic). The products with the fp32 gradients run as three TF32 products (fp32
+accuracy). Where the streams have a gradient sink (kernels/grad_sink.py) that the stream read and write also feed,
+the stream gradient is left to it (g_proj, g_ms and phi kept): the sink's one pass adds every reader's part
+(streams.sum_deferred), and this op's backward runs phi's kernel alone.
 
 Streams come as [n, *, d] with free stream and token strides (an expanded embedding or a pipeline tensor's view is
 read in place). The op is `mega_depth::mhc_projection`.
@@ -21,38 +22,24 @@ read in place). The op is `mega_depth::mhc_projection`.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, dot32, dot_dim,
-                                       dot_t, in_dtype, interpreting, jit, launch, partial_sums, partial_width, pow2,
-                                       reduction_grid, register_fake, sm_count, store_or_add, store_or_add_torch,
-                                       sum_rows, tl, uses_triton)
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, dot32, dot_t, in_dtype,
+                                       interpreting, jit, launch, partial_sums, partial_width, pow2, reduction_grid,
+                                       register_fake, sum_rows, tl, uses_triton)
 from mega_depth.kernels.eager import autograd, call
-from mega_depth.kernels.streams import stream_gradient, stream_rows, sunk
+from mega_depth.kernels.streams import (defer, deferring, phi_tile, stream_gradient, stream_rows, stream_tile, sum_into,
+                                        sunk, tile_blocks, token_block)
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------------------
 # Streams [NS, N, D] (stream stride SN, token stride ST, unit channel stride); phi [M, NS * D] contiguous; proj
 # [N, M] and mean_square [N] in fp32; the stream gradient [NS, N, D] contiguous.
-
-
-@jit
-def _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST):
-    """Stream i's rows ot [BT] at channels oc [BC], as stored: [BT, BC] (ot is int64, so are the offsets)."""
-    r = ot[:, None] * 0 + i
-    return tl.load(s_ptr + r * SN + ot[:, None] * ST + oc[None, :], mask=tmask[:, None] & cmask[None, :], other=0.)
-
-
-@jit
-def _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D):
-    """phi's columns of stream i at channels oc, for every output om: [BM, BC]."""
-    return tl.load(phi_ptr + om[:, None] * (NS * D) + i * D + oc[None, :], mask=mmask[:, None] & cmask[None, :],
-                   other=0.)
 
 
 @jit
@@ -72,8 +59,8 @@ def _fwd_kernel(s_ptr, phi_ptr, proj_ptr, ms_ptr, N, D, M, SN, ST, PROW, MROW, N
     for c0 in range(0, D, BC):
         oc = c0 + tl.arange(0, BC)
         cmask = oc < D
-        x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
-        w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
+        x = stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
+        w = phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
         if HALF:  # bf16 (fp16) both: exact products on the tensor cores, fp32 sums
             acc = dot_t(x, w, acc)
         else:  # fp32, or phi kept in another dtype than the streams: fp32 operands, three TF32 products
@@ -82,30 +69,6 @@ def _fwd_kernel(s_ptr, phi_ptr, proj_ptr, ms_ptr, N, D, M, SN, ST, PROW, MROW, N
         squares += tl.sum(xf * xf, axis=1)
     tl.store(proj_ptr + i * PROW + ot[:, None] * M + om[None, :], acc, mask=tmask[:, None] & mmask[None, :])
     tl.store(ms_ptr + i * MROW + ot, squares / (NS * D), mask=tmask)
-
-
-@jit
-def _bwd_streams_kernel(s_ptr, phi_ptr, gp_ptr, gms_ptr, ds_ptr, N, D, M, SN, ST, NS: tl.constexpr,
-                        BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, ADD: tl.constexpr):
-    """Program (token block, stream i): ds_i [BT, BC] = g_proj [BT, BM] @ phi_i [BM, BC] + (2 g_ms / (n d)) x_i,
-    chunk by chunk; stored, or added to what ds holds (ADD: a gradient sink's buffer, kernels/grad_sink.py). The
-    streams' gradients are independent, so each has its programs: n times as many as token blocks alone (128 at
-    the 1B mHC config, under one an SM)."""
-    ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    i = tl.program_id(1)
-    tmask = ot < N
-    om = tl.arange(0, BM)
-    mmask = om < M
-    g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
-    gms = tl.load(gms_ptr + ot, mask=tmask, other=0.) * (2.0 / (NS * D))
-    for c0 in range(0, D, BC):
-        oc = c0 + tl.arange(0, BC)
-        cmask = oc < D
-        x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST).to(tl.float32)
-        w = _phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)
-        ds = dot32(g, w) + gms[:, None] * x
-        r = ot[:, None] * 0 + i
-        store_or_add(ds_ptr + (r * N + ot[:, None]) * D + oc[None, :], ds, tmask[:, None] & cmask[None, :], ADD)
 
 
 @jit
@@ -126,28 +89,10 @@ def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, ROW, NS: tl.c
         ot = first + t0 + tl.arange(0, BT)
         tmask = (ot < N) & (t0 + tl.arange(0, BT) < TOK)
         g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
-        x = _stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
+        x = stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
         acc += dot32(tl.trans(g), x)
     dst = part_ptr + split.to(tl.int64) * ROW + om[:, None] * (NS * D) + i * D + oc[None, :]
     tl.store(dst, acc, mask=mmask[:, None] & cmask[None, :])
-
-
-def _blocks(d: int, m: int, element_size: int):
-    """(tokens a program, outputs padded, channels a step): [BT, BC] tiles of the streams, dot-sized when compiled,
-    rows of 128 bytes (fp32 tiles of 64 channels spilled); a few tokens and channels under the
-    interpreter, so that the tests walk several of each and masked tails."""
-    if interpreting():
-        return 4, dot_dim(m), chunk(d)
-    return 32, dot_dim(m), min(128 // element_size, max(16, chunk(d)))
-
-
-def _token_block(bt: int, n: int, ns: int, device: torch.device) -> int:
-    """Tokens a program of the forward and the stream-gradient kernel: _blocks' 32, or 16 (the smallest dot tile)
-    where 32 would leave fewer than two programs an SM over the (token block, stream) grid: the 7B mHC config's
-    1,024 tokens a rank made 128 programs for 132 SMs."""
-    if interpreting() or cdiv(n, bt) * ns >= 2 * sm_count(device):
-        return bt
-    return max(16, bt // 2)
 
 
 def _fwd_channels(d: int, bc: int, element_size: int) -> int:
@@ -168,8 +113,8 @@ def _triton_fwd(s: Tensor, phi: Tensor):
     m = phi.shape[0]
     if not n:
         return torch.empty((n, m), dtype=F32, device=s.device), torch.empty((n,), dtype=F32, device=s.device)
-    bt, bm, bc = _blocks(d, m, s.element_size())
-    bt, bc = _token_block(bt, n, ns, s.device), _fwd_channels(d, bc, s.element_size())
+    bt, bm, bc = tile_blocks(d, m, s.element_size())
+    bt, bc = token_block(bt, n, ns, s.device), _fwd_channels(d, bc, s.element_size())
     # each stream's share, summed in order after (deterministic; the stream-split grid fills the GPU): the
     # projection's and the mean square's side by side in one row, which one sum_rows launch reduces
     width = partial_width(n * m)
@@ -184,19 +129,16 @@ def _triton_fwd(s: Tensor, phi: Tensor):
     return proj.view(n, m), ms
 
 
-def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:
-    """Stream gradients into ds [n, N, d] (stored, or added: `adding`) -> phi's gradient [m, n*d] in phi's dtype
-    (rounded once from the fp32 sum, by the reduction: no cast launch after it)."""
+def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Optional[Tensor], adding: bool) -> Tensor:
+    """Stream gradients into ds [n, N, d] (stored, or added: `adding`; None: left to the streams' sink) -> phi's
+    gradient [m, n*d] in phi's dtype (rounded once from the fp32 sum, by the reduction: no cast launch after it)."""
     ns, n, d = s.shape
     m = phi.shape[0]
     if not n:
         return torch.zeros((m, ns * d), dtype=phi.dtype, device=s.device)
-    bt, bm, bc = _blocks(d, m, s.element_size())
-    streams_bt = _token_block(bt, n, ns, s.device)
-    # 8 warps: on 4, its [BT, BC] tiles and [BT, BM] x [BM, BC] dot took up to 175 registers and spilled at 128
-    launch(_bwd_streams_kernel, (cdiv(n, streams_bt), ns),
-           (s, phi, g_proj, g_ms, ds, n, d, m, s.stride(0), s.stride(1)), 8, adds_into=(ds,) if adding else (),
-           NS=ns, BT=streams_bt, BM=bm, BC=bc, ADD=adding)
+    if ds is not None:  # the streams' gradient kernel alone (streams._sum_kernel)
+        sum_into(ds, adding, s, proj=(g_proj, g_ms, phi))
+    bt, bm, bc = tile_blocks(d, m, s.element_size())
     chunks = ns * cdiv(d, bc)
     splits, tok = reduction_grid(n, chunks, s.device)
     parts = partial_sums(splits, m * ns * d, s.device)
@@ -222,17 +164,13 @@ def _torch_fwd(s: Tensor, phi: Tensor):
     return proj, squares / (ns * d)
 
 
-def _torch_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Tensor, adding: bool) -> Tensor:
+def _torch_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Optional[Tensor], adding: bool) -> Tensor:
     ns, n, d = s.shape
     ct = accumulation_dtype(s.dtype)
-    g_proj, scale = g_proj.to(ct), (g_ms.to(ct) * (2.0 / (ns * d))).unsqueeze(-1)
-    dphi = torch.empty(phi.shape, dtype=ct, device=s.device)
-    for i in range(ns):
-        x, cols = s[i].to(ct), slice(i * d, (i + 1) * d)
-        grad = (g_proj @ phi[:, cols].to(ct) + scale * x).to(s.dtype)
-        store_or_add_torch(ds[i], grad, adding)
-        dphi[:, cols] = g_proj.T @ x
-    return dphi
+    if ds is not None:
+        sum_into(ds, adding, s, proj=(g_proj, g_ms, phi))
+    g_proj = g_proj.to(ct)
+    return torch.cat([g_proj.T @ s[i].to(ct) for i in range(ns)], dim=1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -281,13 +219,26 @@ def _(grad_proj, grad_mean_square, streams, phi, into, adding):
     return _fake_backward(grad_proj, grad_mean_square, streams, phi)[1]
 
 
+@torch.library.custom_op("mega_depth::mhc_projection_phi_backward", mutates_args=())
+def projection_phi_backward_op(grad_proj: Tensor, grad_mean_square: Tensor, streams: Tensor, phi: Tensor) -> Tensor:
+    """phi's gradient alone, the stream gradient left to the streams' sink (streams.sum_deferred)."""
+    return _backward_into(grad_proj, grad_mean_square, streams, phi, None, False)
+
+
+@register_fake(projection_phi_backward_op)
+def _(grad_proj, grad_mean_square, streams, phi):
+    return _fake_backward(grad_proj, grad_mean_square, streams, phi)[1]
+
+
 def _backward_into(grad_proj, grad_mean_square, streams, phi, into, adding) -> Tensor:
+    """into None: phi's gradient alone."""
     s = stream_rows(streams)
     m, ct = phi.shape[0], accumulation_dtype(streams.dtype)
     g_proj = grad_proj.reshape(-1, m).to(ct).contiguous()
     g_ms = grad_mean_square.reshape(-1).to(ct).contiguous()
     bwd = _triton_bwd if uses_triton(s) else _torch_bwd
-    return in_dtype(bwd(g_proj, g_ms, s, phi.contiguous(), into.view_as(s), adding), phi.dtype)
+    return in_dtype(bwd(g_proj, g_ms, s, phi.contiguous(), None if into is None else into.view_as(s), adding),
+                    phi.dtype)
 
 
 def _setup(ctx, inputs, output):
@@ -302,8 +253,12 @@ def _backward(ctx, grads):
         lead, ct = streams.shape[1:-1], accumulation_dtype(streams.dtype)
         g_proj = g_proj if g_proj is not None else streams.new_zeros((*lead, phi.shape[0]), dtype=ct)
         g_ms = g_ms if g_ms is not None else streams.new_zeros((*lead, 1), dtype=ct)
-    ds, (dphi,) = stream_gradient(ctx, streams, projection_backward_op, projection_backward_into_op, g_proj, g_ms,
-                                  streams, phi)
+    if deferring(ctx):
+        ds, dphi = None, call(projection_phi_backward_op, g_proj, g_ms, streams, phi)
+        defer(ctx, "proj", g_proj, g_ms, phi)
+    else:
+        ds, (dphi,) = stream_gradient(ctx, streams, projection_backward_op, projection_backward_into_op, g_proj,
+                                      g_ms, streams, phi)
     return ds if ctx.needs_input_grad[0] else None, cast_grad(dphi, phi, ctx.needs_input_grad[1])
 
 

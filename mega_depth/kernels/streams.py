@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, contiguous, jit, launch, nothing, pow2,
-                                       programs, register_fake, rms_norm_grad, rms_norm_grad_torch, rms_normed,
-                                       rms_normed_torch, row_warps, rows, store_or_add, store_or_add_torch, sum_rows,
-                                       sums2, sums3, tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, cdiv, chunk, contiguous, dot32, dot_dim,
+                                       interpreting, jit, launch, nothing, pow2, programs, register_fake,
+                                       rms_norm_grad, rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps,
+                                       rows, sm_count, store_or_add, store_or_add_torch, sum_rows, sums2, sums3, tl,
+                                       token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -73,13 +74,16 @@ def _in_fwd_kernel(s_ptr, w_ptr, nw_ptr, out_ptr, rstd_ptr, N, D, SN, ST, norm_e
 
 @jit
 def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, nw_ptr, rstd_ptr, ds_ptr, dw_ptr, wpart_ptr, N, D, SN, ST, TOK,
-                   NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, NORMED: tl.constexpr):
+                   NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr, NORMED: tl.constexpr,
+                   DEFER: tl.constexpr):
     """The n streams as one [BN, BD] tile: their weight gradients in one reduction (one a stream took a barrier
     each). ADD: the stream gradients are added to what ds holds (a gradient sink's buffer, kernels/grad_sink.py).
     NORMED: go_ptr holds the gradient of the host norm's output; the read is made again, row by row as the forward
     made it (the same sums, one row live at a time: at 7B in fp32 with the tile held as well it spilled on sm_80),
     and the norm's backward run on it (common.rms_norm_grad); the tile's load then meets those rows in cache. The
-    norm weight's gradient over the program's tokens goes to its row of wpart_ptr [programs, D]."""
+    norm weight's gradient over the program's tokens goes to its row of wpart_ptr [programs, D]. DEFER: the stream
+    gradients are left to the streams' sink (_sum_kernel); with NORMED the read's gradient goes to ds_ptr [N, D]
+    for it, without, the sum reads go itself."""
     oi, od, imask, dmask = _lanes(NS, D, BN, BD)
     if NORMED:
         wtotal = tl.zeros([BD], dtype=tl.float32)
@@ -98,7 +102,12 @@ def _in_bwd_kernel(s_ptr, w_ptr, go_ptr, nw_ptr, rstd_ptr, ds_ptr, dw_ptr, wpart
             wtotal += dnw
         w = tl.load(w_ptr + oi * N + n, mask=imask & valid, other=0.).to(go_ptr.dtype.element_ty).to(tl.float32)
         x = tl.load(s_ptr + oi[:, None].to(tl.int64) * SN + n * ST + od[None, :], mask=tile, other=0.).to(tl.float32)
-        store_or_add(ds_ptr + (oi[:, None].to(tl.int64) * N + n) * D + od[None, :], w[:, None] * go[None, :], tile, ADD)
+        if DEFER:
+            if NORMED:
+                tl.store(ds_ptr + n * D + od, go.to(ds_ptr.dtype.element_ty), mask=dmask & valid)
+        else:
+            store_or_add(ds_ptr + (oi[:, None].to(tl.int64) * N + n) * D + od[None, :], w[:, None] * go[None, :],
+                         tile, ADD)
         tl.store(dw_ptr + oi * N + n, tl.sum(x * go[None, :], axis=1), mask=imask & valid)
     if NORMED:
         tl.store(wpart_ptr + tl.program_id(0).to(tl.int64) * D + od, wtotal, mask=dmask)
@@ -128,13 +137,15 @@ def _out_fwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, out_ptr, N, D, SN, ST, MI, 
 
 @jit
 def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmix_ptr, dpost_ptr, N, D, SN, ST, MI, MT,
-                    MJ, GI, GT, GJ, TOK, NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr):
+                    MJ, GI, GT, GJ, TOK, NS: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, ADD: tl.constexpr,
+                    DEFER: tl.constexpr):
     """One pass: the n output gradients of a token stay in registers while each input stream is read once. The mix
     gradients of two streams are reduced together (common.sums2), the first pair's with the post gradient
     (common.sums3): one exchange, and its barriers, a pair. The mix gradients are gathered into one [j, i] tile and
     stored once: each [BN] vector's own store changed its layout (two barriers), and there were n of them (the 1B
-    step's: 18 barriers, now 9). ADD: as _in_bwd_kernel. mix at strides (MI, MT, MJ) as in _out_fwd_kernel, its
-    gradient stored at strides (GI, GT, GJ) (mHC's laid out as H_res, whose gradient it becomes)."""
+    step's: 18 barriers, now 9). ADD, DEFER: as _in_bwd_kernel (deferred, the sum reads go). mix at strides (MI,
+    MT, MJ) as in _out_fwd_kernel, its gradient stored at strides (GI, GT, GJ) (mHC's laid out as H_res, whose
+    gradient it becomes)."""
     dt = go_ptr.dtype.element_ty
     oj, od, jmask, dmask = _lanes(NS, D, BN, BD)
     oi = tl.arange(0, BN)
@@ -148,10 +159,11 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
         post = tl.load(post_ptr + oj * N + n, mask=jmask & valid, other=0.).to(dt).to(tl.float32)
         tl.store(dy_ptr + n * D + od, tl.sum(post[:, None] * go, axis=0).to(dt), mask=dmask & valid)
         mix_n = mix_ptr + n * MT + oj * MJ  # [BN]: the token's mix row of stream 0 (stream i's at i * MI)
-        x = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, 0, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+        x = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, 0, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD,
+                             DEFER)
         if NS > 1:
             x1 = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS,
-                                  ADD)
+                                  ADD, DEFER)
             dmix0, dmix1, dpost = sums3(go * x[None, :], go * x1[None, :], go * y[None, :], 1)
             grads = tl.where((oi == 1)[None, :], dmix1[:, None], 0.)
         else:
@@ -160,10 +172,11 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
         tl.store(dpost_ptr + oj * N + n, dpost, mask=jmask & valid)
         grads = tl.where((oi == 0)[None, :], dmix0[:, None], grads)
         for i in tl.static_range(2, NS, 2):
-            x = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS, ADD)
+            x = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS,
+                                 ADD, DEFER)
             if i + 1 < NS:
                 x1 = _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i + 1, n, N, D, SN, ST, od, oj, jmask, dmask, valid,
-                                      NS, ADD)
+                                      NS, ADD, DEFER)
                 dmix, dmix1 = sums2(go * x[None, :], go * x1[None, :], 1)
                 grads = tl.where((oi == i + 1)[None, :], dmix1[:, None], grads)
             else:
@@ -176,14 +189,70 @@ def _out_bwd_kernel(s_ptr, y_ptr, mix_ptr, post_ptr, go_ptr, ds_ptr, dy_ptr, dmi
 
 @jit
 def _out_stream_grad(s_ptr, mix_n, MI, go, ds_ptr, i, n, N, D, SN, ST, od, oj, jmask, dmask, valid, NS: tl.constexpr,
-                     ADD: tl.constexpr):
-    """Input stream i's gradient sum_j mix[i, j] go_j [BD] stored (or added) -> the stream's row [BD] in fp32, whose
-    products with go give its mix gradients."""
+                     ADD: tl.constexpr, DEFER: tl.constexpr):
+    """Input stream i's gradient sum_j mix[i, j] go_j [BD] stored (or added; DEFER: neither, the sink sums it) -> the
+    stream's row [BD] in fp32, whose products with go give its mix gradients."""
     r = n * 0 + i
     x = tl.load(s_ptr + r * SN + n * ST + od, mask=dmask & valid, other=0.).to(tl.float32)
-    mix = tl.load(mix_n + r * MI, mask=jmask & valid, other=0.).to(ds_ptr.dtype.element_ty)
-    store_or_add(ds_ptr + (r * N + n) * D + od, tl.sum(mix.to(tl.float32)[:, None] * go, axis=0), dmask & valid, ADD)
+    if not DEFER:
+        mix = tl.load(mix_n + r * MI, mask=jmask & valid, other=0.).to(ds_ptr.dtype.element_ty)
+        store_or_add(ds_ptr + (r * N + n) * D + od, tl.sum(mix.to(tl.float32)[:, None] * go, axis=0), dmask & valid,
+                     ADD)
     return x
+
+
+@jit
+def stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST):
+    """Stream i's rows ot [BT] at channels oc [BC], as stored: [BT, BC] (ot is int64, so are the offsets)."""
+    r = ot[:, None] * 0 + i
+    return tl.load(s_ptr + r * SN + ot[:, None] * ST + oc[None, :], mask=tmask[:, None] & cmask[None, :], other=0.)
+
+
+@jit
+def phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D):
+    """mHC's projection phi [M, NS * D]: its columns of stream i at channels oc, for every output om: [BM, BC]."""
+    return tl.load(phi_ptr + om[:, None] * (NS * D) + i * D + oc[None, :], mask=mmask[:, None] & cmask[None, :],
+                   other=0.)
+
+
+@jit
+def _sum_kernel(ds_ptr, s_ptr, go_ptr, mix_ptr, gi_ptr, w_ptr, gp_ptr, gms_ptr, phi_ptr, N, D, M, SN, ST, MI, MT, MJ,
+                NS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, WRITE: tl.constexpr,
+                READ: tl.constexpr, PROJ: tl.constexpr, ADD: tl.constexpr):
+    """Program (token block, stream i): stream i's gradient from its readers' parts, summed in fp32 and stored (or
+    added: ADD) once, chunk by chunk:
+        WRITE: sum_j mix[i, j] go_j      the write's output gradients go [NS, N, D], mix at strides (MI, MT, MJ)
+        READ:  w_i gi                    the read's input gradient gi [N, D], its weights w [NS, N]
+        PROJ:  g_proj phi_i + (2 g_ms / (n d)) x_i     mHC's projection: g_proj [N, M], g_ms [N] (fp32), phi
+    Coefficients are rounded to the streams' dtype first, as the readers' own kernels do."""
+    dt = ds_ptr.dtype.element_ty
+    ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    i = tl.program_id(1)
+    r = ot * 0 + i  # the stream index as int64 [BT]: offsets of whole [N, D] planes
+    tmask = ot < N
+    if PROJ:
+        om = tl.arange(0, BM)
+        mmask = om < M
+        g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
+        gms = tl.load(gms_ptr + ot, mask=tmask, other=0.) * (2.0 / (NS * D))
+    if READ:
+        w = tl.load(w_ptr + r * N + ot, mask=tmask, other=0.).to(dt).to(tl.float32)
+    for c0 in range(0, D, BC):
+        oc = c0 + tl.arange(0, BC)
+        cmask = oc < D
+        mask = tmask[:, None] & cmask[None, :]
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        if PROJ:
+            x = stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST).to(tl.float32)
+            acc += dot32(g, phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)) + gms[:, None] * x
+        if WRITE:
+            for j in tl.static_range(NS):  # (the [BT] mix column a chunk: from cache after the first)
+                m = tl.load(mix_ptr + r * MI + ot * MT + j * MJ, mask=tmask, other=0.).to(dt).to(tl.float32)
+                go = tl.load(go_ptr + (j * N + ot[:, None]) * D + oc[None, :], mask=mask, other=0.)
+                acc += m[:, None] * go.to(tl.float32)
+        if READ:
+            acc += w[:, None] * tl.load(gi_ptr + ot[:, None] * D + oc[None, :], mask=mask, other=0.).to(tl.float32)
+        store_or_add(ds_ptr + (r[:, None] * N + ot[:, None]) * D + oc[None, :], acc, mask, ADD)
 
 
 def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_into=(), reduces: bool = False,
@@ -211,21 +280,30 @@ def _triton_in_fwd(s: Tensor, w: Tensor, nw: Optional[Tensor] = None, norm_eps: 
     return out, rstd
 
 
-def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Tensor, adding: bool, nw: Optional[Tensor] = None,
-                   rstd: Optional[Tensor] = None):
-    """Stream gradients into ds [n, N, d] (stored, or added to it: `adding`) -> (weight gradients fp32 [n, N], the
-    norm weight's gradient in its dtype or None); with the norm weight nw, go is the norm's output gradient."""
+def _read_gradient(go: Tensor, s: Tensor, normed: bool) -> Tensor:
+    """Where a deferred read's backward leaves the read's gradient for the sum: the norm's backward output, a new
+    [N, d] (with the host's norm fused in), else go itself."""
+    return torch.empty((s.shape[1], s.shape[2]), dtype=s.dtype, device=s.device) if normed else go
+
+
+def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Optional[Tensor], adding: bool,
+                   nw: Optional[Tensor] = None, rstd: Optional[Tensor] = None):
+    """Stream gradients into ds [n, N, d] (stored, or added to it: `adding`; ds None: deferred, left to the sink)
+    -> (weight gradients fp32 [n, N], the norm weight's gradient in its dtype or None, the read's gradient [N, d]
+    for the sum where deferred, else None); with the norm weight nw, go is the norm's output gradient."""
     ns, n, d = s.shape
     dw = torch.empty((ns, n), dtype=F32, device=s.device)
-    normed = nw is not None
+    normed, defer = nw is not None, ds is None
+    gi = _read_gradient(go, s, normed) if defer else None
     if not n:
-        return dw, torch.zeros_like(nw) if normed else None
+        return dw, torch.zeros_like(nw) if normed else None, gi
     count, _ = programs(n, s.device, reduces=normed)
     wparts = torch.empty((count, d), dtype=F32, device=s.device) if normed else dw
-    _launch(_in_bwd_kernel, n, s.device, (s, w, go, s if nw is None else nw, w if rstd is None else rstd, ds, dw,
-                                          wparts, n, d, s.stride(0), s.stride(1)), 3, s.element_size(), reduces=normed,
-            NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, NORMED=normed, adds_into=(ds,) if adding else ())
-    return dw, sum_rows(wparts, d, dtypes=[nw.dtype]) if normed else None
+    _launch(_in_bwd_kernel, n, s.device, (s, w, go, s if nw is None else nw, w if rstd is None else rstd,
+                                          gi if defer else ds, dw, wparts, n, d, s.stride(0), s.stride(1)), 3,
+            s.element_size(), reduces=normed, NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, NORMED=normed,
+            DEFER=defer, adds_into=(ds,) if adding else ())
+    return dw, sum_rows(wparts, d, dtypes=[nw.dtype]) if normed else None, gi
 
 
 def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
@@ -237,18 +315,58 @@ def _triton_out_fwd(s: Tensor, y: Tensor, mix: Tensor, post: Tensor) -> Tensor:
     return out
 
 
-def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor, ds: Tensor, adding: bool,
+def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor, ds: Optional[Tensor], adding: bool,
                     dmix: Tensor):
-    """Stream gradients into ds [n, N, d] (stored, or added: `adding`), the mix gradient into dmix [n, N, n] (fp32,
-    at its strides) -> (output gradient [N, d], post gradient fp32 [n, N])."""
+    """Stream gradients into ds [n, N, d] (stored, or added: `adding`; ds None: deferred, the sum reads go), the mix
+    gradient into dmix [n, N, n] (fp32, at its strides) -> (output gradient [N, d], post gradient fp32 [n, N])."""
     ns, n, d = s.shape
     dy = torch.empty((n, d), dtype=s.dtype, device=s.device)
     dpost = torch.empty((ns, n), dtype=F32, device=s.device)
     if n:
-        _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, ds, dy, dmix, dpost, n, d, s.stride(0),
-                                               s.stride(1), *mix.stride(), *dmix.stride()), 2, s.element_size(),
-                NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, adds_into=(ds,) if adding else ())
+        _launch(_out_bwd_kernel, n, s.device, (s, y, mix, post, go, dy if ds is None else ds, dy, dmix, dpost, n, d,
+                                               s.stride(0), s.stride(1), *mix.stride(), *dmix.stride()), 2,
+                s.element_size(), NS=ns, BN=pow2(ns), BD=pow2(d), ADD=adding, DEFER=ds is None,
+                adds_into=(ds,) if adding else ())
     return dy, dpost
+
+
+def tile_blocks(d: int, m: int, element_size: int):
+    """(tokens a program, mHC's projection outputs padded, channels a step) of the kernels that walk [BT, BC] tiles of
+    the streams (mhc_projection's, _sum_kernel): dot-sized when compiled, rows of 128 bytes (fp32 tiles of 64
+    channels spilled); a few tokens and channels under the interpreter, so that the tests walk several of each and
+    masked tails."""
+    if interpreting():
+        return 4, dot_dim(m), chunk(d)
+    return 32, dot_dim(m), min(128 // element_size, max(16, chunk(d)))
+
+
+def token_block(bt: int, n: int, ns: int, device: torch.device) -> int:
+    """Tokens a program over a (token block, stream) grid: tile_blocks' 32, or 16 (the smallest dot tile) where 32
+    would leave fewer than two programs an SM: the 7B mHC config's 1,024 tokens a rank made 128 programs for 132
+    SMs."""
+    if interpreting() or cdiv(n, bt) * ns >= 2 * sm_count(device):
+        return bt
+    return max(16, bt // 2)
+
+
+def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None) -> None:
+    """The streams' gradient ds [n, N, d] (stored, or added: `adding`) from write = (go [n, N, d], mix [n, N, n]),
+    read = (gi [N, d], w [n, N]) and proj = (g_proj [N, m], g_ms [N], phi [m, n*d]), each or None."""
+    ns, n, d = s.shape
+    if not n:
+        return
+    m = proj[2].shape[0] if proj is not None else 0
+    bt, bm, bc = tile_blocks(d, m, s.element_size())
+    go, mix = write if write is not None else (ds, None)
+    gi, w = read if read is not None else (ds, ds)
+    g, gms, phi = proj if proj is not None else (ds, ds, ds)
+    bt = token_block(bt, n, ns, s.device)
+    # 8 warps: with the projection's [BT, BM] x [BM, BC] dot, 4 took up to 175 registers and spilled at 128
+    launch(_sum_kernel, (cdiv(n, bt), ns),
+           (ds, s if proj is not None else ds, go, ds if mix is None else mix, gi, w, g, gms, phi, n, d, m,
+            s.stride(0), s.stride(1), *(mix.stride() if mix is not None else (0, 0, 0))), 8,
+           adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, WRITE=write is not None,
+           READ=read is not None, PROJ=proj is not None, ADD=adding)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -270,12 +388,15 @@ def _torch_in_fwd(s, w, nw=None, norm_eps=0.):
 
 def _torch_in_bwd(go, s, w, ds, adding, nw=None, rstd=None):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
-    dnw = None
+    dnw, gi = None, None
     if nw is not None:
         go, dnw = rms_norm_grad_torch(_torch_in_fwd(s, w)[0], go, nw, rstd)
+    if ds is None:  # deferred: the read's gradient for the sum, in the streams' dtype as the kernel stores it
+        gi = go.to(dt)
     go = go.to(ct)
-    store_or_add_torch(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
-    return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])]), dnw
+    if ds is not None:
+        store_or_add_torch(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
+    return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])]), dnw, gi
 
 
 def _torch_out_fwd(s, y, mix, post):
@@ -296,8 +417,26 @@ def _torch_out_bwd(go, s, y, mix, post, ds_into, adding, dmix_into):
         x = s[i].to(ct)
         ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
         dmix_into[i] = (go * x).sum(-1).t()  # [N, n (to)]
-    store_or_add_torch(ds_into, torch.stack(ds), adding)
+    if ds_into is not None:
+        store_or_add_torch(ds_into, torch.stack(ds), adding)
     return dy, dpost
+
+
+def _torch_sum(ds, adding, s, write=None, read=None, proj=None):
+    dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    ns, n, d = s.shape
+    acc = torch.zeros((ns, n, d), dtype=ct, device=s.device)
+    if write is not None:
+        go, mix = write[0].to(ct), write[1]
+        for i in range(ns):
+            acc[i] += (_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0)
+    if read is not None:
+        acc += _coef(read[1], dt, ct).unsqueeze(-1) * read[0].to(ct)
+    if proj is not None:
+        g, scale, phi = proj[0].to(ct), (proj[1].to(ct) * (2.0 / (ns * d))).unsqueeze(-1), proj[2]
+        for i in range(ns):
+            acc[i] += g @ phi[:, i * d:(i + 1) * d].to(ct) + scale * s[i].to(ct)
+    store_or_add_torch(ds, acc.to(dt), adding)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -367,12 +506,31 @@ def _(grad, streams, weights, norm_weight, rstd, into, adding):
     return _fake_in_backward(grad, streams, weights, norm_weight, rstd)[1:]
 
 
+@torch.library.custom_op("mega_depth::hc_streams_in_backward_deferred", mutates_args=())
+def streams_in_backward_deferred_op(grad: Tensor, streams: Tensor, weights: Tensor, norm_weight: Optional[Tensor],
+                                    rstd: Optional[Tensor]) -> List[Tensor]:
+    """The stream gradients left to the streams' sink -> [the weight gradients, the norm weight's, the read's
+    gradient [*, d] for the sum (with norm_weight; without, nothing: the sum reads grad)]."""
+    return _in_backward_into(grad, streams, weights, norm_weight, rstd, None, False)
+
+
+@register_fake(streams_in_backward_deferred_op)
+def _(grad, streams, weights, norm_weight, rstd):
+    gi = nothing(streams) if norm_weight is None else streams.new_empty(streams.shape[1:])
+    return _fake_in_backward(grad, streams, weights, norm_weight, rstd)[1:] + [gi]
+
+
 def _in_backward_into(grad, streams, weights, norm_weight, rstd, into, adding) -> List[Tensor]:
+    """into None: deferred (-> one more output, the read's gradient for the sum, or nothing)."""
     s = stream_rows(streams)
     bwd = _triton_in_bwd if uses_triton(s) else _torch_in_bwd
-    dw, dnw = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]), into.view_as(s), adding,
-                  contiguous(norm_weight), None if rstd is None else rstd.reshape(-1))
-    return [dw.view_as(weights), nothing(grad) if dnw is None else dnw]
+    dw, dnw, gi = bwd(rows(grad, s.shape[-1]), s, _coef_rows(weights, s.shape[0]),
+                      None if into is None else into.view_as(s), adding, contiguous(norm_weight),
+                      None if rstd is None else rstd.reshape(-1))
+    out = [dw.view_as(weights), nothing(grad) if dnw is None else dnw]
+    if into is None:
+        out.append(gi.view_as(grad) if norm_weight is not None else nothing(grad))
+    return out
 
 
 def _save_inputs(ctx, inputs, output):
@@ -394,6 +552,60 @@ def stream_gradient(ctx, streams, backward, backward_into, *args):
     return grad_sink.returned(ctx.sinks, [into], ctx.needs_input_grad[0])[0], rest
 
 
+DEFER_READERS = 2  # a sink's readers from which its streams' readers leave their parts to it (below: one reader)
+
+
+def deferring(ctx) -> bool:
+    """Whether this reader of the streams leaves its part of their gradient to their sink, which sums every reader's
+    part in one pass (`sum_deferred`): a sublayer's write, read and mHC projection each added theirs into the
+    buffer in turn, reading and writing all n streams' gradients each time."""
+    return grad_sink.deferring(ctx.sinks, DEFER_READERS) is not None
+
+
+def defer(ctx, kind: str, *part: Tensor) -> None:
+    """Leave a reader's part (`gradient_sum_op`'s arguments of that reader, `kind`: write, read or proj)."""
+    ctx.sinks[0].defer((sum_deferred,), (kind, *part))
+
+
+_PARTS = (("write", 2), ("read", 2), ("proj", 3))
+
+
+def sum_deferred(streams: Tensor, records: List[tuple], held: Optional[Tensor]) -> Tensor:
+    """The streams' sink's resolver (grad_sink.Sink.defer): held (what other readers stored, or None) plus every
+    deferred reader's part, one launch for a write's, a read's and a projection's part together (a sublayer's
+    three readers: one launch)."""
+    into = held if held is not None else torch.empty_like(streams, memory_format=torch.contiguous_format)
+    parts = {kind: [r[1:] for r in records if r[0] == kind] for kind, _ in _PARTS}
+    adding = held is not None
+    while any(parts.values()):
+        args = [a for kind, width in _PARTS for a in (parts[kind].pop(0) if parts[kind] else (None,) * width)]
+        call(gradient_sum_op, into, adding, streams, *args)
+        adding = True
+    return into
+
+
+@torch.library.custom_op("mega_depth::hc_streams_gradient_sum", mutates_args=("into",))
+def gradient_sum_op(into: Tensor, adding: bool, streams: Tensor, grad_out: Optional[Tensor], mix: Optional[Tensor],
+                    grad_in: Optional[Tensor], weights: Optional[Tensor], grad_proj: Optional[Tensor],
+                    grad_mean_square: Optional[Tensor], phi: Optional[Tensor]) -> None:
+    """into (contiguous, shaped like the streams [n, *, d]) = (into if adding, +) the parts of the streams' readers,
+    each reader's arguments all None where it has none: the write's (its output gradient grad_out [n, *, d], mix
+    [n, *, n]), the read's (its input's gradient grad_in [*, d], weights [n, *]) and mHC's projection's (grad_proj
+    [*, m], grad_mean_square [*, 1], phi [m, n*d])."""
+    s = stream_rows(streams)
+    n, d = s.shape[0], s.shape[-1]
+    write = None if grad_out is None else (grad_out.reshape(n, -1, d).contiguous(), _coef_rows(mix, n, 1))
+    read = None if grad_in is None else (rows(grad_in, d), _coef_rows(weights, n))
+    proj = None if grad_proj is None else (grad_proj.reshape(-1, phi.shape[0]).contiguous(),
+                                           grad_mean_square.reshape(-1).contiguous(), phi.contiguous())
+    sum_into(into.view_as(s), adding, s, write, read, proj)
+
+
+def sum_into(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None) -> None:
+    """_triton_sum's arguments, through the kernel or its torch twin."""
+    (_triton_sum if uses_triton(s) else _torch_sum)(ds, adding, s, write, read, proj)
+
+
 def _in_setup(ctx, inputs, output):
     streams, weights, norm_weight, _ = inputs
     ctx.save_for_backward(streams, weights, norm_weight, None if norm_weight is None else output[1])
@@ -406,8 +618,12 @@ def _in_backward(ctx, grads):
     grad = grads[0]  # (1 / RMS has none)
     if grad is None:
         return None, None, None, None
-    ds, (dw, dnw) = stream_gradient(ctx, streams, streams_in_backward_op, streams_in_backward_into_op, grad, streams,
-                                    weights, norm_weight, rstd)
+    if deferring(ctx):
+        ds, (dw, dnw, gi) = None, call(streams_in_backward_deferred_op, grad, streams, weights, norm_weight, rstd)
+        defer(ctx, "read", grad if norm_weight is None else gi, weights)
+    else:
+        ds, (dw, dnw) = stream_gradient(ctx, streams, streams_in_backward_op, streams_in_backward_into_op, grad,
+                                        streams, weights, norm_weight, rstd)
     need = ctx.needs_input_grad
     return ds if need[0] else None, cast_grad(dw, weights, need[1]), cast_grad(dnw, norm_weight, need[2]), None
 
@@ -469,22 +685,39 @@ def _(grad, streams, output, mix, post, mix_layout, into, adding):
     return _fake_out_backward(grad, streams, output, mix, post, mix_layout)[1:]
 
 
+@torch.library.custom_op("mega_depth::hc_streams_out_backward_deferred", mutates_args=())
+def streams_out_backward_deferred_op(grad: Tensor, streams: Tensor, output: Tensor, mix: Tensor, post: Tensor,
+                                     mix_layout: bool) -> List[Tensor]:
+    """The stream gradients left to the streams' sink, which reads grad and mix -> [output, mix, post gradients]."""
+    return _out_backward_into(grad, streams, output, mix, post, mix_layout, None, False)
+
+
+@register_fake(streams_out_backward_deferred_op)
+def _(grad, streams, output, mix, post, mix_layout):
+    return _fake_out_backward(grad, streams, output, mix, post, mix_layout)[1:]
+
+
 def _out_backward_into(grad, streams, output, mix, post, mix_layout, into, adding) -> List[Tensor]:
+    """into None: deferred."""
     s = stream_rows(streams)
     n, d = s.shape[0], s.shape[-1]
     go = grad.reshape(n, -1, d).contiguous()
     dmix = _mix_gradient(mix, F32 if uses_triton(s) else accumulation_dtype(s.dtype), mix_layout)
     dy, dpost = (_triton_out_bwd if uses_triton(s) else _torch_out_bwd)(
-        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), into.view_as(s), adding,
-        dmix.view(n, -1, n))
+        go, s, rows(output, d), _coef_rows(mix, n, 1), _coef_rows(post, n), None if into is None else into.view_as(s),
+        adding, dmix.view(n, -1, n))
     return [dy.view_as(output), dmix, dpost.view_as(post)]
 
 
 def _out_backward(ctx, grad):
     streams, output, mix, post = ctx.saved_tensors
     args = (grad, streams, output, mix, post)
-    ds, (dy, dmix, dpost) = stream_gradient(ctx, streams, streams_out_backward_op, streams_out_backward_into_op,
-                                             *args, not traced(args))
+    if deferring(ctx):
+        ds, (dy, dmix, dpost) = None, call(streams_out_backward_deferred_op, *args, True)
+        defer(ctx, "write", grad, mix)
+    else:
+        ds, (dy, dmix, dpost) = stream_gradient(ctx, streams, streams_out_backward_op, streams_out_backward_into_op,
+                                                 *args, not traced(args))
     need = ctx.needs_input_grad
     return (ds if need[0] else None, dy if need[1] else None, cast_grad(dmix, mix, need[2]),
             cast_grad(dpost, post, need[3]))
