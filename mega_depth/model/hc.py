@@ -126,15 +126,18 @@ class StreamMechanism(Mechanism):
         """Per sublayer, on n streams (the first sublayer's are the embedding expanded: read as one): the read
         reads the streams and writes the input (with the recomputation, where the host's norm is the fused one, the
         normalised input: `streams_in_normed`, nothing made again), its backward reads them and the input's
-        gradient; the write reads the streams and the output and writes n streams, its backward reads them,
-        the output and the n streams' gradients and writes the output's; the streams' gradient is stored by the
-        write's backward and added to by the read's and the coefficients' (coefficient_io_units). Plus the learned
-        collapse head's read and projection, once."""
+        gradient and writes the read's gradient; the write reads the streams and the output and writes n streams,
+        its backward reads them, the output and the n streams' gradients and writes the output's. Neither writes
+        the streams' gradient: the streams' sink sums every reader's part once (kernels/streams.sum_deferred),
+        reading the write's n output gradients and the read's gradient and writing the streams' gradient (plus
+        what the coefficients' part reads: coefficient_io_units). Plus the learned collapse head's read and
+        projection, once."""
         n, total = self.n, 0.0
         for sub in range(1, self.shape.num_sublayers + 1):
             read = 1 if sub == 1 else n
-            total += (read + 1) + (read + 1 + 2 * n)  # the read; its backward adds
-            total += (read + 1 + n) + (read + 1 + n + n + 1)  # the write; its backward stores
+            total += (read + 1) + (read + 2)  # the read; its backward
+            total += (read + 1 + n) + (read + 1 + n + 1)  # the write; its backward
+            total += 2 * n + 1  # the sum
             total += self.coefficient_io_units(read, recompute)
         if self.collapse() == "learned":  # the read (its backward stores) and the projection (its backward adds)
             total += (n + 1) + (n + 1 + n) + n + (n + 2 * n) + n
