@@ -236,3 +236,55 @@ def test_the_sink_keeping_checkpoint_is_a_checkpoint(path):
         close(x, y, "gradients")
     saved, _ = saved_storages(lambda: grad_sink.recompute(fn, a, None, b))
     assert set(saved) <= {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("parts", ["write", "read", "proj", "write,read,proj"])
+@pytest.mark.parametrize("held", [False, True])
+def test_the_sink_sums_its_deferred_readers_as_their_own_backward_stores_them(path, parts, held):
+    """streams.sum_deferred (a sublayer's readers' parts of the streams' gradient, one pass): equal to what each
+    reader's own backward stores (the write's, the read's with its norm and mHC's projection's), added to what the
+    buffer held; each part alone and all three together. A sign flip or a dropped part fails here."""
+    from mega_depth.kernels.mhc_projection import projection_backward_op
+    from mega_depth.kernels.streams import gradient_sum_op
+
+    n, lead, d = 3, (4, 2), 8
+    streams, output, weights, mix, post = (torch.randn(n, *lead, d), torch.randn(*lead, d), torch.rand(n, *lead),
+                                           torch.rand(n, *lead, n), torch.rand(n, *lead))
+    norm_weight, phi = torch.rand(d) + 0.5, torch.randn(n * n + 2 * n, n * d) * 0.3
+    rstd = streams_in_op(streams, weights, norm_weight, 1e-5)[1]
+    go, g_in = torch.randn(n, *lead, d), torch.randn(*lead, d)
+    g_proj, g_ms = torch.randn(*lead, n * n + 2 * n), torch.randn(*lead, 1)
+    want = torch.randn(n, *lead, d) if held else torch.zeros(n, *lead, d)
+    into = want.clone()
+    args = {"write": (None, None), "read": (None, None), "proj": (None, None, None)}
+    for part in parts.split(","):
+        if part == "write":
+            want += streams_out_backward_op(go, streams, output, mix, post, True)[0]
+            args["write"] = (go, mix)
+        elif part == "read":
+            want += streams_in_backward_op(g_in, streams, weights, norm_weight, rstd)[0]
+            from mega_depth.kernels.streams import streams_in_backward_deferred_op
+            gi = streams_in_backward_deferred_op(g_in, streams, weights, norm_weight, rstd)[2]
+            args["read"] = (gi, weights)
+        else:
+            want += projection_backward_op(g_proj, g_ms, streams, phi)[0]
+            args["proj"] = (g_proj, g_ms, phi)
+    gradient_sum_op(into, held, streams, *args["write"], *args["read"], *args["proj"])
+    close(into, want, f"the sum of {parts}")
+
+
+def test_opcheck_the_deferred_backward_and_the_sum(twin):
+    from mega_depth.kernels.mhc_projection import projection_phi_backward_op
+    from mega_depth.kernels.streams import (gradient_sum_op, streams_in_backward_deferred_op,
+                                            streams_out_backward_deferred_op)
+
+    streams, output, weights, mix, post = (torch.randn(3, 4, 6), torch.randn(4, 6), torch.rand(3, 4),
+                                           torch.rand(3, 4, 3), torch.rand(3, 4))
+    norm_weight, phi = torch.rand(6) + 0.5, torch.randn(15, 18)
+    rstd = streams_in_op(streams, weights, norm_weight, 1e-5)[1]
+    opcheck(streams_in_backward_deferred_op, (torch.randn(4, 6), streams, weights, None, None))
+    opcheck(streams_in_backward_deferred_op, (torch.randn(4, 6), streams, weights, norm_weight, rstd))
+    opcheck(streams_out_backward_deferred_op, (torch.randn(3, 4, 6), streams, output, mix, post, False))
+    opcheck(projection_phi_backward_op, (torch.randn(4, 15), torch.randn(4, 1), streams, phi))
+    opcheck(gradient_sum_op, (torch.randn(3, 4, 6), True, streams, torch.randn(3, 4, 6), mix, torch.randn(4, 6),
+                              weights, torch.randn(4, 15), torch.randn(4, 1), phi), eager_only=True)
