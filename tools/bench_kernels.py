@@ -94,7 +94,7 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
 
     from mega_depth.kernels.attnres_block import attnres_phase1_sources, attnres_phase2, attnres_phase2_normed
     from mega_depth.kernels.attnres_mix import attnres_mix_sources
-    from mega_depth.kernels.depth_attention import depth_attention_mix_normed
+    from mega_depth.kernels.depth_attention import depth_attention_mix_qk_normed
     from mega_depth.kernels.grn import grn_apply_sources
     from mega_depth.kernels.mhc_projection import mhc_projection
     from mega_depth.kernels.mhc_maps import mhc_projected_coefficients
@@ -166,16 +166,19 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     hq, hkv, c, iters = s["heads"], s["groups"], s["candidates"], SINKHORN_ITERS
     hn = d // hq
     q_row, kv_row = n * hq * hn * item, n * hkv * hn * item  # a query (and a per-query-head value), a key
-    depth = Case("depth_attention", shape, f"Depth-Attention value mix, {c} candidates (raw keys, normalised by the "
-                 "layer's key norm in the kernel, as the step runs it), per-query-head values",
+    # the layer's raw query and key and the candidates' raw keys, normalised by its query and key norms in the
+    # kernels, as the step runs it: out the normalised query and key (the attention's) and the mixed values; back
+    # their gradients (the attention's of the query and key join the mix's in the kernel)
+    depth = Case("depth_attention", shape, f"Depth-Attention value mix, {c} candidates, per-query-head values, the "
+                 "layer's query and key norms in the kernels (as the step runs it)",
                  lambda: ([rand(n, hq, hn, seed=1), rand(n, hkv, hn, seed=2), rand(n, hkv, hn, seed=3)]
                           + [rand(n, hkv, hn, seed=10 + j) for j in range(c)]
                           + [rand(n, hq, hn, seed=20 + j) for j in range(c)]
-                          + [rand(hn, scale=0.1, shift=1.0, seed=30)]),
-                 lambda qv, kv, vv, *rest: depth_attention_mix_normed(rest[-1], NORM_EPS, qv, kv, vv, list(rest[:c]),
-                                                                      list(rest[c:2 * c])),
-                 2 * q_row + (2 + c) * kv_row + c * q_row,
-                 2 * (2 * q_row + (2 + c) * kv_row + c * q_row))
+                          + [rand(hn, scale=0.1, shift=1.0, seed=30), rand(hn, scale=0.1, shift=1.0, seed=31)]),
+                 lambda qv, kv, vv, *rest: depth_attention_mix_qk_normed(
+                     rest[-1], NORM_EPS, rest[-2], NORM_EPS, qv, kv, vv, list(rest[:c]), list(rest[c:2 * c])),
+                 3 * q_row + (3 + c) * kv_row + c * q_row,
+                 4 * q_row + (5 + 2 * c) * kv_row + 2 * c * q_row)
     m = ns * ns + 2 * ns
     per_token = n * 4  # one fp32 value a token
     maps = Case("mhc_maps", shape, f"mHC's coefficients from the projection ({m} values a token), Sinkhorn "
@@ -218,6 +221,19 @@ def _rms_applied(projection):
     return proj * torch.rsqrt(mean_square + EPS)
 
 
+def _normed_mix(raw_query, raw_key, value, rest):
+    """The depth_attention case's eager math: rest = candidates' raw keys, their values, the key norm's weight, the
+    query norm's. -> (the normalised query, key, mixed values)."""
+    import torch
+
+    from mega_depth.model import mixing
+
+    c = (len(rest) - 2) // 2
+    query, key = rms_normed(raw_query, rest[-1], NORM_EPS), rms_normed(raw_key, rest[-2], NORM_EPS)
+    keys = torch.stack([rms_normed(k, rest[-2], NORM_EPS) for k in rest[:c]])
+    return query, key, mixing.depth_attention_mix(query, key, value, keys, torch.stack(rest[c:2 * c]))
+
+
 def rms_normed(x, weight, eps):
     """The host's eager RMSNorm (megatron/norm.py): normalised in fp32, cast back, then scaled."""
     from mega_depth.megatron.norm import eager_rms_norm
@@ -255,9 +271,7 @@ def reference(op: str):
             mixing.attnres_block_phase2(m, z, o, x, q, g, EPS, heads=2), w, NORM_EPS),
         "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
-        "depth_attention": lambda qv, kv, vv, *rest: mixing.depth_attention_mix(
-            qv, kv, vv, torch.stack([rms_normed(k, rest[-1], NORM_EPS) for k in rest[:len(rest) // 2]]),
-            torch.stack(rest[len(rest) // 2:-1])),
+        "depth_attention": lambda qv, kv, vv, *rest: _normed_mix(qv, kv, vv, rest),
         "mhc_maps": lambda *a: _concatenated(mixing.mhc_projected_coefficients(*a, SINKHORN_ITERS)),
         "mhc_projection": lambda st, phi: _rms_applied(mixing.mhc_projection(st, phi)),
     }[op]

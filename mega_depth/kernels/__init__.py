@@ -16,7 +16,8 @@ implementation and autograd included) and its public function, which has its ref
     grn.py              DCA's GRNs over the stack                    (mixing.grn_apply)
                         and DenseFormer's DWA, a GRN v1 of one instance (mixing.dwa)
     depth_attention.py  Depth-Attention's value mix                  (mixing.depth_attention_mix)
-                        (the candidates' keys normalised in it: depth_attention_mix_normed)
+                        (the candidates' keys normalised in it: depth_attention_mix_normed; and the
+                        layer's query and key too: depth_attention_mix_qk_normed)
     streams.py          HC / mHC's stream read and write             (mixing.streams_in / streams_out)
                         (the read and the host's norm of it in one: streams_in_normed)
     sinkhorn.py         mHC's Sinkhorn-Knopp                         (mixing.sinkhorn)
@@ -72,6 +73,7 @@ def fast_functions() -> SimpleNamespace:
                            grn_apply_sources=grn.grn_apply_sources,
                            depth_attention_mix=depth_attention.depth_attention_mix,
                            depth_attention_mix_normed=depth_attention.depth_attention_mix_normed,
+                           depth_attention_mix_qk_normed=depth_attention.depth_attention_mix_qk_normed,
                            streams_in=streams.streams_in,
                            streams_in_normed=streams.streams_in_normed,
                            streams_out=streams.streams_out, sinkhorn=sinkhorn.sinkhorn, dwa_mix=grn.dwa_mix,

@@ -50,9 +50,11 @@ class _Host:
     so that only the mechanism's mixing launches kernels. Depth-Attention's value mixer gets per-rank heads over
     the whole sequence (as attention sees them under SP), derived from the input so gradients flow."""
 
-    def __init__(self, index: int, modules: Dict[str, nn.Module], heads: Tuple[int, int, int], seq: int):
+    def __init__(self, index: int, modules: Dict[str, nn.Module], heads: Tuple[int, int, int], seq: int,
+                 qk_norm: bool = True):
         self.layer_index = index
         self._heads, self._seq = heads, seq
+        self._head_norm = _HEAD_NORM if qk_norm else _identity  # the q/k norms (Megatron's IdentityOp without them)
         for name, module in modules.items():
             setattr(self, name, module)
 
@@ -66,7 +68,7 @@ class _Host:
             query = torch.zeros(*lead, hq, hn, dtype=x.dtype, device=x.device) + derived
             key = torch.zeros(*lead, hkv, hn, dtype=x.dtype, device=x.device) + derived
             value = torch.zeros(*lead, hkv, hn, dtype=x.dtype, device=x.device) + derived
-            mixed = value_mixer(query, key, value, lambda t: t, _HEAD_NORM)
+            mixed = value_mixer(query, key, value, self._head_norm, self._head_norm)
             out = out + sum(t.sum() for t in mixed) * 0
         return out
 
@@ -99,8 +101,9 @@ _NORM = _Norm()
 
 
 class _HeadNorm:
-    """The host's key norm (over a head's channels), as far as the mixing's launches go: a plain tensor passes as it
-    is; an op that folds the norm into its own kernel (`folded`: Depth-Attention's candidate keys) gets a weight."""
+    """The host's query or key norm (over a head's channels), as far as the mixing's launches go: a plain tensor
+    passes as it is; an op that folds the norm into its own kernel (`folded`: Depth-Attention's mix, which normalises
+    this layer's query and key and its candidates' keys) gets a weight."""
 
     eps = 1e-6
 
@@ -112,6 +115,10 @@ class _HeadNorm:
 
 
 _HEAD_NORM = _HeadNorm()
+
+
+def _identity(x):
+    return x
 
 
 class _Final:
@@ -149,8 +156,8 @@ def config_launches(cfg, dtype: torch.dtype, sm_count: int) -> List[Launch]:
     heads = (shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim)
     recompute = p.recompute_num_layers if p.recompute_granularity == "full" else None
     with torch.device("meta"):
-        hosts = [_Host(i, {k: v.to(dtype) for k, v in mechanism.layer_modules(i, dtype).items()}, heads, seq)
-                 for i in range(m.num_layers)]
+        hosts = [_Host(i, {k: v.to(dtype) for k, v in mechanism.layer_modules(i, dtype).items()}, heads, seq,
+                       shape.qk_norm) for i in range(m.num_layers)]
         final = _Final({k: v.to(dtype) for k, v in mechanism.final_modules(dtype).items()})
     with common.recording(sm_count) as launches:
         # without the mixing's recomputation and with it (the default): a recomputing step re-launches the same

@@ -14,13 +14,23 @@ its gradients summed in the backward kernel (kernels/grad_sink.py). The op is `m
 `depth_attention_mix_normed` takes the candidates' raw keys and this layer's key-norm weight: the kernels normalise
 each key row as the host's RMSNorm does (Llama's casting), and backward takes the raw keys' gradients through the
 norm (into the sinks) and the weight's from per-program partial sums (common.sum_rows). The layer's own query and
-key come normalised, as before.
+key come normalised.
+
+`depth_attention_mix_qk_normed` (the op `mega_depth::depth_attention_mix_qk`) takes the layer's own query and key raw
+as well, with its query norm's weight: forward normalises both in the kernel (the key with the key norm, like the
+candidates') and writes them out for the attention beside the mixed values; backward normalises them again from
+the raw rows in the kernel, adds the attention's gradients of the normalised query and key to the mix's there, and
+a second launch over the head rows (_norm_rows_bwd_kernel) takes the sums through both norms in place. Where the
+host normalised them, its norm kernels ran for them forward, again in backward for the mix's saved copies, and
+backward, and autograd added the mix's and the attention's gradients: two adds of [N, h, hn] a layer. (The norms'
+backward inside the mix's backward kernel, a loop of its own after the tokens' or at each token's end, spilled the
+1B config's 2-warp programs at 128 registers: the second launch costs a read of the raw rows and of the sums.)
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -98,9 +108,11 @@ def _head_norm_grad(raw, dkey, w, HN, eps, AXIS: tl.constexpr):
 
 
 @jit
-def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM: tl.constexpr):
+def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM: tl.constexpr,
+         QKNORM: tl.constexpr):
     """Key [BKV, BN] (fp32) of entry j: candidate j < C (contiguous [N, hkv, hn]; KNORM: raw, normalised here with
-    the weight w [BKV, BN]) or this layer's own (strided, normalised by the host)."""
+    the weight w [BKV, BN]) or this layer's own (strided; normalised by the host, or with QKNORM raw and normalised
+    here with the same weight)."""
     if j < C:
         key = tl.load(pointer_at(ktab, j, k_ptr) + n * HKV * HN + okv[:, None] * HN + on[None, :],
                       mask=kvmask & valid, other=0.).to(tl.float32)
@@ -109,6 +121,8 @@ def _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, e
     else:
         key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid,
                       other=0.).to(tl.float32)
+        if QKNORM:
+            key = _head_normed(key, w, HN, eps, k_ptr, 1)
     return key
 
 
@@ -135,19 +149,104 @@ def _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, 
 
 @jit
 def _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV: tl.constexpr,
-                          BRQ: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+                          BRQ: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, dqi_ptr, QKNORM: tl.constexpr):
     """A token's query gradient dq [BKV, BR, BN]; group mode: each of the RQ query heads of a group gets 1 / RQ of
-    its mean query's."""
+    its mean query's. QKNORM: the gradient of the normalised query, to which the attention's (dqi_ptr, laid out
+    as dq_ptr) is added here, not by autograd (the norm's backward follows: _norm_rows_bwd_kernel)."""
     if GROUP:
         oq = tl.arange(0, BRQ)
         qh = okv[:, None] * RQ + oq[None, :]
         qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
+        rows = n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :]
         grad = tl.sum(dq, axis=1)[:, None, :] / RQ + tl.zeros([BKV, BRQ, BN], dtype=tl.float32)
-        tl.store(dq_ptr + n * HKV * RQ * HN + qh[:, :, None] * HN + on[None, None, :],
-                 grad.to(dq_ptr.dtype.element_ty), mask=qmask)
     else:
-        tl.store(dq_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :],
-                 dq.to(dq_ptr.dtype.element_ty), mask=m3 & valid)
+        qmask = m3 & valid
+        rows = n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :]
+        grad = dq
+    if QKNORM:
+        grad += tl.load(dqi_ptr + rows, mask=qmask, other=0.).to(tl.float32)
+    tl.store(dq_ptr + rows, grad.to(dq_ptr.dtype.element_ty), mask=qmask)
+
+
+@jit
+def _own_key_gradient(dkey, dk_ptr, n, valid, okv, on, kvmask, HKV, HN, dki_ptr, QKNORM: tl.constexpr):
+    """This layer's key's gradient dkey [BKV, BN] into dk_ptr [N, hkv, hn]; QKNORM: of the normalised key, the
+    attention's (dki_ptr) added, as _store_query_gradient's."""
+    own = n * HKV * HN + okv[:, None] * HN + on[None, :]
+    if QKNORM:
+        dkey += tl.load(dki_ptr + own, mask=kvmask & valid, other=0.).to(tl.float32)
+    tl.store(dk_ptr + own, dkey.to(dk_ptr.dtype.element_ty), mask=kvmask & valid)
+
+
+@jit
+def _norm_rows_bwd_kernel(x_ptr, g_ptr, w_ptr, part_ptr, ROWS, H, HN, sx_n, sx_h, eps, PART0, PW, TOK,
+                          BR: tl.constexpr, BN: tl.constexpr):
+    """QKNORM's second launch: the backward of the host's norm of head rows (Llama's casting: normalised in fp32,
+    rounded, times the weight). x [N, H, hn]: the raw rows (token and head strides free); g [N * H, hn] contiguous:
+    the normalised rows' gradient, replaced in place by the raw rows'. A program walks TOK rows, BR at a time, and
+    writes its sum of the weight's gradient to row PART0 + program of part_ptr [*, PW] (common.sum_rows). With
+    hn = x / RMS(x): dx = (g w - hn mean(g w hn)) / RMS(x); dw = g round(hn). (Inside the mix's backward kernel, a
+    second loop over the program's tokens, or their last step, spilled the 1B program's 2 warps at 128 registers.)"""
+    on = tl.arange(0, BN)
+    nmask = on < HN
+    orow = tl.arange(0, BR)
+    dt = g_ptr.dtype.element_ty
+    # the weight as a [BR, BN] tile (repeated rows, from L1): a lone [BN] row loads narrower than 16 bytes a thread
+    w = tl.load(w_ptr + orow[:, None] * 0 + on[None, :], mask=nmask[None, :], other=0.).to(tl.float32)
+    dw = tl.zeros([BR, BN], dtype=tl.float32)
+    first = tl.program_id(0).to(tl.int64) * TOK
+    for r0 in range(0, TOK, BR):
+        r = first + r0 + orow
+        mask = ((r < ROWS) & (r0 + orow < TOK))[:, None] & nmask[None, :]
+        x = tl.load(x_ptr + (r // H)[:, None] * sx_n + (r % H)[:, None] * sx_h + on[None, :], mask=mask,
+                    other=0.).to(tl.float32)
+        g = tl.load(g_ptr + r[:, None] * HN + on[None, :], mask=mask, other=0.).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HN + eps)[:, None]
+        hn = x * rstd
+        gw = g * w
+        dx = rstd * (gw - hn * (tl.sum(gw * hn, axis=1) / HN)[:, None])
+        tl.store(g_ptr + r[:, None] * HN + on[None, :], dx.to(dt), mask=mask)
+        dw += g * hn.to(dt).to(tl.float32)
+    tl.store(part_ptr + (PART0 + tl.program_id(0)).to(tl.int64) * PW + on, tl.sum(dw, axis=0), mask=nmask)
+
+
+@jit
+def _query_heads(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, HN, GROUP: tl.constexpr,
+                 BRQ: tl.constexpr):
+    """Every query head of the program's groups as stored ([BKV, BR, BN] fp32; group mode [BKV, BRQ, BN]), the
+    offsets of its rows in a contiguous [N, hq, hn] tensor, and their mask: the same expressions as _query's and
+    _store_query_gradient's (shared values: each distinct offset or mask tile held across the token loop costs
+    registers, and the 1B backward spilled)."""
+    if GROUP:
+        oq = tl.arange(0, BRQ)
+        heads = okv[:, None] * RQ + oq[None, :]
+        qmask = ((okv < HKV)[:, None] & (oq < RQ)[None, :])[:, :, None] & nmask[None, None, :] & valid
+        rows = n * HKV * RQ * HN + heads[:, :, None] * HN + on[None, None, :]
+    else:
+        heads = okv[:, None] * R + orr[None, :]
+        qmask = hmask[:, :, None] & nmask[None, None, :] & valid
+        rows = n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :]
+    raw = tl.load(q_ptr + n * sq_n + heads[:, :, None] * sq_h + on[None, None, :], mask=qmask, other=0.)
+    return raw.to(tl.float32), rows, qmask
+
+
+@jit
+def _normed_query(q_ptr, wq_ptr, qn_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, kvmask, R, RQ, HKV, HN,
+                  q_eps, BKV: tl.constexpr, BN: tl.constexpr, BRQ: tl.constexpr, GROUP: tl.constexpr,
+                  STORE: tl.constexpr):
+    """QKNORM: this layer's query norm of its raw query (weight wq_ptr [hn], Llama's casting, as _head_normed) ->
+    the query the mix reads ([BKV, BR, BN]; group mode: the mean of each group's normalised heads, rounded like the
+    reference's mean). STORE (forward): the normalised heads go to qn_ptr [N, hq, hn], the attention's query. The
+    weight is loaded a token (from cache), not held across the token loop: in the backward every register counts."""
+    raw, rows, qmask = _query_heads(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, HN, GROUP,
+                                    BRQ)
+    wq = _norm_weight(wq_ptr, okv, on, kvmask, BKV, BN, True)
+    qn = _head_normed(raw, wq[:, None, :], HN, q_eps, q_ptr, 2)
+    if STORE:
+        tl.store(qn_ptr + rows, qn.to(qn_ptr.dtype.element_ty), mask=qmask)
+    if GROUP:
+        return (tl.sum(qn, axis=1) / RQ).to(q_ptr.dtype.element_ty).to(tl.float32)[:, None, :]
+    return qn
 
 
 @jit
@@ -171,22 +270,32 @@ def _store_weight_gradient(dw_ptr, dw_stride, dw, on, nmask, KNORM: tl.constexpr
 
 
 @jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV, R, RQ, HN, scale, eps, TOK,
-                sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, wq_ptr, qn_ptr, kn_ptr, N, C, HKV, R, RQ, HN, scale,
+                eps, q_eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                 BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
+                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr, QKNORM: tl.constexpr):
+    """Entry by entry, an online softmax over [candidates..., self]. QKNORM: this layer's query and key come raw
+    and are normalised here (query-norm weight wq_ptr, key norm w_ptr, the candidates' too), and written to qn_ptr
+    [N, hq, hn] and kn_ptr [N, hkv, hn] for the attention."""
     pid = tl.program_id(0)
     okv, orr, on, nmask, hmask, kvmask, heads = _heads(HKV, R, HN, BKV, BR, BN)
     w = _norm_weight(w_ptr, okv, on, kvmask, BKV, BN, KNORM)
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
-        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        if QKNORM:
+            q = _normed_query(q_ptr, wq_ptr, qn_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, kvmask, R, RQ,
+                              HKV, HN, q_eps, BKV, BN, BRQ, GROUP, True)
+            own = _key(C, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM, True)
+            tl.store(kn_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], own.to(kn_ptr.dtype.element_ty),
+                     mask=kvmask & valid)
+        else:
+            q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
         acc = tl.zeros([BKV, BR, BN], dtype=tl.float32)
         m = tl.full([BKV, BR], float("-inf"), tl.float32)
         z = tl.zeros([BKV, BR], dtype=tl.float32)
         for j in range(C + 1):  # candidates, then this layer's own key and value (j == C)
-            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM)
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM, QKNORM)
             val = _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
                          BKV, BR, BN, CV_PER_HEAD)
             s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
@@ -203,11 +312,15 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV, R, R
 
 @jit
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab, dw_ptr,
-                dw_stride, N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
-                BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
+                wq_ptr, dqi_ptr, dki_ptr, dw_stride, N, C, HKV, R, RQ, HN, scale, eps, q_eps, TOK, sq_n, sq_h, sk_n,
+                sk_h, sv_n, sv_h, BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr,
+                BN: tl.constexpr, GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr,
+                QKNORM: tl.constexpr):
     """Pass 1: scores and go . value of every [candidate..., self] (the softmax gradient needs their weighted
-    mean); pass 2: key, value and query gradients. Values shared by the R heads of a group get their sum."""
+    mean); pass 2: key, value and query gradients. Values shared by the R heads of a group get their sum. QKNORM
+    (as _fwd_kernel): the query and own key are normalised again from their raw rows, and their gradients are the
+    normalised ones' with the attention's (dqi_ptr, dki_ptr) added: _norm_rows_bwd_kernel takes them through the
+    norms after."""
     pid = tl.program_id(0)
     kdt = k_ptr.dtype.element_ty
     vdt = v_ptr.dtype.element_ty
@@ -219,13 +332,17 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, 
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
-        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        if QKNORM:
+            q = _normed_query(q_ptr, wq_ptr, q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, kvmask, R, RQ,
+                              HKV, HN, q_eps, BKV, BN, BRQ, GROUP, False)
+        else:
+            q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
         go = tl.load(go_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], mask=m3 & valid,
                      other=0.).to(tl.float32)
         scores = tl.zeros([BJ, BKV, BR], dtype=tl.float32)
         gv = tl.zeros([BJ, BKV, BR], dtype=tl.float32)
         for j in range(C + 1):
-            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM)
+            key = _key(j, C, ktab, k_ptr, n, valid, sk_n, sk_h, HKV, HN, okv, on, kvmask, w, eps, KNORM, QKNORM)
             val = _value(j, C, vtab, v_ptr, n, valid, sv_n, sv_h, HKV, R, HN, okv, on, heads, hmask, nmask, kvmask,
                          BKV, BR, BN, CV_PER_HEAD)
             sel = (oj == j)[:, None, None]
@@ -267,11 +384,14 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, 
             else:
                 key = tl.load(k_ptr + n * sk_n + okv[:, None] * sk_h + on[None, :], mask=kvmask & valid,
                               other=0.).to(tl.float32)
+                if QKNORM:
+                    key = _head_normed(key, w, HN, eps, k_ptr, 1)
                 dq += dsj[:, :, None] * key[:, None, :]
-                tl.store(dk_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], dkey.to(kdt), mask=kvmask & valid)
+                _own_key_gradient(dkey, dk_ptr, n, valid, okv, on, kvmask, HKV, HN, dki_ptr, QKNORM)
                 tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(dval, axis=1).to(vdt),
                          mask=kvmask & valid)
-        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
+        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP,
+                              dqi_ptr, QKNORM)
     _store_weight_gradient(dw_ptr, dw_stride, dw, on, nmask, KNORM)
 
 
@@ -306,10 +426,10 @@ def _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, 
 
 
 @jit
-def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV, R, RQ, HN, scale, eps, TOK,
-                      sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
+def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, wq_ptr, qn_ptr, kn_ptr, N, C, HKV, R, RQ, HN,
+                      scale, eps, q_eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
                       BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
+                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr, QKNORM: tl.constexpr):
     """_fwd_kernel with every candidate's key and value loaded as one tile before any score is reduced: one
     softmax over [candidates..., self] instead of an online one, entry after entry, each a dependent load."""
     pid = tl.program_id(0)
@@ -319,13 +439,21 @@ def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
-        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        if QKNORM:
+            q = _normed_query(q_ptr, wq_ptr, qn_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, kvmask, R, RQ,
+                              HKV, HN, q_eps, BKV, BN, BRQ, GROUP, True)
+        else:
+            q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
         keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
                                           kvmask, k_ptr, v_ptr, BJ, BKV, BR, BN, CV_PER_HEAD)
         keys = keys.to(tl.float32)
         if KNORM:
             keys = _head_normed(keys, w[None, :, :], HN, eps, k_ptr, 2)
         key, val = _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask)
+        if QKNORM:
+            key = _head_normed(key, w, HN, eps, k_ptr, 1)
+            tl.store(kn_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], key.to(kn_ptr.dtype.element_ty),
+                     mask=kvmask & valid)
         s_c = tl.where(jmask[:, None, None], tl.sum(q[None, :, :, :] * keys[:, :, None, :], axis=3) * scale,
                        float("-inf"))  # [BJ, BKV, BR]
         s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
@@ -340,9 +468,10 @@ def _fwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, out_ptr, N, C, HKV
 
 @jit
 def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk_ptr, dv_ptr, dktab, dvtab, dw_ptr,
-                      dw_stride, N, C, HKV, R, RQ, HN, scale, eps, TOK, sq_n, sq_h, sk_n, sk_h, sv_n, sv_h,
-                      BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr, BRQ: tl.constexpr, BN: tl.constexpr,
-                      GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr, KNORM: tl.constexpr):
+                      wq_ptr, dqi_ptr, dki_ptr, dw_stride, N, C, HKV, R, RQ, HN, scale, eps, q_eps, TOK, sq_n, sq_h,
+                      sk_n, sk_h, sv_n, sv_h, BJ: tl.constexpr, BKV: tl.constexpr, BR: tl.constexpr,
+                      BRQ: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, CV_PER_HEAD: tl.constexpr,
+                      KNORM: tl.constexpr, QKNORM: tl.constexpr):
     """_bwd_kernel with every candidate's key and value read once, as one tile each, and their gradients stored (or
     added, gradient tables) as one tile each: one pass per token instead of two over the entries."""
     pid = tl.program_id(0)
@@ -358,7 +487,11 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk
     for t in range(TOK):
         n = token(pid, t, TOK)
         valid = n < N
-        q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
+        if QKNORM:
+            q = _normed_query(q_ptr, wq_ptr, q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, kvmask, R, RQ,
+                              HKV, HN, q_eps, BKV, BN, BRQ, GROUP, False)
+        else:
+            q = _query(q_ptr, n, valid, sq_n, sq_h, okv, orr, on, hmask, nmask, R, RQ, HKV, GROUP, BRQ)
         go = tl.load(go_ptr + n * HKV * R * HN + heads[:, :, None] * HN + on[None, None, :], mask=m3 & valid,
                      other=0.).to(tl.float32)
         raw_keys, values, jmask = _candidates(ktab, vtab, oj, C, n, valid, HKV, R, HN, okv, on, heads, hmask, nmask,
@@ -367,6 +500,8 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk
         if KNORM:
             keys = _head_normed(keys, w[None, :, :], HN, eps, k_ptr, 2)
         key, val = _own_key_and_value(k_ptr, v_ptr, n, valid, sk_n, sk_h, sv_n, sv_h, okv, on, kvmask)
+        if QKNORM:  # (the weight in the key row's layout, loaded a token: held, it spilled)
+            key = _head_normed(key, _norm_weight(w_ptr, okv, on, kvmask, BKV, BN, True), HN, eps, k_ptr, 1)
         s_c = tl.where(jmask[:, None, None], tl.sum(q[None, :, :, :] * keys[:, :, None, :], axis=3) * scale,
                        float("-inf"))  # [BJ, BKV, BR]
         s = tl.sum(q * key[:, None, :], axis=2) * scale  # [BKV, BR]
@@ -384,10 +519,12 @@ def _bwd_tiles_kernel(q_ptr, k_ptr, v_ptr, ktab, vtab, w_ptr, go_ptr, dq_ptr, dk
         # the query's and this layer's key and value gradients first: the normalised keys die here, before the raw
         # ones go through the norm's backward
         dq = tl.sum(ds_c[:, :, :, None] * keys[:, :, None, :], axis=0) + ds[:, :, None] * key[:, None, :]
-        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP)
-        own = n * HKV * HN + okv[:, None] * HN + on[None, :]
-        tl.store(dk_ptr + own, tl.sum(ds[:, :, None] * q, axis=1).to(kdt), mask=kvmask & valid)
-        tl.store(dv_ptr + own, tl.sum(a[:, :, None] * go, axis=1).to(vdt), mask=kvmask & valid)
+        _store_query_gradient(dq, dq_ptr, n, valid, okv, on, heads, m3, nmask, R, RQ, HKV, HN, BKV, BRQ, BN, GROUP,
+                              dqi_ptr, QKNORM)
+        _own_key_gradient(tl.sum(ds[:, :, None] * q, axis=1), dk_ptr, n, valid, okv, on, kvmask, HKV, HN, dki_ptr,
+                          QKNORM)
+        tl.store(dv_ptr + n * HKV * HN + okv[:, None] * HN + on[None, :], tl.sum(a[:, :, None] * go, axis=1).to(vdt),
+                 mask=kvmask & valid)
         # the candidates' gradients: stored, or added where a buffer holds other readers' (sinks)
         kv_rows = n * HKV * HN + okv[None, :, None] * HN + on[None, None, :]
         ktile = jmask[:, None, None] & kvmask[None, :, :] & valid
@@ -457,25 +594,30 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, cv: List[Tensor], group: bool)
 
 
 def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool,
-                w: Optional[Tensor] = None, eps: float = 0.) -> Tensor:
+                w: Optional[Tensor] = None, eps: float = 0., wq: Optional[Tensor] = None, q_eps: float = 0.):
     """q [N, hq, hn], k / v [N, hkv, hn] (token and head strides free, channels contiguous); ck [N, hkv, hn] and
-    cv [N, hv, hn] contiguous, C >= 1 of each; w [hn]: the candidates' keys are raw, normalised here with it.
-    -> [N, heads, hn] in the value dtype."""
+    cv [N, hv, hn] contiguous, C >= 1 of each; w [hn]: the candidates' keys are raw, normalised here with it; wq [hn]
+    (with w): q and k are raw too, normalised here with wq and w. -> (the mixed values [N, heads, hn] in the value
+    dtype, and with wq the normalised query and key [N, hq / hkv, hn], contiguous; else None, None)."""
     n = q.shape[0]
     hkv, r, rq, hn, consts, strides, group_blocks = _launch_args(q, k, v, cv, group)
     out = torch.empty((n, hkv * r, hn), dtype=v.dtype, device=v.device)
+    qk = wq is not None
+    qn = torch.empty(q.shape, dtype=q.dtype, device=q.device) if qk else None
+    kn = torch.empty(k.shape, dtype=k.dtype, device=k.device) if qk else None
     if n == 0:
-        return out
+        return out, qn, kn
     count, tok = programs(n, v.device, reduces=False)
     grid = (count, group_blocks)
-    args = (q, k, v, pointer_table(ck), pointer_table(cv), k if w is None else w, out, n, len(ck), hkv, r, rq, hn,
-            hn ** -0.5, eps, tok, *strides)
-    consts["KNORM"] = w is not None
+    args = (q, k, v, pointer_table(ck), pointer_table(cv), k if w is None else w, out, wq if qk else k,
+            qn if qk else out, kn if qk else out, n, len(ck), hkv, r, rq, hn, hn ** -0.5, eps, q_eps, tok, *strides)
+    consts.update(KNORM=w is not None, QKNORM=qk)
     tiled, bj = len(ck) <= TILED_CANDIDATES, pow2(len(ck))
     if r <= GROUP_HEADS:
-        # a few groups: the query, the accumulator and each candidate's value; a 64-register cap (32 resident warps:
-        # 32 one-warp programs an SM, the most an SM schedules)
-        num_warps, resident = _group_warps(consts, v.element_size(), 2 + 2 * bj if tiled else 3), 2 * RESIDENT_WARPS
+        # a few groups: the query, the accumulator and each candidate's value (QKNORM: the query's raw heads too); a
+        # 64-register cap (32 resident warps: 32 one-warp programs an SM, the most an SM schedules)
+        live = (2 + 2 * bj if tiled else 3) + int(qk)
+        num_warps, resident = _group_warps(consts, v.element_size(), live), 2 * RESIDENT_WARPS
     else:
         # 16-bit rows: a 64-register cap (32 resident warps); the H200's tuner found the entry-by-entry forward
         # 1.69x faster there than at the default 128 (docs/benchmarks.md)
@@ -485,30 +627,39 @@ def _triton_fwd(q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tens
         launch(_fwd_tiles_kernel, grid, args, num_warps, resident_warps=resident, BJ=bj, **consts)
     else:
         launch(_fwd_kernel, grid, args, num_warps, resident_warps=resident, **consts)
-    return out
+    return out, qn, kn
 
 
 def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], cv: List[Tensor], group: bool,
-                dck: List[Tensor], dcv: List[Tensor], adding: List[bool], w: Optional[Tensor] = None, eps: float = 0.):
+                dck: List[Tensor], dcv: List[Tensor], adding: List[bool], w: Optional[Tensor] = None, eps: float = 0.,
+                wq: Optional[Tensor] = None, q_eps: float = 0., dqi: Optional[Tensor] = None,
+                dki: Optional[Tensor] = None):
     """Candidate gradients into dck / dcv (rows like ck / cv; added to those with `adding` set, keys then values;
-    with w, the raw keys' through the norm) -> (dq, dk, dv, dw or None), each in its input's dtype."""
+    with w, the raw keys' through the norm) -> (dq, dk, dv, dw or None, dwq or None), each in its input's dtype.
+    With wq (the forward's QKNORM), q and k are raw: dq and dk are theirs, through the norms, from the mix's
+    gradients and the attention's of the normalised query and key, dqi [N, hq, hn] and dki [N, hkv, hn] (added in
+    the mix's kernel; the norms' backward is a second launch over the head rows, _norm_rows_backward)."""
     n = q.shape[0]
     hkv, r, rq, hn, consts, strides, group_blocks = _launch_args(q, k, v, cv, group)
+    qk = wq is not None
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if n == 0:
-        return dq, dk, dv, None if w is None else torch.zeros_like(w)
+        return (dq, dk, dv, None if w is None else torch.zeros_like(w), torch.zeros_like(wq) if qk else None)
     c = len(ck)
-    # with the norm, per-program partial sums of its weight's gradient: a few programs an SM, several tokens each
+    # with the norm, per-program partial sums of its weight's gradient: a few programs an SM, several tokens each;
+    # QKNORM: the raw key's norm backward adds its programs' rows after them (one sum for the key norm's weight)
     count, tok = programs(n, go.device, reduces=w is not None)
     grid = (count, group_blocks)
-    parts = None if w is None else partial_sums(count * group_blocks, pow2(hn), go.device)
+    mix_rows = count * group_blocks
+    key_rows = _norm_rows_grid(n * hkv, hn, go.device)[0] if qk else 0
+    parts = None if w is None else partial_sums(mix_rows + key_rows, pow2(hn), go.device)
     args = (q, k, v, pointer_table(ck), pointer_table(cv), k if w is None else w, go, dq, dk, dv,
             gradient_table(dck, adding[:c]), gradient_table(dcv, adding[c:]), dq if parts is None else parts,
-            0 if parts is None else parts.stride(0), n, c,
-            hkv, r, rq, hn, hn ** -0.5, eps, tok, *strides)
-    consts["KNORM"] = w is not None
+            wq if qk else k, dqi if qk else go, dki if qk else go, 0 if parts is None else parts.stride(0), n, c, hkv,
+            r, rq, hn, hn ** -0.5, eps, q_eps, tok, *strides)
+    consts.update(KNORM=w is not None, QKNORM=qk)
     # a tile of gradients reads all its rows before it stores any: two candidates sharing one buffer would lose one's
     # gradient, so they go entry by entry (meta tensors, recorded launches, share no memory)
     shared = go.device.type != "meta" and any(len({t.data_ptr() for t in grads}) < c for grads in (dck, dcv))
@@ -535,7 +686,34 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
         # rows: 170 registers, not 128 (it spilled on sm_80)
         resident = 12 if w is not None else RESIDENT_WARPS
         launch(_bwd_kernel, grid, args, num_warps, resident_warps=resident, BJ=pow2(c + 1), **consts)
-    return dq, dk, dv, None if parts is None else sum_rows(parts, hn, dtypes=[w.dtype])
+    if parts is None:
+        return dq, dk, dv, None, None
+    dwq = None
+    if qk:  # the normalised query's and key's gradients (in dq, dk) through the norms, in place
+        _norm_rows_backward(k, dk, w, eps, parts, mix_rows)
+        q_parts = partial_sums(_norm_rows_grid(n * q.shape[1], hn, go.device)[0], pow2(hn), go.device)
+        _norm_rows_backward(q, dq, wq, q_eps, q_parts, 0)
+        dwq = sum_rows(q_parts, hn, dtypes=[wq.dtype])
+    return dq, dk, dv, sum_rows(parts, hn, dtypes=[w.dtype]), dwq
+
+
+def _norm_rows_grid(rows: int, hn: int, device: torch.device):
+    """(programs, head rows a program, rows a step) of _norm_rows_bwd_kernel: a few programs an SM (each writes a row
+    of partial sums), a [rows, hn] step of about 2k values (16 bytes of 16-bit rows a thread on 4 warps); 2 rows a
+    step under the interpreter, so that the tests walk several steps and a masked tail."""
+    br = 2 if interpreting() else max(1, 2048 // pow2(hn))
+    count, tok = programs(rows, device, reduces=True)
+    tok = cdiv(tok, br) * br
+    return cdiv(rows, tok), tok, br
+
+
+def _norm_rows_backward(x: Tensor, g: Tensor, weight: Tensor, eps: float, parts: Tensor, first: int) -> None:
+    """x [N, h, hn] raw head rows (token and head strides free), g [N, h, hn] contiguous the gradient of their
+    norm's output, replaced in place by theirs; the weight's partial sums into rows first.. of parts."""
+    n, h, hn = x.shape
+    count, tok, br = _norm_rows_grid(n * h, hn, x.device)
+    launch(_norm_rows_bwd_kernel, (count,), (x, g, weight, parts, n * h, h, hn, x.stride(0), x.stride(1), eps, first,
+                                             parts.stride(0), tok), 4, adds_into=(g,), BR=br, BN=pow2(hn))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -561,7 +739,13 @@ def _normed_keys_torch(ck, w, eps):
     return [y.view_as(c) for (y, _), c in zip(made, ck)], [rstd for _, rstd in made]
 
 
-def _torch_fwd(q, k, v, ck, cv, group, w=None, eps=0.):
+def _torch_fwd(q, k, v, ck, cv, group, w=None, eps=0., wq=None, q_eps=0.):
+    """-> (mixed, normalised query, normalised key), the last two None without wq (as _triton_fwd)."""
+    qn = kn = None
+    if wq is not None:  # the raw query and key through this layer's norms first
+        (q,), _ = _normed_keys_torch([q], wq, q_eps)
+        (k,), _ = _normed_keys_torch([k], w, eps)
+        qn, kn = q, k
     if w is not None:
         ck = _normed_keys_torch(ck, w, eps)[0]
     n, hkv, hn = k.shape
@@ -578,21 +762,30 @@ def _torch_fwd(q, k, v, ck, cv, group, w=None, eps=0.):
         z = z * a + p
         acc = acc * a.unsqueeze(-1) + p.unsqueeze(-1) * val
         m = m_new
-    return (acc / z.unsqueeze(-1)).view(n, hkv * r, hn).to(v.dtype)
+    return (acc / z.unsqueeze(-1)).view(n, hkv * r, hn).to(v.dtype), qn, kn
 
 
-def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding, w=None, eps=0.):
+def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding, w=None, eps=0., wq=None, q_eps=0., dqi=None, dki=None):
+    """-> (dq, dk, dv, dw, dwq), as _triton_bwd."""
+    if wq is not None:  # the twin on the normalised query and key, the attention's gradients of them added; the norms'
+        (qn,), (q_rstd,) = _normed_keys_torch([q], wq, q_eps)
+        (kn,), (k_rstd,) = _normed_keys_torch([k], w, eps)
+        dqn, dkn, dv, dw, _ = _torch_bwd(go, qn, kn, v, ck, cv, group, dck, dcv, adding, w, eps)
+        dq, dwq = rms_norm_grad_torch(q.reshape(-1, q.shape[-1]), (dqn + dqi).reshape(-1, q.shape[-1]), wq, q_rstd)
+        dk, dwk = rms_norm_grad_torch(k.reshape(-1, k.shape[-1]), (dkn + dki).reshape(-1, k.shape[-1]), w, k_rstd)
+        return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv, (dw.to(dwk.dtype) + dwk).to(w.dtype),
+                dwq)
     if w is not None:  # the twin without the norm, the normalised keys' gradients into fresh buffers; then the norm's
         normed, rstds = _normed_keys_torch(ck, w, eps)
         grads = [torch.empty_like(c) for c in ck]
-        dq, dk, dv, _ = _torch_bwd(go, q, k, v, normed, cv, group, grads, dcv,
-                                   [False] * len(ck) + list(adding[len(ck):]))
+        dq, dk, dv, _, _ = _torch_bwd(go, q, k, v, normed, cv, group, grads, dcv,
+                                      [False] * len(ck) + list(adding[len(ck):]))
         dw = torch.zeros(w.shape, dtype=accumulation_dtype(w.dtype), device=w.device)
         for raw, grad, rstd, into, add in zip(ck, grads, rstds, dck, adding):
             dh, dw_j = rms_norm_grad_torch(raw.reshape(-1, raw.shape[-1]), grad.view(-1, raw.shape[-1]), w, rstd)
             store_or_add_torch(into, dh.view_as(raw), add)
             dw += dw_j
-        return dq, dk, dv, dw.to(w.dtype)
+        return dq, dk, dv, dw.to(w.dtype), None
     n, hkv, hn = k.shape
     q4 = _query_layout(q, k, group)
     ct, r = q4.dtype, q4.shape[2]
@@ -619,7 +812,7 @@ def _torch_bwd(go, q, k, v, ck, cv, group, dck, dcv, adding, w=None, eps=0.):
         dq = (dq / rq).expand(n, hkv, rq, hn)
     for into, grad, add in zip(dck + dcv, dkeys[:-1] + dvals[:-1], adding):
         store_or_add_torch(into, grad, add)
-    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1], None
+    return dq.reshape(q.shape).to(q.dtype), dkeys[-1], dvals[-1], None, None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -647,15 +840,45 @@ def depth_attention_op(query: Tensor, key: Tensor, value: Tensor, cand_keys: Lis
     """query [*, hq, hn]; key / value [*, hkv, hn]; C >= 1 candidate keys [*, hkv, hn] and values [*, hv, hn]
     -> [*, heads, hn] (heads: hq, or hkv in group mode). key_norm_weight [hn]: the candidate keys are raw, and
     normalised with it (this layer's key norm) in the kernel."""
-    q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
-    out = (_triton_fwd if uses_triton(v) else _torch_fwd)(q, k, v, ck, cv, group, contiguous(key_norm_weight), eps)
-    return out.view(*value.shape[:-2], out.shape[-2], out.shape[-1])
+    return _forward(query, key, value, cand_keys, cand_values, key_norm_weight, eps, group)[0]
 
 
 @register_fake(depth_attention_op)
 def _(query, key, value, cand_keys, cand_values, key_norm_weight, eps, group):
+    return _fake_mixed(query, key, value, group)
+
+
+def _fake_mixed(query, key, value, group):
     heads = key.shape[-2] if group else query.shape[-2]
     return value.new_empty((*value.shape[:-2], heads, value.shape[-1]))
+
+
+@torch.library.custom_op("mega_depth::depth_attention_mix_qk", mutates_args=())
+def depth_attention_qk_op(query: Tensor, key: Tensor, value: Tensor, cand_keys: List[Tensor],
+                          cand_values: List[Tensor], key_norm_weight: Tensor, eps: float, query_norm_weight: Tensor,
+                          query_eps: float, group: bool) -> List[Tensor]:
+    """depth_attention_mix of this layer's raw query and key, and raw candidate keys, normalised in the kernel: the
+    query with query_norm_weight [hn], the key and the candidates' keys with key_norm_weight [hn] (this layer's
+    norms) -> [the normalised query [*, hq, hn], the normalised key [*, hkv, hn], the mixed values [*, heads, hn]]."""
+    out, qn, kn = _forward(query, key, value, cand_keys, cand_values, key_norm_weight, eps, group, query_norm_weight,
+                           query_eps)
+    return [qn, kn, out]
+
+
+@register_fake(depth_attention_qk_op)
+def _(query, key, value, cand_keys, cand_values, key_norm_weight, eps, query_norm_weight, query_eps, group):
+    return [query.new_empty(query.shape), key.new_empty(key.shape), _fake_mixed(query, key, value, group)]
+
+
+def _forward(query, key, value, cand_keys, cand_values, key_norm_weight, eps, group, query_norm_weight=None,
+             query_eps=0.):
+    """-> (mixed, normalised query, normalised key) shaped as the inputs (the last two None without the query
+    norm)."""
+    q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
+    out, qn, kn = (_triton_fwd if uses_triton(v) else _torch_fwd)(q, k, v, ck, cv, group, contiguous(key_norm_weight),
+                                                                  eps, contiguous(query_norm_weight), query_eps)
+    out = out.view(*value.shape[:-2], out.shape[-2], out.shape[-1])
+    return out, None if qn is None else qn.view(query.shape), None if kn is None else kn.view(key.shape)
 
 
 @torch.library.custom_op("mega_depth::depth_attention_mix_backward", mutates_args=())
@@ -663,9 +886,13 @@ def depth_attention_backward_op(grad: Tensor, query: Tensor, key: Tensor, value:
                                 cand_values: List[Tensor], key_norm_weight: Optional[Tensor], eps: float,
                                 group: bool) -> List[Tensor]:
     """-> [dq, dk, dv, d key_norm_weight (or empty), candidate key gradients..., candidate value gradients...]."""
-    into = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in list(cand_keys) + list(cand_values)]
+    into = _candidate_buffers(cand_keys, cand_values)
     return _backward_into(grad, query, key, value, cand_keys, cand_values, into, [False] * len(into),
-                          key_norm_weight, eps, group) + into
+                          key_norm_weight, eps, group)[:4] + into
+
+
+def _candidate_buffers(cand_keys, cand_values) -> List[Tensor]:
+    return [torch.empty_like(c, memory_format=torch.contiguous_format) for c in list(cand_keys) + list(cand_values)]
 
 
 @register_fake(depth_attention_backward_op)
@@ -681,7 +908,8 @@ def depth_attention_backward_into_op(grad: Tensor, query: Tensor, key: Tensor, v
                                      group: bool) -> List[Tensor]:
     """The candidates' gradients stored into `into` (contiguous tensors shaped like the candidate keys, then values),
     or added to those with `adding` set (kernels/grad_sink.py) -> [dq, dk, dv, d key_norm_weight (or empty)]."""
-    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps, group)
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps,
+                          group)[:4]
 
 
 @register_fake(depth_attention_backward_into_op)
@@ -689,46 +917,108 @@ def _(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_we
     return [t.new_empty(t.shape) for t in (query, key, value)] + [_weight_gradient_like(grad, key_norm_weight)]
 
 
+@torch.library.custom_op("mega_depth::depth_attention_mix_qk_backward", mutates_args=())
+def depth_attention_qk_backward_op(grad_query: Tensor, grad_key: Tensor, grad: Tensor, query: Tensor, key: Tensor,
+                                   value: Tensor, cand_keys: List[Tensor], cand_values: List[Tensor],
+                                   key_norm_weight: Tensor, eps: float, query_norm_weight: Tensor, query_eps: float,
+                                   group: bool) -> List[Tensor]:
+    """depth_attention_mix_qk's backward, given the gradients of its three outputs -> [d raw query, d raw key, dv,
+    d key_norm_weight, d query_norm_weight, candidate key gradients..., candidate value gradients...]."""
+    into = _candidate_buffers(cand_keys, cand_values)
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, [False] * len(into),
+                          key_norm_weight, eps, group, (query_norm_weight, query_eps, grad_query, grad_key)) + into
+
+
+@register_fake(depth_attention_qk_backward_op)
+def _fake_qk_backward(grad_query, grad_key, grad, query, key, value, cand_keys, cand_values, key_norm_weight, eps,
+                      query_norm_weight, query_eps, group):
+    return ([t.new_empty(t.shape) for t in (query, key, value, key_norm_weight, query_norm_weight)]
+            + [t.new_empty(t.shape) for t in (*cand_keys, *cand_values)])
+
+
+@torch.library.custom_op("mega_depth::depth_attention_mix_qk_backward_into", mutates_args=("into",))
+def depth_attention_qk_backward_into_op(grad_query: Tensor, grad_key: Tensor, grad: Tensor, query: Tensor,
+                                        key: Tensor, value: Tensor, cand_keys: List[Tensor],
+                                        cand_values: List[Tensor], into: List[Tensor], adding: List[bool],
+                                        key_norm_weight: Tensor, eps: float, query_norm_weight: Tensor,
+                                        query_eps: float, group: bool) -> List[Tensor]:
+    """depth_attention_mix_qk_backward with the candidates' gradients into `into` (stored, or added where `adding`)
+    -> [d raw query, d raw key, dv, d key_norm_weight, d query_norm_weight]."""
+    return _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps, group,
+                          (query_norm_weight, query_eps, grad_query, grad_key))
+
+
+@register_fake(depth_attention_qk_backward_into_op)
+def _(grad_query, grad_key, grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps,
+      query_norm_weight, query_eps, group):
+    return [t.new_empty(t.shape) for t in (query, key, value, key_norm_weight, query_norm_weight)]
+
+
 def _weight_gradient_like(grad: Tensor, key_norm_weight: Optional[Tensor]) -> Tensor:
     return nothing(grad) if key_norm_weight is None else key_norm_weight.new_empty(key_norm_weight.shape)
 
 
-def _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps,
-                   group) -> List[Tensor]:
+def _backward_into(grad, query, key, value, cand_keys, cand_values, into, adding, key_norm_weight, eps, group,
+                   qk=None) -> List[Tensor]:
+    """-> [dq, dk, dv, d key_norm_weight (or empty)], and with qk = (query_norm_weight, query_eps, the attention's
+    gradients of the normalised query and key) the raw query's and key's gradients there, and d query_norm_weight
+    after."""
     q, k, v, ck, cv = _operands(query, key, value, cand_keys, cand_values)
     go = grad.reshape(-1, *grad.shape[-2:]).contiguous()
     rows = [t.view(-1, *t.shape[-2:]) for t in into]
     c = len(ck)
-    dq, dk, dv, dw = (_triton_bwd if uses_triton(v) else _torch_bwd)(go, q, k, v, ck, cv, group, rows[:c], rows[c:],
-                                                                     list(adding), contiguous(key_norm_weight), eps)
-    return [dq.view_as(query), dk.view_as(key), dv.view_as(value), nothing(grad) if dw is None else dw]
+    wq, q_eps, dqi, dki = (None, 0., None, None) if qk is None else qk
+    if qk is not None:
+        dqi, dki = (t.reshape(-1, *t.shape[-2:]).contiguous() for t in (dqi, dki))
+    dq, dk, dv, dw, dwq = (_triton_bwd if uses_triton(v) else _torch_bwd)(
+        go, q, k, v, ck, cv, group, rows[:c], rows[c:], list(adding), contiguous(key_norm_weight), eps,
+        contiguous(wq), q_eps, dqi, dki)
+    out = [dq.view_as(query), dk.view_as(key), dv.view_as(value), nothing(grad) if dw is None else dw]
+    return out if qk is None else out + [dwq]
 
 
 def _setup(ctx, inputs, output):
-    query, key, value, cand_keys, cand_values, key_norm_weight, eps, group = inputs
-    ctx.save_for_backward(query, key, value, key_norm_weight, *cand_keys, *cand_values)
-    ctx.cfg = (eps, group, len(cand_keys))
+    """Both ops': the plain mix's inputs end (..., eps, group), the qk op's (..., eps, query-norm weight, its eps,
+    group)."""
+    query, key, value, cand_keys, cand_values, key_norm_weight, eps, *rest = inputs
+    query_norm_weight, query_eps = (None, 0.) if len(rest) == 1 else rest[:2]
+    ctx.save_for_backward(query, key, value, key_norm_weight, query_norm_weight, *cand_keys, *cand_values)
+    ctx.cfg = (eps, rest[-1], len(cand_keys), len(rest) > 1, query_eps)
     ctx.sinks = grad_sink.sinks_of(list(cand_keys) + list(cand_values))
 
 
-def _backward(ctx, grad):
-    query, key, value, weight, *cands = ctx.saved_tensors
-    eps, group, c = ctx.cfg
+def _backward(ctx, grads):
+    """Both ops': the mix's (grads: the mixed values' gradient) and the qk op's (grads: its three outputs')."""
+    query, key, value, weight, query_weight, *cands = ctx.saved_tensors
+    eps, group, c, qk, query_eps = ctx.cfg
     need = ctx.needs_input_grad
+    if qk:
+        grad_query, grad_key, grad = grads
+        args = (grad_query, grad_key, grad, query, key, value, cands[:c], cands[c:])
+        plain, into_op = depth_attention_qk_backward_op, depth_attention_qk_backward_into_op
+        tail = (query_weight, query_eps)
+    else:
+        grad = grads
+        args = (grad, query, key, value, cands[:c], cands[c:])
+        plain, into_op, tail = depth_attention_backward_op, depth_attention_backward_into_op, ()
     if ctx.sinks is None:
-        dq, dk, dv, dw, *dc = call(depth_attention_backward_op, grad, query, key, value, cands[:c], cands[c:], weight,
-                                   eps, group)
+        out = call(plain, *args, weight, eps, *tail, group)
+        dc = out[len(out) - 2 * c:]
     else:  # the candidates' sinks take their gradients in the kernel (kernels/grad_sink.py)
         into, adding = grad_sink.buffers(ctx.sinks, cands)
-        dq, dk, dv, dw = call(depth_attention_backward_into_op, grad, query, key, value, cands[:c], cands[c:], into,
-                              adding, weight, eps, group)
+        out = call(into_op, *args, into, adding, weight, eps, *tail, group)
         dc = (grad_sink.returned(ctx.sinks[:c], into[:c], need[3])
               + grad_sink.returned(ctx.sinks[c:], into[c:], need[4]))
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:],
-            dw if weight is not None and need[5] else None, None, None)
+    dq, dk, dv, dw = out[:4]
+    grads = [dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dc[:c], dc[c:],
+             dw if weight is not None and need[5] else None, None]
+    if qk:
+        return (*grads, out[4] if need[7] else None, None, None)
+    return (*grads, None)
 
 
 autograd(depth_attention_op, _backward, _setup)
+autograd(depth_attention_qk_op, _backward, _setup)
 
 
 def depth_attention_mix(query: Tensor, key: Tensor, value: Tensor, cand_keys: Optional[Sources],
@@ -745,13 +1035,39 @@ def depth_attention_mix_normed(norm_weight: Tensor, norm_eps: float, query: Tens
     weight norm_weight [hn], Llama's casting: megatron/norm.py's fused norm), the norm inside the mix kernel each
     way: no normalised candidate key is written, made again in backward, or summed over its readers' gradients.
     == depth_attention_mix(query, key, value, [norm(k) for k in cand_raw_keys], cand_values, gqa_mode)."""
-    if norm_weight.dim() != 1 or norm_weight.shape[0] != key.shape[-1]:
-        raise ValueError(f"a key norm weight of shape {tuple(norm_weight.shape)} does not normalise head rows of "
-                         f"{key.shape[-1]} channels")
+    _check_head_norm("key", norm_weight, key)
     return _mix(query, key, value, cand_raw_keys, cand_values, gqa_mode, norm_weight, float(norm_eps))
 
 
-def _mix(query, key, value, cand_keys, cand_values, gqa_mode, key_norm_weight, eps) -> Tensor:
+def depth_attention_mix_qk_normed(query_norm_weight: Tensor, query_eps: float, key_norm_weight: Tensor,
+                                  key_eps: float, raw_query: Tensor, raw_key: Tensor, value: Tensor,
+                                  cand_raw_keys: Sources, cand_values: Sources,
+                                  gqa_mode: str = "query") -> Tuple[Tensor, Tensor, Tensor]:
+    """This layer's query and key norms (the host's RMSNorms of head rows, weights [hn], Llama's casting) and the
+    value mix of the candidates' raw keys under the key norm, in one op each way -> (the normalised query, the
+    normalised key, the mixed values), what the attention reads:
+    == (query, key, depth_attention_mix(query, key, value, [knorm(k) for k in cand_raw_keys], cand_values)) with
+    query = qnorm(raw_query), key = knorm(raw_key). The attention's gradients of the normalised query and key join
+    the mix's inside the backward kernel and go through the norms there, where autograd added them and the norms'
+    own kernels ran forward, again for the mix's saved copies, and backward. C >= 1 candidates (with none, the
+    caller's norms and the plain mix, which is the value itself)."""
+    _check_head_norm("query", query_norm_weight, raw_query)
+    _check_head_norm("key", key_norm_weight, raw_key)
+    if cand_raw_keys is None or not len(cand_raw_keys):
+        raise ValueError("depth_attention_mix_qk_normed mixes C >= 1 candidates; without any, normalise the query "
+                         "and key with the layer's norms and use the value as it is")
+    return tuple(_mix(raw_query, raw_key, value, cand_raw_keys, cand_values, gqa_mode, key_norm_weight,
+                      float(key_eps), (query_norm_weight, float(query_eps))))
+
+
+def _check_head_norm(which: str, weight: Tensor, like: Tensor) -> None:
+    if weight.dim() != 1 or weight.shape[0] != like.shape[-1]:
+        raise ValueError(f"a {which} norm weight of shape {tuple(weight.shape)} does not normalise head rows of "
+                         f"{like.shape[-1]} channels")
+
+
+def _mix(query, key, value, cand_keys, cand_values, gqa_mode, key_norm_weight, eps, query_norm=None):
+    """The mix's checks and call; query_norm (weight, eps): the qk op (-> its list of three)."""
     if gqa_mode not in mixing.DEPTH_ATTN_GQA_MODES:
         raise ValueError(f"unknown depth-attention GQA mode {gqa_mode!r}; choose one of "
                          f"{mixing.DEPTH_ATTN_GQA_MODES}")
@@ -778,4 +1094,7 @@ def _mix(query, key, value, cand_keys, cand_values, gqa_mode, key_norm_weight, e
     if not traced([query, key, value]) and not traced(ck + cv):  # readers of a candidate add into one buffer
         shared = grad_sink.aliased(ck + cv)
         ck, cv = shared[:len(ck)], shared[len(ck):]
+    if query_norm is not None:
+        return call(depth_attention_qk_op, query, key, value, ck, cv, key_norm_weight, eps, *query_norm,
+                    gqa_mode == "group")
     return call(depth_attention_op, query, key, value, ck, cv, key_norm_weight, eps, gqa_mode == "group")

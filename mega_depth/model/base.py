@@ -88,6 +88,7 @@ class ModelShape:
     num_attention_heads: int
     num_query_groups: int
     norm_epsilon: float
+    qk_norm: bool = True  # the attention normalises its query and key per head (Qwen3's q/k norms)
 
     @property
     def head_dim(self) -> int:

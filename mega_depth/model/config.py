@@ -190,7 +190,7 @@ class DecoderConfig:
     @property
     def shape(self) -> ModelShape:
         return ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads, self.num_query_groups,
-                          self.norm_epsilon)
+                          self.norm_epsilon, self.qk_layernorm)
 
     def mechanism(self, tp: int = 1, sp: bool = False):
         return build(self.residual, self.shape, tp, sp)

@@ -105,7 +105,9 @@ class DepthAttention(Mechanism):
         index = layer.layer_index
 
         mix = self.kernel("depth_attention_mix", depth_attention_mix)
-        # the candidates' key norm inside the mix kernel, where the host's norm can hand its weight to an op
+        # the host's norms inside the mix's kernels, where they can hand their weights to an op: this layer's query
+        # and key norms and the candidates' key norm, or the candidates' alone
+        mix_qk = getattr(self.kernels, "depth_attention_mix_qk_normed", None) if self.fused else None
         mix_normed = getattr(self.kernels, "depth_attention_mix_normed", None) if self.fused else None
 
         def value_mixer(raw_query, raw_key, value, query_norm, key_norm):
@@ -115,6 +117,14 @@ class DepthAttention(Mechanism):
             def normalise_and_mix(raw_query, raw_key, value, *candidates):
                 """-> (query, key, mixed values): the attention reads the normalised query and key from here, so
                 each norm runs once."""
+                if n and mix_qk is not None and hasattr(query_norm, "folded") and hasattr(key_norm, "folded"):
+                    # through both modules' calls (their hooks run): the attention's gradients of the normalised
+                    # query and key join the mix's in its backward kernel, not in autograd, and no norm kernel runs
+                    folded = query_norm.folded(lambda wq, eq: key_norm.folded(lambda wk, ek: mix_qk(
+                        wq, eq, wk, ek, raw_query, raw_key, value, list(candidates[:n]), list(candidates[n:]),
+                        self.gqa), raw_key), raw_query)
+                    if folded is not None:
+                        return folded
                 query, key = query_norm(raw_query), key_norm(raw_key)
                 if n == 0:
                     return query, key, mix(query, key, value, None, None, self.gqa)
@@ -170,26 +180,42 @@ class DepthAttention(Mechanism):
     def kernel_io_units(self, recompute=True):
         """Per layer with C candidates, the value mix reads the query, key and value, the candidates' raw keys
         (normalised by this layer's key norm inside the kernel) and stored values, and writes the mixed values,
-        once: what the recomputation makes again is this layer's normalised query and key (the host's fused norm,
-        norm_outputs_made_again), not the mix; backward reads those and the mixed values' gradient and writes the
-        query's, key's and value's gradients; a stored key's and value's gradients are summed in the kernels over
-        the layers that read them. Widths in units of d: the query 1, a key or value hkv/hq, a mixed value hq/hq per
-        query head (1) or per group."""
+        once; backward reads them again and the mixed values' gradient and writes the query's, key's and value's
+        gradients; a stored key's and value's gradients are summed in the kernels over the layers that read them.
+        With the attention's q/k norms (`qk_norm`), the query and key it reads are raw and normalised in the
+        kernels too (nothing is made again: no norm runs outside the mix): forward also writes the normalised query
+        and key for the attention; backward also reads the attention's gradients of them, and a second launch takes
+        the sums through the norms (reads the raw rows, reads and writes their gradients). Widths in units of d:
+        the query 1, a key or value hkv/hq, a mixed value hq/hq per query head (1) or per group."""
         s = self.shape
         kw = s.num_query_groups / s.num_attention_heads
         vw = (s.num_attention_heads if self.gqa == "query" else s.num_query_groups) / s.num_attention_heads
+        normed = (1 + kw) if s.qk_norm else 0.0  # the query and key rows
         readers, total = {}, 0.0
         for layer in range(s.num_layers):
             cands = depth_attention_candidates(layer, self.stride, self.window)
             c = len(cands)
             if not c:
                 continue  # the value alone: no kernel
-            forward = 1 + 2 * kw + c * (kw + vw) + vw
-            backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw)
+            forward = 1 + 2 * kw + c * (kw + vw) + vw + normed
+            backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw) + normed + 3 * normed
             total += forward + backward
             for j in cands:
                 readers[j] = readers.get(j, 0) + 1
         return total + sunk_gradients(readers, lambda j: kw + vw)
+
+    def training_io_units(self, fused=True):
+        """As the base's, less the work of the host's q/k norms that the fused kernels do in their place (counted in
+        kernel_io_units): the baseline's step normalises the query and key of every layer too (forward: read the raw
+        rows, write the normalised; backward: read the raw rows and the gradient, write the raw rows'), so the bound
+        keeps only the traffic Depth-Attention adds."""
+        units = super().training_io_units(fused)
+        s = self.shape
+        if fused and s.qk_norm:
+            mixing_layers = sum(1 for layer in range(s.num_layers)
+                                if depth_attention_candidates(layer, self.stride, self.window))
+            units -= 5 * (1 + s.num_query_groups / s.num_attention_heads) * mixing_layers
+        return units
 
     # --- pipeline payload ---------------------------------------------------------------------------------------
     def layout(self, boundary):

@@ -87,9 +87,9 @@ LAYOUTS = {
     # without SP (their gradient all-reduce and reduce-scatter branches).
     # CI time (an interpreted launch costs ~20 s a mechanism): DCA's projection, whose TP branches are its own, and
     # the sublayer inputs made and normalised in one op (Block AttnRes's merge, mHC's stream read) and
-    # Depth-Attention's key norm folded into its value mix, whose norm weights' gradients SP leaves to Megatron's
-    # reduction of a sequence-parallel parameter; the other paths' gradients meet TP and SP only through Megatron's
-    # own reductions, as the eager ones do.
+    # Depth-Attention's query and key norms folded into its value mix, whose norm weights' gradients SP leaves to
+    # Megatron's reduction of a sequence-parallel parameter; the other paths' gradients meet TP and SP only through
+    # Megatron's own reductions, as the eager ones do.
     "tp2-sp-interpreted": (2, TP2_SP + ["--mixing-impl", "triton"], True, "dca-2,attnres-block,mhc,depth-attention"),
     "tp2-interpreted": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca"),
 }

@@ -15,11 +15,12 @@ from mega_depth.catalogue import SETTINGS
 # (baseline 100, Block AttnRes 8, Depth-Attention 8, 2-DCA 12, Full AttnRes 15, mHC 30): the sources' gradients are
 # summed in the backward kernels (kernels/grad_sink.py), mHC's coefficients read the streams once
 # (kernels/mhc_projection.py), Depth-Attention normalises its query and key once, its candidates' keys in the mix
-# kernel, and the fused norm reads strided rows (megatron/norm.py), DCA's three inputs are normalised as one tensor
+# kernel (since 2026-12-01, its query and key too: no autograd add of the attention's and the mix's gradients of
+# them), and the fused norm reads strided rows (megatron/norm.py), DCA's three inputs are normalised as one tensor
 # whose gradient is one buffer (megatron/qkv_projection.py), each Block AttnRes phase 2 writes its gradient into
 # phase 1's output gradient (grad_sink.unbound). The numbers are a ratchet against new waste.
 OVER_BASELINE_GB = {"attnres-full": -8, "attnres-block": 3, "attnres-input-query": 118, "dca": 0, "dca-2": 6,
-                    "depth-attention": 7, "hc": 759, "mhc": -8, "denseformer": 1}
+                    "depth-attention": 3, "hc": 759, "mhc": -8, "denseformer": 1}
 BASELINE_GB = 100
 
 

@@ -6,7 +6,10 @@ from kernel_checks import (EPS, SCALES, SourceGradAdds, bf16_matches_fp32, check
                            rms_normed, saves_only_inputs)
 
 from mega_depth.kernels.depth_attention import (depth_attention_backward_into_op, depth_attention_backward_op,
-                                                depth_attention_mix, depth_attention_mix_normed, depth_attention_op)
+                                                depth_attention_mix, depth_attention_mix_normed,
+                                                depth_attention_mix_qk_normed, depth_attention_op,
+                                                depth_attention_qk_backward_into_op, depth_attention_qk_backward_op,
+                                                depth_attention_qk_op)
 from mega_depth.model import mixing
 
 
@@ -250,3 +253,96 @@ def test_a_key_norm_weight_of_the_wrong_width_is_refused():
     q, k, v = torch.randn(3, 4, 6), torch.randn(3, 2, 6), torch.randn(3, 2, 6)
     with pytest.raises(ValueError, match="key norm weight of shape"):
         depth_attention_mix_normed(torch.ones(8), EPS, q, k, v, [torch.randn(3, 2, 6)], [torch.randn(3, 4, 6)])
+
+
+# --- this layer's query and key norms in the mix too (depth_attention_mix_qk_normed) ------------------------------
+
+
+def qk_reference(wq, q_eps, wk, k_eps, raw_q, raw_k, v, cand_raw_keys, cand_values, gqa_mode):
+    """What the model does without the fold: the layer's (eager) query and key norms, the candidates' keys through
+    the key norm, then the reference mix; the attention reads the normalised query and key."""
+    q, k = rms_normed(raw_q, wq, q_eps), rms_normed(raw_k, wk, k_eps)
+    return q, k, normed_reference(wk, k_eps, q, k, v, cand_raw_keys, cand_values, gqa_mode)
+
+
+def qk_normed(wq, q_eps, wk, k_eps, raw_q, raw_k, v, cand_raw_keys, cand_values, gqa_mode):
+    return depth_attention_mix_qk_normed(wq, q_eps, wk, k_eps, raw_q, raw_k, v, list(cand_raw_keys),
+                                         list(cand_values), gqa_mode)
+
+
+@pytest.mark.parametrize("tiles", [True, False], ids=["one tile", "entry by entry"])
+@pytest.mark.parametrize("mode, hv", [("query", 4), ("group", 2)])
+@pytest.mark.parametrize("c", [1, 3])
+def test_the_layers_query_and_key_normalised_in_the_mix(path, monkeypatch, tiles, mode, hv, c):
+    """The raw query and key normalised by this layer's norms in the kernel, and written out for the attention: the
+    three outputs, and the gradients of the raw query, key, value, raw candidate keys, values and both norms'
+    weights (from the outputs' gradients together: the attention's of the query and key join the mix's in the
+    kernel) equal the reference's. Head rows of 6 channels in a block of 8; the query norm's epsilon differs from
+    the key norm's."""
+    from mega_depth.kernels import depth_attention
+
+    if not tiles:
+        monkeypatch.setattr(depth_attention, "TILED_CANDIDATES", 0)
+    lead, hq, hkv, hn = (5,), 4, 2, 6
+    q, k, v = leaf(*lead, hq, hn, scale=2.0), leaf(*lead, hkv, hn, scale=0.7), leaf(*lead, hkv, hn)
+    raw = [leaf(*lead, hkv, hn, scale=0.5 + i) for i in range(c)]
+    cv = [leaf(*lead, hv, hn, scale=2.0) for _ in range(c)]
+    wq, wk = leaf(hn, scale=0.3, shift=1.0), leaf(hn, scale=0.3, shift=1.0)
+    n = len(raw)
+    check(lambda wq_, wk_, *t: qk_normed(wq_, 1e-5, wk_, EPS, *t[:3], t[3:3 + n], t[3 + n:], mode),
+          lambda wq_, wk_, *t: qk_reference(wq_, 1e-5, wk_, EPS, *t[:3], t[3:3 + n], t[3 + n:], mode),
+          [wq, wk, q, k, v, *raw, *cv], f"normed query and key {mode} C={c} tiles={tiles}")
+
+
+@pytest.mark.parametrize("layout", ["a group a program", "the token's groups a program"])
+def test_the_layers_query_and_key_normalised_in_every_program_layout(path, layout):
+    """3 key-value groups of 2 heads (one to a program, 1B's layout) or of 4 (every group in one program, 7B's), a
+    strided key and value split off a fused projection."""
+    hkv, r, hn = 3, 4 if layout.startswith("the token") else 2, 6
+    fused = leaf(4, hkv, (r + 2) * hn)
+    raw, cv = [leaf(4, hkv, hn) for _ in range(2)], [leaf(4, hkv * r, hn, scale=2.0) for _ in range(2)]
+    wq, wk = leaf(hn, scale=0.3, shift=1.0), leaf(hn, scale=0.3, shift=1.0)
+
+    def run(mix):
+        return lambda f, wq_, wk_, *t: mix(wq_, EPS, wk_, EPS, query_of(f, r), *kv_of(f, r), t[:2], t[2:], "query")
+
+    check(run(qk_normed), run(qk_reference), [fused, wq, wk, *raw, *cv], f"normed query and key, {layout}")
+
+
+def test_the_layers_query_and_key_normalised_gradcheck(twin):
+    f64 = torch.float64
+    inputs = [leaf(4, scale=0.3, shift=1.0, dtype=f64), leaf(4, scale=0.3, shift=1.0, dtype=f64),
+              leaf(3, 4, 4, dtype=f64), leaf(3, 2, 4, dtype=f64), leaf(3, 2, 4, dtype=f64), leaf(3, 2, 4, dtype=f64),
+              leaf(3, 4, 4, dtype=f64)]
+    gradcheck(lambda wq, wk, q, k, v, k0, v0: qk_normed(wq, EPS, wk, EPS, q, k, v, [k0], [v0], "query"), inputs,
+              "depth attention, normed query and key")
+
+
+def test_the_layers_query_and_key_normalised_bf16(path):
+    wq, wk = torch.randn(8) * 0.3 + 1.0, torch.randn(8) * 0.3 + 1.0
+    bf16_matches_fp32(lambda a, b, *t: qk_normed(a, EPS, b, EPS, *t[:3], [t[3]], [t[4]], "group"),
+                      lambda a, b, *t: qk_reference(a, EPS, b, EPS, *t[:3], [t[3]], [t[4]], "group"),
+                      wq, wk, torch.randn(6, 4, 8) * 2, torch.randn(6, 2, 8), torch.randn(6, 2, 8),
+                      torch.randn(6, 2, 8) * 3, torch.randn(6, 2, 8))
+
+
+def test_the_qk_op_passes_opcheck(twin):
+    q, k, v = leaf(3, 4, 6), leaf(3, 2, 6), leaf(3, 2, 6)
+    ck, cv = [leaf(3, 2, 6) for _ in range(2)], [leaf(3, 4, 6) for _ in range(2)]
+    wq, wk = leaf(6, shift=1.0), leaf(6, shift=1.0)
+    opcheck(depth_attention_qk_op, (q, k, v, ck, cv, wk, EPS, wq, 1e-5, False))
+    grads = [torch.randn(3, 4, 6), torch.randn(3, 2, 6), torch.randn(3, 4, 6)]
+    opcheck(depth_attention_qk_backward_op, (*grads, *detached([q, k, v]), detached(ck), detached(cv), wk.detach(),
+                                             EPS, wq.detach(), 1e-5, False))
+    into = [torch.randn(t.shape) for t in ck + cv]
+    opcheck(depth_attention_qk_backward_into_op, (*grads, *detached([q, k, v]), detached(ck), detached(cv), into,
+                                                  [False, True, True, False], wk.detach(), EPS, wq.detach(), 1e-5,
+                                                  False), eager_only=True)
+
+
+def test_no_candidates_for_the_qk_fold_is_refused():
+    q, k, v = torch.randn(3, 4, 6), torch.randn(3, 2, 6), torch.randn(3, 2, 6)
+    with pytest.raises(ValueError, match="C >= 1 candidates"):
+        depth_attention_mix_qk_normed(torch.ones(6), EPS, torch.ones(6), EPS, q, k, v, [], [])
+    with pytest.raises(ValueError, match="query norm weight of shape"):
+        depth_attention_mix_qk_normed(torch.ones(8), EPS, torch.ones(6), EPS, q, k, v, [k], [v])

@@ -404,13 +404,15 @@ class _DepthAttentionHost:
         return 0.5 * x
 
 
-def test_depth_attentions_candidate_keys_are_normalised_in_the_mix_kernel(fused, monkeypatch):
-    """Depth-Attention on the fused path hands each layer's key norm to the value mix (RMSNorm.folded, through the
-    module's call: its hooks run) and the mix normalises the earlier layers' raw keys in its kernel: no normalised
-    candidate key is made by the host's norm, forward or backward (the fused norm runs for this layer's query and
-    key alone, and remakes those two in backward). Values and the gradients of the input, projections and both
-    norms' weights equal the unfolded path's (the same fused ops without the fold: each candidate through the norm
-    module, its output made again in backward, then the mix)."""
+def test_depth_attentions_norms_are_folded_into_the_mix_kernel(fused, monkeypatch):
+    """Depth-Attention on the fused path hands each mixing layer's query and key norms to the value mix
+    (RMSNorm.folded, through the modules' calls: their hooks run), and the mix normalises this layer's raw query and
+    key and the earlier layers' raw keys in its kernels, forward and backward: the host's norm kernels run for layer
+    0 (no candidate) alone, and nothing is made again in backward. Without the query-norm fold (the ops without
+    depth_attention_mix_qk_normed) the candidates' keys alone are folded: the host's norms run for every layer's
+    query and key, and make the mixing layers' again in backward. Values and the gradients of the input,
+    projections and both norms' weights equal the unfolded path's (the same fused ops without either fold: each key
+    through the norm module, its output made again in backward, then the mix)."""
     from types import SimpleNamespace
 
     from mega_depth.catalogue import residual_settings
@@ -429,29 +431,35 @@ def test_depth_attentions_candidate_keys_are_normalised_in_the_mix_kernel(fused,
     fused_forward = norm.fused_forward
     monkeypatch.setattr(norm, "fused_forward", lambda *a: (norm_calls.append(1), fused_forward(*a))[1])
 
-    def run(folds):
+    def run(*without):
         ops = vars(fast_functions())
-        mech.kernels = SimpleNamespace(**{k: v for k, v in ops.items() if folds or k != "depth_attention_mix_normed"})
+        mech.kernels = SimpleNamespace(**{k: v for k, v in ops.items() if k not in without})
         mech.recompute_mixing = True
         norm_calls.clear()
         for h in hosts:
+            h.q_norm.hooked.clear()
             h.k_norm.hooked.clear()
         state = mech.initial_state(x)
         for h in hosts:
             state = mech.layer_forward(h, state)
         out = mech.final_hidden(state, None)
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), leaves)
-        return out, grads, len(norm_calls), [len(h.k_norm.hooked) for h in hosts]
+        hooks = [(len(h.q_norm.hooked), len(h.k_norm.hooked)) for h in hosts]
+        return out, grads, len(norm_calls), hooks
 
-    out, grads, calls, key_norm_calls = run(True)
-    want, want_grads, calls_unfolded, _ = run(False)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    for got, expected in zip(grads, want_grads):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    # layer 0 has no candidate, layer 1 one (layer 0), layer 2 two: its key norm is called for its own key, and
-    # once more for the mix (the fold) where it has candidates
-    assert key_norm_calls == [1, 2, 2]
+    want, want_grads, calls_unfolded, _ = run("depth_attention_mix_qk_normed", "depth_attention_mix_normed")
+    folds = {"both": run(), "the candidates' keys": run("depth_attention_mix_qk_normed")}
+    for what, (out, grads, calls, hooks) in folds.items():
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    # layer 0 has no candidate, layer 1 one (layer 0), layer 2 two: each module is called once a layer, and (the
+    # candidates' fold) the key norm once more for the mix where the layer has candidates
+    _, _, calls, hooks = folds["both"]
+    assert hooks == [(1, 1)] * 3 and calls == 2, (hooks, calls)  # only layer 0's query and key through the kernels
+    _, _, calls, hooks = folds["the candidates' keys"]
+    assert hooks == [(1, 1), (1, 2), (1, 2)], hooks
     # 3 layers' query and key forward, and the two mixing layers' query and key made again in backward
     assert calls == 2 * layers + 2 * 2, calls
     # unfolded: the three candidate keys normalised by the module too, and made again in backward
-    assert calls_unfolded == calls + 2 * 3, calls_unfolded
+    assert calls_unfolded == 2 * layers + 2 * 2 + 2 * 3, calls_unfolded

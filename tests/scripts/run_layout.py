@@ -82,8 +82,11 @@ class _FusedPaths:
         # the ops that make a sublayer input and normalise it in one (a `Recomputed`'s `normalised`)
         attnres_block.attnres_phase2_normed = self._counted("normalised", attnres_block.attnres_phase2_normed)
         streams.streams_in_normed = self._counted("normalised", streams.streams_in_normed)
-        # Depth-Attention's value mix with the key norm folded in (the candidates' raw keys normalised in the op)
-        depth_attention.depth_attention_mix_normed = self._counted("folded",
+        # Depth-Attention's value mix with the layer's query and key norms folded in (its raw query and key and the
+        # candidates' raw keys normalised in the op), or the key norm alone (the candidates')
+        depth_attention.depth_attention_mix_qk_normed = self._counted("folded",
+                                                                      depth_attention.depth_attention_mix_qk_normed)
+        depth_attention.depth_attention_mix_normed = self._counted("keys_folded",
                                                                    depth_attention.depth_attention_mix_normed)
         # a source's gradient summed over its static-query AttnRes readers at once, by its sink (grad_sink.Sink.defer)
         attnres_mix._resolve = self._counted("summed_at_once", attnres_mix._resolve)
