@@ -190,7 +190,7 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                 (2 * m + 1) * per_token, (3 * m + 2) * per_token)
     project = Case("mhc_projection", shape, f"mHC's coefficient projection and RMS, {ns} streams -> {m}",
                    lambda: [rand(ns, n, d, seed=1), rand(m, ns * d, scale=0.02, seed=2)],
-                   lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 3 * ns * row)
+                   lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 2 * ns * row)
     from kernel_peers import peers_for
 
     out = [full, shared, block, phase2, normed, grn, streams, depth, maps, project]

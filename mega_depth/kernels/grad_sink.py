@@ -34,6 +34,7 @@ from torch import Tensor
 from mega_depth.model import base as model_base
 
 _SINK = "_mega_depth_grad_sink"  # attribute of an alias (and of a recomputed region's copy): its sink
+_COMPANION = "_mega_depth_grad_sink_companion"  # attribute of a companion's alias: (its sink, its index)
 # id(source) -> (the source, its alias), both weakly: an attribute on the source would hold the alias, which holds
 # the source as its view base in C++, a cycle the garbage collector cannot see (every step's activations would stay
 # alive). The readers' saved tensors keep the alias alive while a later reader may still look it up; the source's
@@ -96,9 +97,10 @@ class Sink:
     def defer(self, key: tuple, record: tuple) -> None:
         """A reader leaves its part of the source's gradient to the sink: key = (resolve, *settings), and the sink's
         node calls resolve(source, records, held, *settings) once with every record of that key (held: the buffer
-        so far, or None), which returns the buffer with all of them added. A reader whose records are summed
-        together reads each reader's output gradient once, where adding in turn reads and writes the buffer each
-        time (kernels/attnres_mix.py: Full AttnRes's source gradients)."""
+        so far, or None), which returns the buffer with all of them added (or (buffer, {i: gradient}): the
+        gradients it made of the sink's companions, `aliased_with`). A reader whose records are summed together
+        reads each reader's output gradient once, where adding in turn reads and writes the buffer each time
+        (kernels/attnres_mix.py: Full AttnRes's source gradients)."""
         self._drop_stale()
         # a record keeps its reader's output gradient until the sum: autograd hands that tensor to this reader alone
         # and nothing writes it after (a reader that got a tensor others share would have to copy it first)
@@ -113,25 +115,36 @@ class Sink:
 
 class _Sink(torch.autograd.Function):
     """Identity in forward; in backward the sink's buffer, its deferred readers' parts summed in, plus the gradient
-    of any reader that returned one."""
+    of any reader that returned one. Companions (`aliased_with`) pass through the same node: their gradients are
+    what the resolvers made of them plus what their readers returned."""
 
     @staticmethod
-    def forward(ctx, source: Tensor, sink: Sink) -> Tensor:
+    def forward(ctx, source: Tensor, sink: Sink, *companions: Tensor):
         ctx.sink = sink
         # for the deferred readers' resolvers: a detached reference (the readers keep the tensor too), not a saved
         # tensor, which a first backward without retain_graph would free under a second graph that shares the alias
         ctx.source = source.detach()
         ctx.set_materialize_grads(False)  # readers return None: no zero tensor for them
-        return source.view_as(source)
+        if not companions:
+            return source.view_as(source)
+        return (source.view_as(source), *(c.view_as(c) for c in companions))
 
     @staticmethod
-    def backward(ctx, grad: Optional[Tensor]):
+    def backward(ctx, grad: Optional[Tensor], *companion_grads: Optional[Tensor]):
         buffer, deferred = ctx.sink.take()
+        made: Dict[int, Tensor] = {}
         for (resolve, *settings), records in deferred.items():
-            buffer = resolve(ctx.source, records, buffer, *settings)
-        if buffer is None:
-            return grad, None
-        return (buffer if grad is None else buffer.add_(grad)), None
+            out = resolve(ctx.source, records, buffer, *settings)
+            buffer, more = out if isinstance(out, tuple) else (out, {})
+            made.update(more)
+        if buffer is not None and grad is not None:
+            buffer = buffer.add_(grad)
+        companions = [_added(made.get(i), g) for i, g in enumerate(companion_grads)]
+        return (grad if buffer is None else buffer), None, *companions
+
+
+def _added(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    return b if a is None else a if b is None else a + b
 
 
 def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
@@ -146,10 +159,31 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
         if not s.requires_grad or hasattr(s, _SINK):
             out.append(s)
             continue
-        alias = _alias_of(s)
+        alias = _alias_of(s)[0]
         getattr(alias, _SINK).readers += 1
         out.append(alias)
     return out
+
+
+def aliased_with(source: Tensor, companions: Sequence[Tensor]) -> Tuple[Tensor, List[Tensor]]:
+    """(aliased([source])[0], the companions): where this call makes the source's alias, the companions (tensors
+    whose gradients the sink's resolvers may make, `companion_of`: mHC's phi, whose gradient the streams' sum
+    computes in its pass over the streams) go through the same node, as aliases of their own; where the source
+    already has its alias (another reader made it), or grad is off, they come back as they are."""
+    if not (torch.is_grad_enabled() and source.requires_grad) or hasattr(source, _SINK):
+        return source, list(companions)
+    alias, made = _alias_of(source, companions)
+    getattr(alias, _SINK).readers += 1
+    return alias, list(companions) if made is None else made
+
+
+def companion_of(t: Tensor, sinks: Optional[Sequence[Optional[Sink]]]) -> Optional[int]:
+    """The index of t among the companions of the first of `sinks` (`aliased_with`), or None: a reader that defers
+    its part to that sink may leave t's gradient to the sink's resolver too."""
+    companion = getattr(t, _COMPANION, None)
+    if companion is None or not sinks or companion[0] is not sinks[0]:
+        return None
+    return companion[1]
 
 
 def deferring(sinks: Optional[Sequence[Optional[Sink]]], least: Optional[int] = None) -> Optional[List[bool]]:
@@ -162,16 +196,22 @@ def deferring(sinks: Optional[Sequence[Optional[Sink]]], least: Optional[int] = 
     return flags if any(flags) else None
 
 
-def _alias_of(source: Tensor) -> Tensor:
+def _alias_of(source: Tensor, companions: Sequence[Tensor] = ()) -> Tuple[Tensor, Optional[List[Tensor]]]:
+    """(the source's alias, its companions' aliases where this call made it, else None)."""
     key = id(source)
     refs = _ALIASES.get(key)
     alias = refs[1]() if refs is not None and refs[0]() is source else None
-    if alias is None:  # none yet, or an id reused by a new tensor
-        sink = Sink()
-        alias = _Sink.apply(source, sink)
-        setattr(alias, _SINK, sink)
-        _ALIASES[key] = (weakref.ref(source), weakref.ref(alias, lambda ref, key=key: _forget(key, ref)))
-    return alias
+    if alias is not None:
+        return alias, None
+    # none yet, or an id reused by a new tensor
+    sink = Sink()
+    out = _Sink.apply(source, sink, *companions)
+    alias, made = (out, []) if not companions else (out[0], list(out[1:]))
+    setattr(alias, _SINK, sink)
+    for i, c in enumerate(made):
+        setattr(c, _COMPANION, (sink, i))
+    _ALIASES[key] = (weakref.ref(source), weakref.ref(alias, lambda ref, key=key: _forget(key, ref)))
+    return alias, made
 
 
 def _forget(key: int, alias_ref: weakref.ref) -> None:

@@ -9,12 +9,13 @@ products on the tensor cores from the streams' own dtype (exact, fp32 sums) and 
 program per (token block, stream), so that the grid fills the GPU: each stream's share of both outputs is a row of
 fp32 partial sums, added in order after (common.sum_rows: deterministic).
 
-Backward, two kernels: the stream gradient (g_proj phi + 2 g_ms x~ / (n*d), one read of the streams and one write:
-streams._sum_kernel) and phi's gradient (g_proj^T x~, one program per (channel chunk, token split), fp32 partials
-summed by split: no atomics, deterministic). The products with the fp32 gradients run as three TF32 products (fp32
-accuracy). Where the streams have a gradient sink (kernels/grad_sink.py) that the stream read and write also feed,
-the stream gradient is left to it (g_proj, g_ms and phi kept): the sink's one pass adds every reader's part
-(streams.sum_deferred), and this op's backward runs phi's kernel alone.
+Backward, one kernel (streams._sum_kernel): the stream gradient (g_proj phi + 2 g_ms x~ / (n*d)) and phi's gradient
+(g_proj^T x~) from one read of the streams, phi's by fp32 partial sums a token split, summed in order (no atomics,
+deterministic); it read the streams again in a kernel of its own until 2026-12-01. The products with the fp32
+gradients run as three TF32 products (fp32 accuracy). Where the streams have a gradient sink (kernels/grad_sink.py)
+that the stream read and write also feed, both are left to it (g_proj, g_ms and phi kept): phi goes through the
+sink's node beside the streams (grad_sink.aliased_with, where the projection is the streams' first reader, as in
+mHC's sublayer), and the sink's one pass adds every reader's part and makes phi's gradient (streams.sum_deferred).
 
 Streams come as [n, *, d] with free stream and token strides (an expanded embedding or a pipeline tensor's view is
 read in place). The op is `mega_depth::mhc_projection`.
@@ -22,18 +23,18 @@ read in place). The op is `mega_depth::mhc_projection`.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, dot32, dot_t, in_dtype,
-                                       interpreting, jit, launch, partial_sums, partial_width, pow2, reduction_grid,
-                                       register_fake, sum_rows, tl, uses_triton)
-from mega_depth.kernels.eager import autograd, call
+                                       interpreting, jit, launch, partial_sums, partial_width, pow2, register_fake,
+                                       sum_rows, tl, uses_triton)
+from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.kernels.streams import (defer, deferring, phi_tile, stream_gradient, stream_rows, stream_tile, sum_into,
-                                        sunk, tile_blocks, token_block)
+                                        tile_blocks, token_block)
 
 # --------------------------------------------------------------------------------------------------------------
 # Triton kernels
@@ -71,30 +72,6 @@ def _fwd_kernel(s_ptr, phi_ptr, proj_ptr, ms_ptr, N, D, M, SN, ST, PROW, MROW, N
     tl.store(ms_ptr + i * MROW + ot, squares / (NS * D), mask=tmask)
 
 
-@jit
-def _bwd_phi_kernel(s_ptr, gp_ptr, part_ptr, N, D, M, SN, ST, TOK, ROW, NS: tl.constexpr, BT: tl.constexpr,
-                    BM: tl.constexpr, BC: tl.constexpr):
-    """Program (chunk, split): phi's gradient at one channel chunk of one stream, summed over the split's tokens:
-    part[split, m * NS * D + i * D + chunk] = (g_proj[tokens]^T @ x_i[tokens, chunk])[m] (ROW: part's row stride)."""
-    chunks = tl.cdiv(D, BC)
-    pid, split = tl.program_id(0), tl.program_id(1)
-    i = pid // chunks
-    oc = (pid % chunks) * BC + tl.arange(0, BC)
-    cmask = oc < D
-    om = tl.arange(0, BM)
-    mmask = om < M
-    acc = tl.zeros([BM, BC], dtype=tl.float32)
-    first = split.to(tl.int64) * TOK
-    for t0 in range(0, TOK, BT):
-        ot = first + t0 + tl.arange(0, BT)
-        tmask = (ot < N) & (t0 + tl.arange(0, BT) < TOK)
-        g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
-        x = stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST)
-        acc += dot32(tl.trans(g), x)
-    dst = part_ptr + split.to(tl.int64) * ROW + om[:, None] * (NS * D) + i * D + oc[None, :]
-    tl.store(dst, acc, mask=mmask[:, None] & cmask[None, :])
-
-
 def _fwd_channels(d: int, bc: int, element_size: int) -> int:
     """Channels a forward step: 16-bit rows of 256 bytes ([32, 128] tiles on 8 warps), half the dependent steps a
     program of 128-byte rows. Liger's mhc_mm_norm steps 512 bytes ([32, 256] on 4 warps, no register cap) and ran
@@ -129,26 +106,8 @@ def _triton_fwd(s: Tensor, phi: Tensor):
     return proj.view(n, m), ms
 
 
-def _triton_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Optional[Tensor], adding: bool) -> Tensor:
-    """Stream gradients into ds [n, N, d] (stored, or added: `adding`; None: left to the streams' sink) -> phi's
-    gradient [m, n*d] in phi's dtype (rounded once from the fp32 sum, by the reduction: no cast launch after it)."""
-    ns, n, d = s.shape
-    m = phi.shape[0]
-    if not n:
-        return torch.zeros((m, ns * d), dtype=phi.dtype, device=s.device)
-    if ds is not None:  # the streams' gradient kernel alone (streams._sum_kernel)
-        sum_into(ds, adding, s, proj=(g_proj, g_ms, phi))
-    bt, bm, bc = tile_blocks(d, m, s.element_size())
-    chunks = ns * cdiv(d, bc)
-    splits, tok = reduction_grid(n, chunks, s.device)
-    parts = partial_sums(splits, m * ns * d, s.device)
-    launch(_bwd_phi_kernel, (chunks, splits),
-           (s, g_proj, parts, n, d, m, s.stride(0), s.stride(1), tok, parts.stride(0)), 4, NS=ns, BT=bt, BM=bm, BC=bc)
-    return sum_rows(parts, m * ns * d, dtypes=[phi.dtype]).view(m, ns * d)
-
-
 # --------------------------------------------------------------------------------------------------------------
-# The torch twins: one stream in flight at a time (no copy of all n)
+# The torch twin: one stream in flight at a time (no copy of all n)
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -162,15 +121,6 @@ def _torch_fwd(s: Tensor, phi: Tensor):
         proj += x @ phi[:, i * d:(i + 1) * d].to(ct).T
         squares += x.pow(2).sum(-1)
     return proj, squares / (ns * d)
-
-
-def _torch_bwd(g_proj: Tensor, g_ms: Tensor, s: Tensor, phi: Tensor, ds: Optional[Tensor], adding: bool) -> Tensor:
-    ns, n, d = s.shape
-    ct = accumulation_dtype(s.dtype)
-    if ds is not None:
-        sum_into(ds, adding, s, proj=(g_proj, g_ms, phi))
-    g_proj = g_proj.to(ct)
-    return torch.cat([g_proj.T @ s[i].to(ct) for i in range(ns)], dim=1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -219,31 +169,19 @@ def _(grad_proj, grad_mean_square, streams, phi, into, adding):
     return _fake_backward(grad_proj, grad_mean_square, streams, phi)[1]
 
 
-@torch.library.custom_op("mega_depth::mhc_projection_phi_backward", mutates_args=())
-def projection_phi_backward_op(grad_proj: Tensor, grad_mean_square: Tensor, streams: Tensor, phi: Tensor) -> Tensor:
-    """phi's gradient alone, the stream gradient left to the streams' sink (streams.sum_deferred)."""
-    return _backward_into(grad_proj, grad_mean_square, streams, phi, None, False)
-
-
-@register_fake(projection_phi_backward_op)
-def _(grad_proj, grad_mean_square, streams, phi):
-    return _fake_backward(grad_proj, grad_mean_square, streams, phi)[1]
-
-
 def _backward_into(grad_proj, grad_mean_square, streams, phi, into, adding) -> Tensor:
-    """into None: phi's gradient alone."""
     s = stream_rows(streams)
     m, ct = phi.shape[0], accumulation_dtype(streams.dtype)
     g_proj = grad_proj.reshape(-1, m).to(ct).contiguous()
     g_ms = grad_mean_square.reshape(-1).to(ct).contiguous()
-    bwd = _triton_bwd if uses_triton(s) else _torch_bwd
-    return in_dtype(bwd(g_proj, g_ms, s, phi.contiguous(), None if into is None else into.view_as(s), adding),
-                    phi.dtype)
+    dphi = sum_into(into.view_as(s), adding, s, proj=(g_proj, g_ms, phi.contiguous()), phi_grad=True)
+    return in_dtype(dphi, phi.dtype)
 
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
     ctx.sinks = grad_sink.sinks_of(inputs[:1])
+    ctx.phi_companion = grad_sink.companion_of(inputs[1], ctx.sinks)  # phi through the streams' sink: its index
 
 
 def _backward(ctx, grads):
@@ -253,12 +191,12 @@ def _backward(ctx, grads):
         lead, ct = streams.shape[1:-1], accumulation_dtype(streams.dtype)
         g_proj = g_proj if g_proj is not None else streams.new_zeros((*lead, phi.shape[0]), dtype=ct)
         g_ms = g_ms if g_ms is not None else streams.new_zeros((*lead, 1), dtype=ct)
-    if deferring(ctx):
-        ds, dphi = None, call(projection_phi_backward_op, g_proj, g_ms, streams, phi)
-        defer(ctx, "proj", g_proj, g_ms, phi)
-    else:
-        ds, (dphi,) = stream_gradient(ctx, streams, projection_backward_op, projection_backward_into_op, g_proj,
-                                      g_ms, streams, phi)
+    if ctx.phi_companion is not None and deferring(ctx):
+        # both gradients left to the streams' sink: its pass over the streams makes phi's too (sum_deferred)
+        defer(ctx, "proj", g_proj, g_ms, phi, ctx.phi_companion)
+        return None, None
+    ds, (dphi,) = stream_gradient(ctx, streams, projection_backward_op, projection_backward_into_op, g_proj, g_ms,
+                                  streams, phi)
     return ds if ctx.needs_input_grad[0] else None, cast_grad(dphi, phi, ctx.needs_input_grad[1])
 
 
@@ -267,6 +205,9 @@ autograd(projection_op, _backward, _setup)
 
 def mhc_projection(streams: Tensor, phi: Tensor):
     """== mixing.mhc_projection(streams, phi): streams [n, *, d], phi [m, n*d] -> (proj [*, m], mean square [*, 1]),
-    fp32."""
-    proj, mean_square = call(projection_op, sunk(streams), phi)
+    fp32. Where the projection is the streams' first reader (mHC's sublayer), phi goes through their gradient sink's
+    node (grad_sink.aliased_with): the streams' one gradient pass makes phi's gradient too."""
+    if not traced([streams, phi]):
+        streams, (phi,) = grad_sink.aliased_with(streams, [phi])
+    proj, mean_square = call(projection_op, streams, phi)
     return proj, mean_square

@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, accumulation_dtype, cast_grad, cdiv, chunk, contiguous, dot32, dot_dim,
-                                       interpreting, jit, launch, nothing, pow2, programs, register_fake,
-                                       rms_norm_grad, rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps,
-                                       rows, sm_count, store_or_add, store_or_add_torch, sum_rows, sums2, sums3, tl,
-                                       token, uses_triton, warps)
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, contiguous,
+                                       dot32, dot_dim, interpreting, jit, launch, nothing, partial_sums, pow2,
+                                       programs, reduction_grid, register_fake, rms_norm_grad, rms_norm_grad_torch,
+                                       rms_normed, rms_normed_torch, row_warps, rows, sm_count, store_or_add,
+                                       store_or_add_torch, sum_rows, sums2, sums3, tl, token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -216,43 +216,55 @@ def phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D):
 
 
 @jit
-def _sum_kernel(ds_ptr, s_ptr, go_ptr, mix_ptr, gi_ptr, w_ptr, gp_ptr, gms_ptr, phi_ptr, N, D, M, SN, ST, MI, MT, MJ,
-                NS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr, WRITE: tl.constexpr,
-                READ: tl.constexpr, PROJ: tl.constexpr, ADD: tl.constexpr):
-    """Program (token block, stream i): stream i's gradient from its readers' parts, summed in fp32 and stored (or
-    added: ADD) once, chunk by chunk:
+def _sum_kernel(ds_ptr, s_ptr, go_ptr, mix_ptr, gi_ptr, w_ptr, gp_ptr, gms_ptr, phi_ptr, dphi_ptr, N, D, M, SN, ST, MI,
+                MT, MJ, TOK, DPHI_ROW, NS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                WRITE: tl.constexpr, READ: tl.constexpr, PROJ: tl.constexpr, ADD: tl.constexpr, PHI: tl.constexpr):
+    """Program (stream i and channel chunk, token split): stream i's gradient at its chunk from its readers' parts,
+    summed in fp32 and stored (or added: ADD) once, BT tokens a step over the split's TOK:
         WRITE: sum_j mix[i, j] go_j      the write's output gradients go [NS, N, D], mix at strides (MI, MT, MJ)
         READ:  w_i gi                    the read's input gradient gi [N, D], its weights w [NS, N]
         PROJ:  g_proj phi_i + (2 g_ms / (n d)) x_i     mHC's projection: g_proj [N, M], g_ms [N] (fp32), phi
-    Coefficients are rounded to the streams' dtype first, as the readers' own kernels do."""
+    PHI (with PROJ): phi's gradient at the chunk of stream i's columns, g_proj^T x_i over the split's tokens, from
+    the stream rows this pass reads anyway (a kernel of its own read all n streams again), into the split's row of
+    dphi_ptr [splits, DPHI_ROW] (common.sum_rows adds the splits in order: deterministic). Coefficients are rounded
+    to the streams' dtype first, as the readers' own kernels do."""
     dt = ds_ptr.dtype.element_ty
-    ot = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    i = tl.program_id(1)
-    r = ot * 0 + i  # the stream index as int64 [BT]: offsets of whole [N, D] planes
-    tmask = ot < N
+    chunks = tl.cdiv(D, BC)
+    i = tl.program_id(0) // chunks
+    oc = (tl.program_id(0) % chunks) * BC + tl.arange(0, BC)
+    cmask = oc < D
+    split = tl.program_id(1)
+    first = split.to(tl.int64) * TOK
+    om = tl.arange(0, BM)
+    mmask = om < M
     if PROJ:
-        om = tl.arange(0, BM)
-        mmask = om < M
-        g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
-        gms = tl.load(gms_ptr + ot, mask=tmask, other=0.) * (2.0 / (NS * D))
-    if READ:
-        w = tl.load(w_ptr + r * N + ot, mask=tmask, other=0.).to(dt).to(tl.float32)
-    for c0 in range(0, D, BC):
-        oc = c0 + tl.arange(0, BC)
-        cmask = oc < D
+        phi_i = phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)  # [BM, BC]: the program's, for all its tokens
+    dphi = tl.zeros([BM, BC], dtype=tl.float32)
+    for t0 in range(0, TOK, BT):
+        ot = first + t0 + tl.arange(0, BT)
+        tmask = (ot < N) & (t0 + tl.arange(0, BT) < TOK)
+        r = ot * 0 + i  # the stream index as int64 [BT]: offsets of whole [N, D] planes
         mask = tmask[:, None] & cmask[None, :]
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         if PROJ:
+            g = tl.load(gp_ptr + ot[:, None] * M + om[None, :], mask=tmask[:, None] & mmask[None, :], other=0.)
+            gms = tl.load(gms_ptr + ot, mask=tmask, other=0.) * (2.0 / (NS * D))
             x = stream_tile(s_ptr, i, ot, oc, tmask, cmask, SN, ST).to(tl.float32)
-            acc += dot32(g, phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)) + gms[:, None] * x
+            acc += dot32(g, phi_i) + gms[:, None] * x
+            if PHI:
+                dphi += dot32(tl.trans(g), x)
         if WRITE:
-            for j in tl.static_range(NS):  # (the [BT] mix column a chunk: from cache after the first)
+            for j in tl.static_range(NS):
                 m = tl.load(mix_ptr + r * MI + ot * MT + j * MJ, mask=tmask, other=0.).to(dt).to(tl.float32)
                 go = tl.load(go_ptr + (j * N + ot[:, None]) * D + oc[None, :], mask=mask, other=0.)
                 acc += m[:, None] * go.to(tl.float32)
         if READ:
+            w = tl.load(w_ptr + r * N + ot, mask=tmask, other=0.).to(dt).to(tl.float32)
             acc += w[:, None] * tl.load(gi_ptr + ot[:, None] * D + oc[None, :], mask=mask, other=0.).to(tl.float32)
         store_or_add(ds_ptr + (r[:, None] * N + ot[:, None]) * D + oc[None, :], acc, mask, ADD)
+    if PHI:
+        tl.store(dphi_ptr + split.to(tl.int64) * DPHI_ROW + om[:, None] * (NS * D) + i * D + oc[None, :], dphi,
+                 mask=mmask[:, None] & cmask[None, :])
 
 
 def _launch(kernel, n: int, device, args, live: int, element_size: int, adds_into=(), reduces: bool = False,
@@ -331,10 +343,10 @@ def _triton_out_bwd(go: Tensor, s: Tensor, y: Tensor, mix: Tensor, post: Tensor,
 
 
 def tile_blocks(d: int, m: int, element_size: int):
-    """(tokens a program, mHC's projection outputs padded, channels a step) of the kernels that walk [BT, BC] tiles of
-    the streams (mhc_projection's, _sum_kernel): dot-sized when compiled, rows of 128 bytes (fp32 tiles of 64
-    channels spilled); a few tokens and channels under the interpreter, so that the tests walk several of each and
-    masked tails."""
+    """(tokens a step, mHC's projection outputs padded, channels a step) of the kernels that walk [BT, BC] tiles of
+    the streams (mhc_projection's forward, _sum_kernel): dot-sized when compiled, rows of 128 bytes (fp32 tiles of
+    64 channels spilled); a few tokens and channels under the interpreter, so that the tests walk several of each
+    and masked tails."""
     if interpreting():
         return 4, dot_dim(m), chunk(d)
     return 32, dot_dim(m), min(128 // element_size, max(16, chunk(d)))
@@ -349,24 +361,37 @@ def token_block(bt: int, n: int, ns: int, device: torch.device) -> int:
     return max(16, bt // 2)
 
 
-def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None) -> None:
+def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None,
+                phi_grad: bool = False) -> Optional[Tensor]:
     """The streams' gradient ds [n, N, d] (stored, or added: `adding`) from write = (go [n, N, d], mix [n, N, n]),
-    read = (gi [N, d], w [n, N]) and proj = (g_proj [N, m], g_ms [N], phi [m, n*d]), each or None."""
+    read = (gi [N, d], w [n, N]) and proj = (g_proj [N, m], g_ms [N], phi [m, n*d]), each or None -> with phi_grad
+    (and proj) phi's gradient [m, n*d] in phi's dtype (rounded once from the fp32 sums, by the reduction), else
+    None."""
     ns, n, d = s.shape
-    if not n:
-        return
     m = proj[2].shape[0] if proj is not None else 0
+    if not n:
+        return torch.zeros((m, ns * d), dtype=proj[2].dtype, device=s.device) if phi_grad else None
     bt, bm, bc = tile_blocks(d, m, s.element_size())
+    if phi_grad and not interpreting():
+        # phi's gradient beside the streams': its [BM, BC] fp32 sum and a second dot a step. 32 tokens a step spilled
+        # 72-104 bytes at 128 registers in bf16 (sm_80 / sm_90 / sm_100), 16 fit
+        bt = 16
     go, mix = write if write is not None else (ds, None)
     gi, w = read if read is not None else (ds, ds)
     g, gms, phi = proj if proj is not None else (ds, ds, ds)
-    bt = token_block(bt, n, ns, s.device)
-    # 8 warps: with the projection's [BT, BM] x [BM, BC] dot, 4 took up to 175 registers and spilled at 128
-    launch(_sum_kernel, (cdiv(n, bt), ns),
-           (ds, s if proj is not None else ds, go, ds if mix is None else mix, gi, w, g, gms, phi, n, d, m,
-            s.stride(0), s.stride(1), *(mix.stride() if mix is not None else (0, 0, 0))), 8,
+    chunks = ns * cdiv(d, bc)
+    splits, tok = reduction_grid(n, chunks, s.device)  # a split's partial sums of phi's gradient: a row each
+    parts = partial_sums(splits, m * ns * d, s.device) if phi_grad else ds
+    # 8 warps: with the projection's [BT, BM] x [BM, BC] dot, 4 took up to 175 registers and spilled at 128; fp32
+    # tiles with phi's gradient take up to 255 (8 resident warps: at 128 they spilled 32-76 bytes)
+    resident = 8 if phi_grad and s.element_size() > 2 else RESIDENT_WARPS
+    launch(_sum_kernel, (chunks, splits),
+           (ds, s if proj is not None else ds, go, ds if mix is None else mix, gi, w, g, gms, phi, parts, n, d, m,
+            s.stride(0), s.stride(1), *(mix.stride() if mix is not None else (0, 0, 0)), tok,
+            parts.stride(0) if phi_grad else 0), 8, resident_warps=resident,
            adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, WRITE=write is not None,
-           READ=read is not None, PROJ=proj is not None, ADD=adding)
+           READ=read is not None, PROJ=proj is not None, ADD=adding, PHI=phi_grad)
+    return sum_rows(parts, m * ns * d, dtypes=[phi.dtype]).view(m, ns * d) if phi_grad else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -394,8 +419,8 @@ def _torch_in_bwd(go, s, w, ds, adding, nw=None, rstd=None):
     if ds is None:  # deferred: the read's gradient for the sum, in the streams' dtype as the kernel stores it
         gi = go.to(dt)
     go = go.to(ct)
-    if ds is not None:
-        store_or_add_torch(ds, (_coef(w, dt, ct).unsqueeze(-1) * go).to(dt), adding)
+    if ds is not None:  # the read's part of the streams' gradient, as the sink sums it
+        _torch_sum(ds, adding, s, read=(go, w))
     return torch.stack([(s[i].to(ct) * go).sum(-1) for i in range(s.shape[0])]), dnw, gi
 
 
@@ -409,20 +434,17 @@ def _torch_out_fwd(s, y, mix, post):
 
 def _torch_out_bwd(go, s, y, mix, post, ds_into, adding, dmix_into):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
+    if ds_into is not None:  # the write's part of the streams' gradient, as the sink sums it
+        _torch_sum(ds_into, adding, s, write=(go, mix))
     go = go.to(ct)
     dy = (_coef(post, dt, ct).unsqueeze(-1) * go).sum(0).to(dt)
     dpost = (go * y.to(ct)).sum(-1)
-    ds = []
     for i in range(s.shape[0]):
-        x = s[i].to(ct)
-        ds.append((_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0).to(dt))
-        dmix_into[i] = (go * x).sum(-1).t()  # [N, n (to)]
-    if ds_into is not None:
-        store_or_add_torch(ds_into, torch.stack(ds), adding)
+        dmix_into[i] = (go * s[i].to(ct)).sum(-1).t()  # [N, n (to)]
     return dy, dpost
 
 
-def _torch_sum(ds, adding, s, write=None, read=None, proj=None):
+def _torch_sum(ds, adding, s, write=None, read=None, proj=None, phi_grad=False):
     dt, ct = s.dtype, accumulation_dtype(s.dtype)
     ns, n, d = s.shape
     acc = torch.zeros((ns, n, d), dtype=ct, device=s.device)
@@ -432,11 +454,15 @@ def _torch_sum(ds, adding, s, write=None, read=None, proj=None):
             acc[i] += (_coef(mix[i], dt, ct).t().unsqueeze(-1) * go).sum(0)
     if read is not None:
         acc += _coef(read[1], dt, ct).unsqueeze(-1) * read[0].to(ct)
+    dphi = None
     if proj is not None:
         g, scale, phi = proj[0].to(ct), (proj[1].to(ct) * (2.0 / (ns * d))).unsqueeze(-1), proj[2]
         for i in range(ns):
             acc[i] += g @ phi[:, i * d:(i + 1) * d].to(ct) + scale * s[i].to(ct)
+        if phi_grad:
+            dphi = torch.cat([g.T @ s[i].to(ct) for i in range(ns)], dim=1).to(phi.dtype)
     store_or_add_torch(ds, acc.to(dt), adding)
+    return dphi
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -567,43 +593,56 @@ def defer(ctx, kind: str, *part: Tensor) -> None:
     ctx.sinks[0].defer((sum_deferred,), (kind, *part))
 
 
-_PARTS = (("write", 2), ("read", 2), ("proj", 3))
+_PARTS = (("write", 2), ("read", 2), ("proj", 4))  # a record's kind and width (proj: g_proj, g_ms, phi, companion)
 
 
-def sum_deferred(streams: Tensor, records: List[tuple], held: Optional[Tensor]) -> Tensor:
+def sum_deferred(streams: Tensor, records: List[tuple], held: Optional[Tensor]):
     """The streams' sink's resolver (grad_sink.Sink.defer): held (what other readers stored, or None) plus every
     deferred reader's part, one launch for a write's, a read's and a projection's part together (a sublayer's
-    three readers: one launch)."""
+    three readers: one launch). A projection record names phi's place among the sink's companions where phi went
+    through the sink's node (grad_sink.aliased_with): its gradient is made in the same launch, from the same pass
+    over the streams, and returned for the node to hand on -> the buffer, or (the buffer, {companion: gradient})."""
     into = held if held is not None else torch.empty_like(streams, memory_format=torch.contiguous_format)
     parts = {kind: [r[1:] for r in records if r[0] == kind] for kind, _ in _PARTS}
-    adding = held is not None
+    adding, made = held is not None, {}
     while any(parts.values()):
         args = [a for kind, width in _PARTS for a in (parts[kind].pop(0) if parts[kind] else (None,) * width)]
-        call(gradient_sum_op, into, adding, streams, *args)
+        companion = args.pop()  # the projection's phi, as the sink's companion (or None)
+        dphi = call(gradient_sum_op, into, adding, streams, *args, companion is not None)
+        if companion is not None:
+            made[companion] = dphi[0]
         adding = True
-    return into
+    return (into, made) if made else into
 
 
 @torch.library.custom_op("mega_depth::hc_streams_gradient_sum", mutates_args=("into",))
 def gradient_sum_op(into: Tensor, adding: bool, streams: Tensor, grad_out: Optional[Tensor], mix: Optional[Tensor],
                     grad_in: Optional[Tensor], weights: Optional[Tensor], grad_proj: Optional[Tensor],
-                    grad_mean_square: Optional[Tensor], phi: Optional[Tensor]) -> None:
+                    grad_mean_square: Optional[Tensor], phi: Optional[Tensor], phi_grad: bool) -> List[Tensor]:
     """into (contiguous, shaped like the streams [n, *, d]) = (into if adding, +) the parts of the streams' readers,
     each reader's arguments all None where it has none: the write's (its output gradient grad_out [n, *, d], mix
     [n, *, n]), the read's (its input's gradient grad_in [*, d], weights [n, *]) and mHC's projection's (grad_proj
-    [*, m], grad_mean_square [*, 1], phi [m, n*d])."""
+    [*, m], grad_mean_square [*, 1], phi [m, n*d]) -> with phi_grad [phi's gradient [m, n*d] (phi's dtype)], made
+    from the same pass over the streams; else [] (no placeholder tensor: an allocation a call)."""
     s = stream_rows(streams)
     n, d = s.shape[0], s.shape[-1]
     write = None if grad_out is None else (grad_out.reshape(n, -1, d).contiguous(), _coef_rows(mix, n, 1))
     read = None if grad_in is None else (rows(grad_in, d), _coef_rows(weights, n))
     proj = None if grad_proj is None else (grad_proj.reshape(-1, phi.shape[0]).contiguous(),
                                            grad_mean_square.reshape(-1).contiguous(), phi.contiguous())
-    sum_into(into.view_as(s), adding, s, write, read, proj)
+    dphi = sum_into(into.view_as(s), adding, s, write, read, proj, phi_grad and proj is not None)
+    return [] if dphi is None else [dphi]
 
 
-def sum_into(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None) -> None:
-    """_triton_sum's arguments, through the kernel or its torch twin."""
-    (_triton_sum if uses_triton(s) else _torch_sum)(ds, adding, s, write, read, proj)
+@register_fake(gradient_sum_op)
+def _(into, adding, streams, grad_out, mix, grad_in, weights, grad_proj, grad_mean_square, phi, phi_grad):
+    return [phi.new_empty(phi.shape)] if phi_grad and phi is not None else []
+
+
+def sum_into(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None,
+             phi_grad: bool = False) -> Optional[Tensor]:
+    """_triton_sum's arguments, through the kernel or its torch twin -> phi's gradient with phi_grad, else None."""
+    return (_triton_sum if uses_triton(s) else _torch_sum)(ds, adding, s, write, read, proj, phi_grad)
 
 
 def _in_setup(ctx, inputs, output):

@@ -95,15 +95,16 @@ class MHC(StreamMechanism):
         return compute(streams) if self.fused else super().coefficients(compute, streams)
 
     def coefficient_io_units(self, read, recompute):
-        """The projection and its RMS read the streams (once: kept, not recomputed, see `coefficients`); phi's
-        gradient kernel reads them, and so does the streams' gradient sum for the projection's part. The coefficient
-        kernel's backward (kernels/mhc_maps.py) writes Sinkhorn's chain, every half-step's n x n fp32 input a
-        token, and reads it back (from L2: counted once, as the recorded launches count it). Its other reads and
-        writes, m + n^2 values a token, are left out."""
+        """The projection and its RMS read the streams (once: kept, not recomputed, see `coefficients`), and so does
+        the streams' gradient sum for the projection's part, which makes phi's gradient in the same pass (phi goes
+        through the streams' sink: kernels/grad_sink.aliased_with; a kernel of its own read the streams a third
+        time). The coefficient kernel's backward (kernels/mhc_maps.py) writes Sinkhorn's chain, every half-step's n
+        x n fp32 input a token, and reads it back (from L2: counted once, as the recorded launches count it). Its
+        other reads and writes, m + n^2 values a token, and phi's partial sums are left out."""
         r = self.residual
         steps = 2 * r.mhc_sinkhorn_iters - (0 if r.mhc_eps_style == "clamp" else 1)
         chain = steps * self.n * self.n * 4 / (2 * self.shape.hidden_size)  # fp32, in units of a bf16 row of d
-        return 3 * read + chain
+        return 2 * read + chain
 
     def sublayer(self, mixer, streams, run, sublayer):
         r = self.residual

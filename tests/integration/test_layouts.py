@@ -208,6 +208,17 @@ def test_the_fused_layouts_summed_full_attnres_source_gradients_at_once(runs):
     assert json.loads((runs / "single" / "attnres-full" / "fused_paths.json").read_text()) == {}
 
 
+def test_the_fused_layouts_made_mhcs_phi_gradient_in_the_streams_sum(runs):
+    """mHC's projection is its streams' first reader: phi goes through their sink's node and its gradient is made
+    by the streams' one gradient pass (kernels/grad_sink.aliased_with, streams.sum_deferred), under virtual pipeline
+    stages and under TP + SP with full recompute (the layer's forward run again inside Megatron's checkpoint); the
+    eager reference makes none so. The gradients equal one process's (test_layout_matches_single_process)."""
+    for layout in ("pp2-vpp-fused", "tp2-sp-recompute-fused"):
+        paths = json.loads((runs / layout / "mhc" / "fused_paths.json").read_text())
+        assert paths.get("phi_summed", 0) > 0, (layout, paths)
+    assert json.loads((runs / "single" / "mhc" / "fused_paths.json").read_text()) == {}
+
+
 def test_a_closed_backend_leaves_only_the_default_process_group(runs):
     """One launch builds a backend per layout and mechanism (up to ~130): each close must free the groups Megatron
     made for it, and the backend itself, else every gloo group's threads and sockets stay (a launch slowed ~5x by

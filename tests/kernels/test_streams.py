@@ -269,12 +269,14 @@ def test_the_sink_sums_its_deferred_readers_as_their_own_backward_stores_them(pa
         else:
             want += projection_backward_op(g_proj, g_ms, streams, phi)[0]
             args["proj"] = (g_proj, g_ms, phi)
-    gradient_sum_op(into, held, streams, *args["write"], *args["read"], *args["proj"])
+    dphi = gradient_sum_op(into, held, streams, *args["write"], *args["read"], *args["proj"], "proj" in parts)
     close(into, want, f"the sum of {parts}")
+    assert len(dphi) == ("proj" in parts)
+    if "proj" in parts:  # phi's gradient from the same pass, as the projection's own backward makes it
+        close(dphi[0], projection_backward_op(g_proj, g_ms, streams, phi)[1], f"phi's gradient beside {parts}")
 
 
 def test_opcheck_the_deferred_backward_and_the_sum(twin):
-    from mega_depth.kernels.mhc_projection import projection_phi_backward_op
     from mega_depth.kernels.streams import (gradient_sum_op, streams_in_backward_deferred_op,
                                             streams_out_backward_deferred_op)
 
@@ -285,6 +287,55 @@ def test_opcheck_the_deferred_backward_and_the_sum(twin):
     opcheck(streams_in_backward_deferred_op, (torch.randn(4, 6), streams, weights, None, None))
     opcheck(streams_in_backward_deferred_op, (torch.randn(4, 6), streams, weights, norm_weight, rstd))
     opcheck(streams_out_backward_deferred_op, (torch.randn(3, 4, 6), streams, output, mix, post, False))
-    opcheck(projection_phi_backward_op, (torch.randn(4, 15), torch.randn(4, 1), streams, phi))
-    opcheck(gradient_sum_op, (torch.randn(3, 4, 6), True, streams, torch.randn(3, 4, 6), mix, torch.randn(4, 6),
-                              weights, torch.randn(4, 15), torch.randn(4, 1), phi), eager_only=True)
+    for phi_grad in (False, True):
+        opcheck(gradient_sum_op, (torch.randn(3, 4, 6), True, streams, torch.randn(3, 4, 6), mix, torch.randn(4, 6),
+                                  weights, torch.randn(4, 15), torch.randn(4, 1), phi, phi_grad), eager_only=True)
+
+
+@pytest.mark.parametrize("projection_first", [True, False])
+def test_phis_gradient_comes_from_the_streams_sum(path, monkeypatch, projection_first):
+    """mHC's sublayer reads its streams with the projection first: phi goes through the streams' sink node beside
+    them (grad_sink.aliased_with), the projection leaves both its parts to the sink, and the sink's one pass over the
+    streams makes phi's gradient too: one sum a sublayer, no other pass for phi. Where another reader made the
+    streams' alias first, the projection adds its part into the buffer and makes phi's gradient in that launch. Both
+    equal the reference (autograd's sums), one phi read by two sublayers."""
+    from mega_depth.kernels import streams as streams_module
+    from mega_depth.kernels.mhc_projection import mhc_projection
+
+    n, lead, d = 3, (4, 2), 8
+    embedding, phi, scale = leaf(*lead, d), leaf(n * n + 2 * n, n * d, scale=0.3), leaf(d)
+
+    def sublayers(read, write, project):
+        def run(embedding, phi, scale):
+            streams = embedding.unsqueeze(0).expand(n, *embedding.shape)
+            for _ in range(2):
+                if not projection_first:
+                    x0 = read(streams, torch.full((n, *lead), 1.0 / n))  # another reader first
+                proj, mean_square = project(streams, phi)
+                proj = proj / mean_square.sqrt()
+                pre, post = torch.sigmoid(proj[..., :n]), 2 * torch.sigmoid(proj[..., n:2 * n])
+                mix = torch.softmax(proj[..., 2 * n:].unflatten(-1, (n, n)), -1)
+                x = read(streams, pre.movedim(-1, 0))
+                if not projection_first:
+                    x = x + 0.5 * x0
+                streams = write(streams, torch.tanh(x) * scale, mix.movedim(-2, 0), post.movedim(-1, 0))
+            return streams
+        return run
+
+    passes = []  # a pass over the streams for their gradient: whether it made phi's gradient too
+    for name in ("_triton_sum", "_torch_sum"):
+        def counted(ds, adding, s, write=None, read=None, proj=None, phi_grad=False, _sum=getattr(streams_module, name)):
+            passes.append(phi_grad)
+            return _sum(ds, adding, s, write, read, proj, phi_grad)
+        monkeypatch.setattr(streams_module, name, counted)
+    fast = sublayers(streams_in, streams_out, mhc_projection)
+    check(fast, sublayers(mixing.streams_in, mixing.streams_out, mixing.mhc_projection), [embedding, phi, scale],
+          f"phi through the sink, projection first {projection_first}")
+    passes.clear()
+    out = fast(embedding, phi, scale)
+    torch.autograd.grad((out * torch.randn_like(out)).sum(), [embedding, phi, scale])
+    if projection_first:  # one pass a sublayer, phi's gradient in it
+        assert passes == [True, True], passes
+    else:  # the projection's own pass (phi's gradient in it), then the sink's sums of the others' parts (a launch
+        # takes one part of each kind: two reads, two launches)
+        assert passes == [True, False, False] * 2, passes

@@ -90,6 +90,16 @@ class _FusedPaths:
                                                                    depth_attention.depth_attention_mix_normed)
         # a source's gradient summed over its static-query AttnRes readers at once, by its sink (grad_sink.Sink.defer)
         attnres_mix._resolve = self._counted("summed_at_once", attnres_mix._resolve)
+        # mHC's phi gradient made by the streams' sum beside theirs (phi through the streams' sink node)
+        sum_deferred = streams.sum_deferred
+
+        def phi_summed(*args):
+            out = sum_deferred(*args)
+            if isinstance(out, tuple):
+                self.counts["phi_summed"] = self.counts.get("phi_summed", 0) + 1
+            return out
+
+        streams.sum_deferred = phi_summed
 
     def _counted(self, key, fn):
         def counted(*args, **kwargs):
