@@ -680,7 +680,10 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
         if not tiled:
             num_warps = warps(tile, 4)
     if tiled:
-        launch(_bwd_tiles_kernel, grid, args, num_warps, BJ=pow2(c), **consts)
+        # fp32 rows with the layer's norms folded in (QKNORM): 8 resident warps' registers (at 16, the 125M config's
+        # one-warp programs spilled 8 bytes on sm_100)
+        resident = 8 if qk and v.element_size() > 2 else RESIDENT_WARPS
+        launch(_bwd_tiles_kernel, grid, args, num_warps, resident_warps=resident, BJ=pow2(c), **consts)
     else:
         # with the norm, the entry-by-entry backward (7B: 4 heads a group) holds the weight's gradient beside its
         # rows: 170 registers, not 128 (it spilled on sm_80)
