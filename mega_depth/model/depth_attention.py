@@ -198,6 +198,7 @@ class DepthAttention(Mechanism):
             if not c:
                 continue  # the value alone: no kernel
             forward = 1 + 2 * kw + c * (kw + vw) + vw + normed
+            # the mix's backward (and the attention's gradients of the normalised rows), then the norms' launch
             backward = (1 + 2 * kw + c * (kw + vw) + vw) + (1 + 2 * kw) + normed + 3 * normed
             total += forward + backward
             for j in cands:
