@@ -792,5 +792,35 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_device_calls() -> None:
+    """TRITON_INTERPRET only: triton 3.6's interpreter patches triton.language again at every call of a @jit helper
+    inside a kernel (inspect.getmembers over tl, tl.tensor and tl.math, for every program and loop step), though
+    the kernel's launch has patched it already: the patch finds no builtin left to replace and its scope is never
+    restored. Skip the repeat where every language module the helper sees is patched: the same functions run, and
+    the kernel tests take a third less time. The launch's own patch and its restore are untouched."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or getattr(original, "_mega_depth", False) or not hasattr(interpreter, "_LangPatchScope"):
+        return
+
+    langs_seen_by = {}  # fn -> the language modules among its globals (its module's, fixed after import)
+
+    def patch_lang(fn):
+        langs = langs_seen_by.get(fn)
+        if langs is None:
+            langs = langs_seen_by[fn] = [v for v in fn.__globals__.values()
+                                         if inspect.ismodule(v) and v in (tl, tl.core)]
+        if langs and not any(tl.core.is_builtin(getattr(lang, "load", None)) for lang in langs):
+            return interpreter._LangPatchScope()  # already patched by the launch: nothing to do, nothing to restore
+        return original(fn)
+
+    patch_lang._mega_depth = True
+    interpreter._patch_lang = patch_lang
+
+
 if triton is not None and interpreting():
     _patch_interpreter_index()
+    _patch_interpreter_device_calls()
