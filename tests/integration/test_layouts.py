@@ -30,6 +30,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([0]
        "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "0.01", "--global-batch-size", "8"]
 EP2 = ["--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+ONE_STEP = ["--train-iters", "1"]  # (the last --train-iters wins over LAYOUT_MODEL's 3)
 MOE_SET = "standard,attnres-block,dca-2,depth-attention,mhc"
 LAYOUTS = {
     # name: (processes, flags, compare grads, mechanisms (None = all))
@@ -85,13 +86,15 @@ LAYOUTS = {
     # remade norm, Depth-Attention's normalised outputs made again) run where the fused norm does: a GPU, or here
     # Liger's norm under Triton's interpreter (LAYOUT_ENV; the mixing ops keep their torch twins). Under TP with and
     # without SP (their gradient all-reduce and reduce-scatter branches).
-    # CI time (an interpreted launch costs ~20 s a mechanism): DCA's projection, whose TP branches are its own, and
-    # the sublayer inputs made and normalised in one op (Block AttnRes's merge, mHC's stream read) and
-    # Depth-Attention's query and key norms folded into its value mix, whose norm weights' gradients SP leaves to
-    # Megatron's reduction of a sequence-parallel parameter; the other paths' gradients meet TP and SP only through
-    # Megatron's own reductions, as the eager ones do.
-    "tp2-sp-interpreted": (2, TP2_SP + ["--mixing-impl", "triton"], True, "dca-2,attnres-block,mhc,depth-attention"),
-    "tp2-interpreted": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca"),
+    # CI time (an interpreted norm kernel costs ~0.25 s a launch, ~35 s a training step): DCA's projection, whose TP
+    # branches are its own, and the sublayer inputs made and normalised in one op (Block AttnRes's merge, mHC's
+    # stream read) and Depth-Attention's query and key norms folded into its value mix, whose norm weights'
+    # gradients SP leaves to Megatron's reduction of a sequence-parallel parameter; the other paths' gradients meet
+    # TP and SP only through Megatron's own reductions, as the eager ones do. One step (ONE_STEP): its loss and
+    # gradients are the fused norm's forward and backward; the steps after them differ only in the weights.
+    "tp2-sp-interpreted": (2, TP2_SP + ["--mixing-impl", "triton"] + ONE_STEP, True,
+                           "dca-2,attnres-block,mhc,depth-attention"),
+    "tp2-interpreted": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"] + ONE_STEP, True, "dca"),
 }
 INTERPRETED = {"TRITON_INTERPRET": "1", "FUSED_NORM_INTERPRETED": "1"}
 LAYOUT_ENV = {"tp2-sp-interpreted": INTERPRETED, "tp2-interpreted": INTERPRETED}
@@ -147,8 +150,8 @@ CASES = [(layout, mech) for layout, (_, _, _, only) in LAYOUTS.items() if layout
 def test_layout_matches_single_process(runs, layout, mechanism):
     ref_losses, ref_grads, _ = load(runs, reference(layout), mechanism)
     losses, grads, _ = load(runs, layout, mechanism)
-    assert len(losses) == len(ref_losses) == 3
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert len(ref_losses) == 3 and len(losses) == (1 if "--train-iters" in LAYOUTS[layout][1] else 3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[:len(losses)]), rtol=1e-5, atol=1e-6)
     if not LAYOUTS[layout][2]:
         return
     assert set(ref_grads) <= set(grads), sorted(set(ref_grads) - set(grads))
