@@ -42,12 +42,17 @@ UNIT_MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads
 READINGS = ("attnres-input-query+attnres_query_source=sum+attnres_query_scale=rsqrt_d+attnres_query_norm=true",)
 
 
+def last_value(flags: List[str], name: str) -> str:
+    """The value of the last `name` in an argument list (argparse's rule: a layout's flag overrides the model's)."""
+    return flags[len(flags) - flags[::-1].index(name)]
+
+
 def mechanism_flags(num_layers: int = 4) -> Dict[str, List[str]]:
     """Every catalogue setting (and READINGS) as flags; 3 AttnRes blocks over 4 layers, so that a block straddles
-    a stage."""
+    a stage (2 over 2 layers: Block AttnRes's second block still starts mid-model, at layer 1)."""
     from mega_depth.catalogue import SETTINGS, mechanism_flags as flags
 
-    return {name: flags(name, num_layers, attnres_num_blocks=3) for name in SETTINGS + READINGS}
+    return {name: flags(name, num_layers, attnres_num_blocks=min(3, num_layers)) for name in SETTINGS + READINGS}
 
 
 def run(args, expect=0, timeout=900, env=None):

@@ -13,11 +13,10 @@ import os
 import pytest
 import torch
 
-from fixtures import LAYOUT_MODEL, READINGS, SCRIPTS, run, torchrun
+from fixtures import LAYOUT_MODEL, READINGS, SCRIPTS, last_value, run, torchrun
 from mega_depth.catalogue import SETTINGS
 
 SCRIPT = os.path.join(SCRIPTS, "run_layout.py")
-NUM_LAYERS = int(LAYOUT_MODEL[LAYOUT_MODEL.index("--num-layers") + 1])
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP = PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -31,6 +30,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([0]
 EP2 = ["--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 ONE_STEP = ["--train-iters", "1"]  # (the last --train-iters wins over LAYOUT_MODEL's 3)
+TWO_LAYERS = ["--num-layers", "2"]  # (and the last --num-layers over its 4)
 MOE_SET = "standard,attnres-block,dca-2,depth-attention,mhc"
 LAYOUTS = {
     # name: (processes, flags, compare grads, mechanisms (None = all))
@@ -56,10 +56,12 @@ LAYOUTS = {
     "tp2-fused": (2, ["--tensor-model-parallel-size", "2", "--mixing-impl", "triton"], True, "dca,dca-2"),
     # --compile-layers (inductor on whole layers: norms, attention, MLP and the mixing's custom ops), every
     # mechanism with the fused mixing as on a GPU; and under TP (Megatron's TP linears and their collectives inside
-    # the compiled layers) with DCA, whose q/k/v projection is the mixing's own TP code (CI time: inductor costs
-    # ~1 min a mechanism per rank here; Depth-Attention compiles around CP's collectives below).
-    "single-compiled": (1, ["--compile-layers", "--mixing-impl", "triton"], True, None),
-    "tp2-compiled": (2, ["--tensor-model-parallel-size", "2", "--compile-layers"], True, "dca"),
+    # the compiled layers) with DCA, whose q/k/v projection is the mixing's own TP code (CI time: each layer whose
+    # sources differ compiles once more, ~8 s a layer and mechanism here: two layers (TWO_LAYERS), against the
+    # same model in one process, eager; Depth-Attention compiles around CP's collectives below).
+    "single-2layers": (1, TWO_LAYERS, True, None),
+    "single-compiled": (1, TWO_LAYERS + ["--compile-layers", "--mixing-impl", "triton"], True, None),
+    "tp2-compiled": (2, TWO_LAYERS + ["--tensor-model-parallel-size", "2", "--compile-layers"], True, "dca"),
     # Context parallelism: each sequence in 2 x CP load-balanced chunks, all-gather attention (K and V gathered, GQA
     # kept), RoPE following the chunks, the loss's token count reduced over CP; with TP and SP, virtual pipeline
     # stages (payloads of s / CP tokens) and data parallelism around it.
@@ -72,7 +74,7 @@ LAYOUTS = {
     # DCA's recomputed q/k/v projection and Depth-Attention's fused value mixing under CP
     "cp2-fused": (2, CP2 + ["--mixing-impl", "triton"], True, "dca,dca-2,depth-attention"),
     # compiled layers around the CP collectives (graph breaks there, as under TP)
-    "cp2-compiled": (2, CP2 + ["--compile-layers"], True, "depth-attention"),
+    "cp2-compiled": (2, TWO_LAYERS + CP2 + ["--compile-layers"], True, "depth-attention"),
     # MoE layouts, each against the single-process MoE run ("moe-single"); every mechanism at EP2 x PP2
     "moe-single": (1, MOE, True, None),
     "moe-ep2": (2, MOE + EP2, True, MOE_SET),
@@ -139,7 +141,13 @@ def load(root, layout, mechanism):
 
 def reference(layout: str) -> str:
     """The single-process run a layout is compared with: the same model in one process."""
-    return "moe-single" if layout.startswith("moe-") else "single"
+    if layout.startswith("moe-"):
+        return "moe-single"
+    return "single-2layers" if "--num-layers" in LAYOUTS[layout][1] else "single"
+
+
+def num_layers(layout: str) -> int:
+    return int(last_value(LAYOUT_MODEL + LAYOUTS[layout][1], "--num-layers"))
 
 
 CASES = [(layout, mech) for layout, (_, _, _, only) in LAYOUTS.items() if layout != reference(layout)
@@ -179,7 +187,7 @@ def test_compiled_layers_were_compiled_whole(runs, layout):
     for mechanism in (only.split(",") if only else SETTINGS + READINGS):
         compiled = json.loads((runs / layout / mechanism / "compiled.json").read_text())
         # no pipeline split in these layouts: rank 0 holds every layer
-        assert compiled["layers"] == NUM_LAYERS, (layout, mechanism, compiled)
+        assert compiled["layers"] == num_layers(layout), (layout, mechanism, compiled)
         assert compiled["graphs_in_process"] > 0, (layout, mechanism, compiled)
         if LAYOUTS[layout][0] == 1:
             assert compiled["graph_breaks"] == 0, (layout, mechanism, compiled)

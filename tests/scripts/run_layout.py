@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fixtures import LAYOUT_MODEL, mechanism_flags  # noqa: E402
+from fixtures import LAYOUT_MODEL, last_value, mechanism_flags  # noqa: E402
 
 
 def _gather_tp(t: torch.Tensor, param, expert: bool) -> torch.Tensor:
@@ -133,7 +133,7 @@ def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
     from mega_depth.training.backends.megatron import MegatronBackend
 
     world = int(os.environ["WORLD_SIZE"])
-    for name, flags in mechanism_flags(4).items():
+    for name, flags in mechanism_flags(int(last_value(LAYOUT_MODEL + layout, "--num-layers"))).items():
         if only and name not in only.split(","):
             continue
         cfg = parse_args(LAYOUT_MODEL + flags + layout).validate(world)
