@@ -142,7 +142,7 @@ def test_fast_paths_equal_the_eager_math_in_values_and_gradients(name, impl):
         loss = model(ids).float().square().mean()
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    assert COMPILED_TWINS.get(name, set()) <= called, (name, sorted(called))
+    assert impl != "compiled" or COMPILED_TWINS[name] <= called, (name, sorted(called))
     (eager, eager_grads), (fast, fast_grads) = results
     torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-6)
     for n, g in eager_grads.items():  # fp32 reassociation, relative to each gradient's scale
