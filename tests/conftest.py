@@ -11,8 +11,8 @@ collect_ignore = ([] if importlib.util.find_spec("torch_xla") else ["xla"]) + ["
 # The longest files first: tools/test.sh hands the suite to two workers a file at a time, in this order
 # (--no-loadscope-reorder), so a long file started last would run alone at the end. Minutes on 2 shared cores.
 LONGEST_FIRST = [
-    "integration/test_layouts.py",  # ~44: one launch per layout
-    "unit/test_kernels.py",  # ~5: the kernel tests under the Triton interpreter, in one process
+    "integration/test_layouts.py",  # ~15: four launches, every layout
+    "unit/test_kernels.py",  # ~9: the kernel tests under the Triton interpreter, in one process
     "e2e/test_launchers.py",  # ~8
     "e2e/test_tools.py",  # ~7
     "e2e/test_training.py",  # ~7

@@ -100,7 +100,7 @@ LAYOUTS = {
 }
 INTERPRETED = {"TRITON_INTERPRET": "1", "FUSED_NORM_INTERPRETED": "1"}
 LAYOUT_ENV = {"tp2-sp-interpreted": INTERPRETED, "tp2-interpreted": INTERPRETED}
-# The module fixture trains every layout inside the first test's timeout: about 25 minutes on 2 cores, longer while
+# The module fixture trains every layout inside the first test's timeout: about 14 minutes on 2 cores, while
 # the suite's other worker (tools/test.sh) shares them.
 pytestmark = pytest.mark.timeout(3600)
 COMPILED = [name for name, (_, flags, _, _) in LAYOUTS.items() if "--compile-layers" in flags]
