@@ -117,7 +117,7 @@ CASES = [(name, "triton") for name in FAST] + [(name, "compiled") for name in CO
 COMPILE_FIELDS = {"mhc": {"mhc_sinkhorn_iters": 4}}
 # Each number of sources a twin is called with is one more graph to compile (Dynamo guards on a list's length): 2
 # layers in 2 blocks call every twin that 4 layers in 3 do (Block AttnRes's phases 1 and 2 included: its second block
-# starts at layer 1), at 2 to 4 sources, in half the time (attnres-block: 124 -> 74 s on 2 cores).
+# starts at layer 1), at 2 to 4 sources, in less time (the four cases: 420 -> 259 s on 2 cores).
 COMPILE_SHAPE = {"layers": 2, "blocks": 2}
 
 
