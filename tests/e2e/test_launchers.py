@@ -39,12 +39,27 @@ def two_nodes(script, args, node_env, tmp_path, name):
     return metrics(tmp_path / name)
 
 
-@pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"], []])
-def test_torchrun_two_nodes_equal_one_node(tmp_path, layout):
-    one = launch("launch/torchrun.sh", MODEL + layout + ["--output-dir", str(tmp_path / "one")], {"NPROC": "2"})
-    finish([one])
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """metrics of the one-node run (torchrun.sh, 2 processes) of MODEL + a layout, run once for the module's tests."""
+    runs = {}
+
+    def metrics_of(layout):
+        if tuple(layout) not in runs:
+            out = tmp_path_factory.mktemp("one-node")
+            finish([launch("launch/torchrun.sh", MODEL + layout + ["--output-dir", str(out)], {"NPROC": "2"})])
+            runs[tuple(layout)] = metrics(out)
+        return runs[tuple(layout)]
+    return metrics_of
+
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("layout", [PP2, []])
+def test_torchrun_two_nodes_equal_one_node(tmp_path, layout, one_node):
     two = two_nodes("launch/torchrun.sh", MODEL + layout, {"NPROC": "1"}, tmp_path, "two")
-    ref = metrics(tmp_path / "one")
+    ref = one_node(layout)
     assert sorted(two) == [1, 2, 3] and [two[s]["loss"] for s in two] == pytest.approx([ref[s]["loss"] for s in ref],
                                                                                        rel=1e-6)
 
@@ -90,14 +105,10 @@ def slurm(tmp_path):
             "SAVE_GRACE_S": "120"}
 
 
-def test_slurm_two_nodes_train_and_a_preemption_saves_and_exits_zero(tmp_path, slurm):
-    one = launch("launch/torchrun.sh", MODEL + ["--pipeline-model-parallel-size", "2", "--output-dir",
-                                                str(tmp_path / "one")], {"NPROC": "2"})
-    finish([one])
-    job = launch("launch/slurm.sbatch", MODEL + ["--pipeline-model-parallel-size", "2", "--output-dir",
-                                                 str(tmp_path / "two")], slurm)
+def test_slurm_two_nodes_train_and_a_preemption_saves_and_exits_zero(tmp_path, slurm, one_node):
+    job = launch("launch/slurm.sbatch", MODEL + PP2 + ["--output-dir", str(tmp_path / "two")], slurm)
     finish([job])
-    ref, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    ref, two = one_node(PP2), metrics(tmp_path / "two")
     assert [two[s]["loss"] for s in two] == pytest.approx([ref[s]["loss"] for s in ref], rel=1e-6)
 
     # pre-emption: SIGTERM to the job step; the workers finish their step, save, and the step ends with 0
