@@ -1,12 +1,15 @@
 """kernels/common.py's patches of Triton's interpreter (TRITON_INTERPRET only): a @jit helper called inside a
 kernel leaves the language as the launch patched it, instead of patching it again at every call."""
 
+import kernel_checks  # noqa: F401  (first: TRITON_INTERPRET before triton is imported)
+import pytest
 import torch
 import triton
 import triton.language as tl
 
-import kernel_checks  # noqa: F401  (TRITON_INTERPRET before triton is imported)
-from mega_depth.kernels import common  # noqa: F401  (applies the patches under the interpreter)
+from mega_depth.kernels import common  # applies the patches under the interpreter
+
+pytestmark = pytest.mark.skipif(not common.interpreting(), reason="patches of the interpreter: TRITON_INTERPRET=1")
 
 
 @triton.jit
