@@ -154,6 +154,39 @@ def _recorded_library_kernels(trace: Optional[StepTrace]):
 
 
 @contextlib.contextmanager
+def _gemms_left_unrun():
+    """The GEMMs of CPU tensors return uninitialised outputs of their shape (as the recorded Triton launches leave
+    theirs unwritten), for the host timer: a GEMM is the device's work, and a CPU without bf16 matrix units takes
+    about 1 ms for the toy widths' [64, 64] x [64, 192] in bf16, 30x its fp32 time: its arithmetic would outweigh the
+    host's work and shrink every ratio. The stand-in costs the host a Python call, about what a GPU's GEMM costs it
+    to launch. Autograd still records each GEMM (its kernel sits below the autograd key)."""
+    import warnings
+
+    def empty(shape, like):
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    kernels = {
+        "mm": lambda a, b: empty((a.shape[0], b.shape[1]), a),
+        "addmm": lambda c, a, b, beta=1, alpha=1: empty((a.shape[0], b.shape[1]), a),
+        "bmm": lambda a, b: empty((a.shape[0], a.shape[1], b.shape[2]), a),
+        "baddbmm": lambda c, a, b, beta=1, alpha=1: empty((a.shape[0], a.shape[1], b.shape[2]), a),
+        "mm.out": lambda a, b, out: out,
+        "addmm.out": lambda c, a, b, beta=1, alpha=1, out=None: out,
+        "bmm.out": lambda a, b, out: out,
+        "baddbmm.out": lambda c, a, b, beta=1, alpha=1, out=None: out,
+    }
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": the point, undone below
+            warnings.simplefilter("ignore")
+            for op, kernel in kernels.items():
+                library.impl(op, kernel, "CPU")
+        yield
+    finally:
+        library._destroy()  # the CPU kernels registered before are the ones that run again
+
+
+@contextlib.contextmanager
 def _opaque_attention(trace: StepTrace):
     import torch.nn.functional as F
 
@@ -238,8 +271,9 @@ def host_timer(cfg, sm_count: int = 132) -> Callable[[int], List[float]]:
     backward, `repeats` times after a warm-up: Python, autograd, the dispatcher and the launchers' own Python, at the
     config's sizes on the CPU (give it toy widths: the host's work does not depend on them, and the CPU's arithmetic
     then costs little). The mixing's and other libraries' Triton launches are recorded instead of run (their outputs
-    are left unwritten, denormals flushed), as on meta tensors, but the aten ops run their C++ CPU kernels as a GPU's
-    dispatch would: meta tensors would run Python meta functions instead and overstate the elementwise ops' cost.
+    are left unwritten, denormals flushed), as on meta tensors, and so are the GEMMs (`_gemms_left_unrun`), but the
+    other aten ops run their C++ CPU kernels as a GPU's dispatch would: meta tensors would run Python meta functions
+    instead and overstate the elementwise ops' cost.
     What remains for a GPU is the driver's few microseconds a launch (the step trace counts the launches)."""
     import time
 
@@ -265,7 +299,7 @@ def host_timer(cfg, sm_count: int = 132) -> Callable[[int], List[float]]:
                 for pipe in pipelines_of([model]):
                     pipe.start_step()
                 model.zero_grad(set_to_none=True)
-                with common.recording(sm_count), _recorded_library_kernels(None):
+                with common.recording(sm_count), _recorded_library_kernels(None), _gemms_left_unrun():
                     start = time.process_time()
                     model(tokens, positions, attention_mask=None, labels=tokens).float().mean().backward()
                     times.append(time.process_time() - start)

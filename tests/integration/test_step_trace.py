@@ -86,3 +86,28 @@ BACKWARD_PASSES = {"standard": 1, "attnres-full": 1, "attnres-block": 1, "dca": 
 def test_recomputed_sublayer_inputs_run_no_nested_backward_pass(traced):
     for name, passes in BACKWARD_PASSES.items():
         assert traced[name][1]["backward_passes"] <= passes, (name, traced[name][1]["backward_passes"])
+
+
+def test_the_host_timer_leaves_gemms_unrun_and_restores_them():
+    """The host timer's GEMMs return outputs of their shape without computing them (on a CPU without bf16 matrix
+    units they took most of a toy step's time, arithmetic the host does not do on a GPU); autograd still records
+    them, and on leaving the real CPU kernels run again."""
+    import torch
+
+    from mega_depth.megatron.step_trace import _gemms_left_unrun
+
+    a = torch.randn(8, 4, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.bfloat16)
+    kept = torch.full((8, 6), 7.0, dtype=torch.bfloat16)
+    with _gemms_left_unrun():
+        assert (a @ b).shape == (8, 6)
+        assert torch.nn.functional.linear(a, b.t(), bias).shape == (8, 6)
+        assert torch.bmm(a[None], b[None]).shape == (1, 8, 6)
+        torch.mm(a.detach(), b.detach(), out=kept)
+        (a @ b).float().sum().backward()
+    assert torch.equal(kept, torch.full_like(kept, 7.0))  # not written
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    expected = a.detach().float() @ b.detach().float()
+    torch.testing.assert_close((a @ b).float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(torch.bmm(a[None], b[None])[0].float(), expected, rtol=2e-2, atol=2e-2)
