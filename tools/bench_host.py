@@ -5,13 +5,15 @@
 
 A GPU step is host-bound when Python, autograd and the dispatcher take longer than its kernels: the device idles
 between launches. This measures that host work alone: the process CPU time of one micro-batch forward and backward
-of the real Megatron-core model at toy widths on the CPU (mega_depth/megatron/step_trace.host_timer: the widths
+of the real Megatron-core model at toy widths on the CPU (mega_depth/megatron/step_trace.HostTimer: the widths
 barely change the host's work, the layer count and the mechanism do), with the mixing's and Liger-Kernel's Triton
 launches recorded instead of run, the median of --repeats after a warm-up. Every model is built once; in each round
 every setting is timed right after the baseline, and its ratio is taken to that baseline measurement, so that a
 machine's drift (a shared CPU's speed moves by 5-10 % over minutes) reaches both sides of a ratio alike. The ratio
-reported is the median over rounds; it is the speed issue's host target. The launches counted by
-tools/step_trace.py add the driver's few microseconds each on a GPU.
+reported is the median over rounds; it is the speed issue's host target. Beside it, the calls one pass makes from
+Python (functions and C functions, sys.setprofile): the host's work counted without the machine's noise. The launches
+counted by tools/step_trace.py add the driver's few microseconds each on a GPU. The GEMMs are left unrun (a GPU's
+work; a CPU without bf16 matrix units takes a millisecond for each of the toy widths' GEMMs).
 """
 
 import argparse
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
 
     from mega_depth.catalogue import SETTINGS, mechanism_flags, parse_mechanisms
     from mega_depth.config import parse_args
-    from mega_depth.megatron.step_trace import host_timer
+    from mega_depth.megatron.step_trace import HostTimer
     from mega_depth.quiet import quiet_known_warnings
     from mega_depth.training.backends.startup import start_megatron
 
@@ -58,11 +60,12 @@ def main(argv=None) -> int:
         cfg = parse_args(["--mock-data", "--bf16", "--mixing-impl", "triton"] + list(shape)
                          + mechanism_flags(name, layers)).validate(1)
         start_megatron(cfg)
-        timers[name] = host_timer(cfg)
+        timers[name] = HostTimer(cfg)
     # Every model and module built so far is kept for the whole run: out of the collector's reach, so that a full
     # collection (which walks every tracked object, the 10 models' half a million of them) cannot land in a timed pass
     gc.collect()
     gc.freeze()
+    calls = {name: timers[name].python_calls() for name in names}  # the same every run: the noise-free column
     times = {name: [] for name in names}
     ratios = {name: [] for name in names}
     for _ in range(args.rounds):
@@ -76,15 +79,17 @@ def main(argv=None) -> int:
             gc.collect()  # the step's graph goes before the next is timed (a cyclic GC pass costs)
     results = {name: {"host_ms": 1000 * statistics.median(times[name]),
                       "host_ratio": statistics.median(ratios[name]), "round_ratios": ratios[name],
-                      "samples_ms": [1000 * x for x in times[name]]} for name in names}
+                      "samples_ms": [1000 * x for x in times[name]], "python_calls": calls[name],
+                      "python_calls_ratio": calls[name] / calls["standard"]} for name in names}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shape": shape, "repeats": args.repeats, "rounds": args.rounds, "settings": results}, f,
                       indent=1)
-    print("| setting | host ms (forward + backward) | ratio to the baseline |")
-    print("| --- | ---: | ---: |")
+    print("| setting | host ms (forward + backward) | ratio to the baseline | Python calls | ratio to the baseline |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
-        print(f"| {name} | {r['host_ms']:.1f} | {r['host_ratio']:.2f}x |")
+        print(f"| {name} | {r['host_ms']:.1f} | {r['host_ratio']:.2f}x | {r['python_calls']:,} | "
+              f"{r['python_calls_ratio']:.2f}x |")
     return 0
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -140,7 +140,7 @@ def _recorded_library_kernels(trace: Optional[StepTrace]):
     runs = [kind.run for kind in kinds]
 
     def recorded(self, *args, grid, warmup, **kwargs):
-        if trace is not None:  # None: skipped, not recorded (host_timer)
+        if trace is not None:  # None: skipped, not recorded (HostTimer)
             trace.library_launches.append((self.fn.__name__,
                                            sum(tensor_bytes(t) for t in _tensors((args, kwargs)))))
 
@@ -266,48 +266,81 @@ def trace_step(cfg, sm_count: int = 132) -> StepTrace:
     return trace
 
 
-def host_timer(cfg, sm_count: int = 132) -> Callable[[int], List[float]]:
-    """The model of `cfg` built once, and a function that times the host's CPU time of one micro-batch forward and
-    backward, `repeats` times after a warm-up: Python, autograd, the dispatcher and the launchers' own Python, at the
-    config's sizes on the CPU (give it toy widths: the host's work does not depend on them, and the CPU's arithmetic
-    then costs little). The mixing's and other libraries' Triton launches are recorded instead of run (their outputs
-    are left unwritten, denormals flushed), as on meta tensors, and so are the GEMMs (`_gemms_left_unrun`), but the
+class HostTimer:
+    """The model of `cfg` built once; calling it times the host's CPU time of one micro-batch forward and backward,
+    `repeats` times after a warm-up: Python, autograd, the dispatcher and the launchers' own Python, at the config's
+    sizes on the CPU (give it toy widths: the host's work does not depend on them, and the CPU's arithmetic then
+    costs little). The mixing's and other libraries' Triton launches are recorded instead of run (their outputs are
+    left unwritten, denormals flushed), as on meta tensors, and so are the GEMMs (`_gemms_left_unrun`), but the
     other aten ops run their C++ CPU kernels as a GPU's dispatch would: meta tensors would run Python meta functions
-    instead and overstate the elementwise ops' cost.
-    What remains for a GPU is the driver's few microseconds a launch (the step trace counts the launches)."""
-    import time
+    instead and overstate the elementwise ops' cost. What remains for a GPU is the driver's few microseconds a
+    launch (the step trace counts the launches).
 
-    from mega_depth.kernels import common
-    from mega_depth.megatron import builder, swiglu
-    from mega_depth.megatron.pipeline import pipelines_of
+    `python_calls()` counts the calls one pass makes from Python (Python functions and C functions alike): the
+    host's work without the machine's noise, which on a shared VM moves a timed pass by 20 % and more."""
 
-    force = swiglu.FORCE
-    swiglu.FORCE = True  # Megatron's fused-activation switch as a GPU sets it (the Liger kernel is recorded)
-    try:
-        (model,) = builder.build_model_chunks(cfg)
-    finally:
-        swiglu.FORCE = force
-    s, b = cfg.model.seq_length, cfg.training.micro_batch_size
-    tokens = torch.zeros(b, s, dtype=torch.long)
-    positions = torch.arange(s).expand(b, s)
+    def __init__(self, cfg, sm_count: int = 132):
+        from mega_depth.megatron import builder, swiglu
 
-    def timed(repeats: int) -> List[float]:
+        force = swiglu.FORCE
+        swiglu.FORCE = True  # Megatron's fused-activation switch as a GPU sets it (the Liger kernel is recorded)
+        try:
+            (self.model,) = builder.build_model_chunks(cfg)
+        finally:
+            swiglu.FORCE = force
+        s, b = cfg.model.seq_length, cfg.training.micro_batch_size
+        self.tokens = torch.zeros(b, s, dtype=torch.long)
+        self.positions = torch.arange(s).expand(b, s)
+        self.sm_count = sm_count
+
+    @contextlib.contextmanager
+    def _pass(self):
+        from mega_depth.kernels import common
+        from mega_depth.megatron.pipeline import pipelines_of
+
+        for pipe in pipelines_of([self.model]):
+            pipe.start_step()
+        self.model.zero_grad(set_to_none=True)
+        with common.recording(self.sm_count), _recorded_library_kernels(None), _gemms_left_unrun():
+            yield
+
+    def _step(self) -> None:
+        self.model(self.tokens, self.positions, attention_mask=None, labels=self.tokens).float().mean().backward()
+
+    def __call__(self, repeats: int) -> List[float]:
+        import time
+
         times = []
         torch.set_flush_denormal(True)
         try:
             for _ in range(repeats + 1):
-                for pipe in pipelines_of([model]):
-                    pipe.start_step()
-                model.zero_grad(set_to_none=True)
-                with common.recording(sm_count), _recorded_library_kernels(None), _gemms_left_unrun():
+                with self._pass():
                     start = time.process_time()
-                    model(tokens, positions, attention_mask=None, labels=tokens).float().mean().backward()
+                    self._step()
                     times.append(time.process_time() - start)
         finally:
             torch.set_flush_denormal(False)
         return times[1:]
 
-    return timed
+    def python_calls(self) -> int:
+        """Calls made from Python in one pass after a warm-up (sys.setprofile's call and c_call events)."""
+        import sys
+
+        calls = 0
+
+        def count(frame, event, arg):
+            nonlocal calls
+            if event == "call" or event == "c_call":
+                calls += 1
+
+        self(0)  # warm: caches filled, as in a timed pass
+        with self._pass():
+            sys.setprofile(count)
+            try:
+                self._step()
+            finally:
+                sys.setprofile(None)
+        return calls
 
 
 def summary(trace: StepTrace) -> Dict[str, float]:

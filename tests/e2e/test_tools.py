@@ -45,6 +45,9 @@ def test_bench_host_times_the_hosts_work_per_setting_against_the_baseline(tmp_pa
         assert len(r["samples_ms"]) == (12 if name == "standard" else 4) and all(t > 0 for t in r["samples_ms"])
         assert len(r["round_ratios"]) == 2 and r["host_ratio"] == pytest.approx(statistics.median(r["round_ratios"]))
     assert results["standard"]["round_ratios"] == [1.0, 1.0]
+    # a mechanism's pass calls more from Python than the baseline's (its mixing ops, their autograd glue)
+    assert results["mhc"]["python_calls"] > results["standard"]["python_calls"] > 1000
+    assert results["mhc"]["python_calls_ratio"] == results["mhc"]["python_calls"] / results["standard"]["python_calls"]
     assert "| mhc |" in stdout
     assert "--num-layers" in run(["tools/bench_host.py", "--hidden-size", "32"], expect=2).stderr
 
