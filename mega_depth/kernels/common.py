@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -400,13 +401,15 @@ def pointer_table(tensors: Sequence[Tensor], low_bits: Optional[Sequence[bool]] 
     table holds exactly its key, so a hit is right whatever the tensors are now; tables are read, never written.
     While a step is captured as a CUDA graph, a table is a slice of the capture's buffer (kernels/graph_tables.py)."""
     device = tensors[0].device
-    pointers = tuple(t.data_ptr() for t in tensors)
-    if any(p % 16 for p in pointers):  # the kernels load rows through the table in 16-byte vectors (pointer_at)
+    # map and reduce run in C: a per-source generator was a Python frame a source (a Full AttnRes step's 7,500)
+    pointers = tuple(map(Tensor.data_ptr, tensors))
+    if functools.reduce(operator.or_, pointers) & 15:  # the kernels load rows through the table in 16-byte
+        # vectors (pointer_at)
         misaligned = [i for i, p in enumerate(pointers) if p % 16]
         raise ValueError(f"pointer_table: tensors {misaligned} do not start on a 16-byte boundary; pass "
                          "contiguous tensors of their own (.contiguous() or .clone())")
     if low_bits is not None:
-        pointers = tuple(p | int(b) for p, b in zip(pointers, low_bits))
+        pointers = tuple(map(operator.or_, pointers, map(int, low_bits)))
     graph_tables.counted(len(pointers))
     if graph_tables.ACTIVE is not None:  # a step being captured as a CUDA graph: no copy in the graph
         return graph_tables.ACTIVE.take(pointers, device)
