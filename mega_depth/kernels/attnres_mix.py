@@ -24,6 +24,7 @@ and autograd registered, so a compiled layer sees it whole.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import List, Optional, Tuple
 
@@ -32,11 +33,12 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
-                                       channel_block, check_heads, depth_weight_is_sigmoid, folded_query,
-                                       folded_query_torch, gradient_modes_at, gradient_table, gradients_at, in_dtype,
-                                       interpreting, jit, launch, nothing, partial_sums, pointer_table, pointers_at,
-                                       pow2, programs, register_fake, rms_inverse_torch, row_warps, rows, source_rows,
-                                       sum_rows, sums2, sums3, tl, token, uses_triton, warps)
+                                       channel_block, check_heads, contiguous_each, depth_weight_is_sigmoid,
+                                       folded_query, folded_query_torch, gradient_modes_at, gradient_table,
+                                       gradients_at, in_dtype, interpreting, jit, launch, nothing, partial_sums,
+                                       pointer_table, pointers_at, pow2, programs, register_fake, rms_inverse_torch,
+                                       row_warps, rows, source_rows, sum_rows, sums2, sums3, tl, token, uses_triton,
+                                       warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -575,7 +577,7 @@ def attnres_source_grad_op(source: Tensor, grads: List[Tensor], folds: List[Tens
     d = source.shape[-1]
     v = rows(source, d)
     fn = _triton_source_grad if uses_triton(v) else _torch_source_grad
-    return fn(v, source_rows(grads, d), [f.contiguous() for f in folds], [c.contiguous() for c in coefs], heads, norm,
+    return fn(v, source_rows(grads, d), contiguous_each(folds), contiguous_each(coefs), heads, norm,
               None if held is None else rows(held, d)).view(source.shape)
 
 
@@ -615,9 +617,7 @@ def _backward(ctx, grads):
         coef, folded, dq, dg = call(attnres_mix_backward_deferred_op, grad, sources, into, adding, deferred, query,
                                     gain, out, lse, *ctx.cfg)
         key, blocks = (_resolve, ctx.cfg[2], gain is not None), coef.unbind(0)  # (one call, not one index a source)
-        for sink, lazy, block in zip(ctx.sinks, deferred, blocks):
-            if lazy:
-                sink.defer(key, (grad, folded, block))
+        grad_sink.defer_each(ctx.sinks, deferred, key, zip(itertools.repeat(grad), itertools.repeat(folded), blocks))
         source_grads = grad_sink.returned(ctx.sinks, into, need[0])
         return source_grads, cast_grad(dq, query, need[1]), cast_grad(dg, gain, need[2]), None, None, None
     if ctx.sinks is None:

@@ -162,6 +162,24 @@ def test_an_aliased_source_is_freed_with_its_graph(path):
     assert [torch._C._storage_Use_Count(s._cdata) for s in storages] == [1, 1, 1]
 
 
+def test_each_call_reads_a_source_through_its_one_alias_and_counts_as_its_reader():
+    """grad_sink.aliased: the first reader makes a source's alias, later readers look it up and are counted (the
+    count decides which sources' gradients are left to their sinks); an alias or a tensor without grad passes as
+    it is, uncounted."""
+    from mega_depth.kernels import grad_sink
+
+    x, plain = leaf(6, 12), torch.randn(6, 12)
+    a, b = x * 1, x * 2
+    first = grad_sink.aliased([a, b, plain])
+    second = grad_sink.aliased([a, b])
+    assert second[0] is first[0] and second[1] is first[1] and first[0] is not a and first[2] is plain
+    sinks = grad_sink.sinks_of(second)
+    assert [s.readers for s in sinks] == [2, 2] and grad_sink.sinks_of([plain]) is None
+    again = grad_sink.aliased(first[:2])
+    assert again[0] is first[0] and again[1] is first[1] and [s.readers for s in sinks] == [2, 2]
+    assert grad_sink.aliased([a, a])[0] is a  # one tensor twice: no alias (its two gradients would race)
+
+
 def _one_mix(d, heads):
     """Three detached sources [2, 3, d], a static query and gain, one mix's forward (out, lse) and a gradient."""
     sources = detached(sources_of(3, 2, 3, d))
