@@ -171,11 +171,14 @@ def aliased(sources: Sequence[Tensor]) -> List[Tensor]:
         return list(sources)
     out = []
     for s in sources:
+        if not s.requires_grad:  # (a leaf frozen after an earlier reader aliased it: read as itself)
+            out.append(s)
+            continue
         # the alias that an earlier reader made, looked up here (Full AttnRes: 1,225 lookups a 1B step, 49 makes)
         refs = _ALIASES.get(id(s))
         alias = refs[1]() if refs is not None and refs[0]() is s else None
         if alias is None:
-            if not s.requires_grad or hasattr(s, _SINK):
+            if hasattr(s, _SINK):
                 out.append(s)
                 continue
             alias = _alias_of(s)[0]

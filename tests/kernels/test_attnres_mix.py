@@ -178,6 +178,10 @@ def test_each_call_reads_a_source_through_its_one_alias_and_counts_as_its_reader
     again = grad_sink.aliased(first[:2])
     assert again[0] is first[0] and again[1] is first[1] and [s.readers for s in sinks] == [2, 2]
     assert grad_sink.aliased([a, a])[0] is a  # one tensor twice: no alias (its two gradients would race)
+    w = leaf(6, 12)
+    alias_of_w = grad_sink.aliased([w])[0]
+    w.requires_grad_(False)  # frozen after a reader aliased it: later readers read it as itself, uncounted
+    assert grad_sink.aliased([w])[0] is w and grad_sink.sinks_of([alias_of_w])[0].readers == 1
 
 
 def _one_mix(d, heads):
