@@ -195,7 +195,8 @@ class CheckpointConfig:
     load: Optional[str] = _f(None, "checkpoint to resume from: a --save folder (newest intact checkpoint) or one "
                                    "iter_N; a missing or empty folder starts from scratch")
     save_interval: Optional[int] = _f(None, "save every N steps (the last step and SIGTERM always save)")
-    keep_last: int = _f(3, "this run's checkpoints kept in --save (older ones are deleted after a verified save)")
+    keep_last: int = _f(3, "this run's checkpoints kept in --save (its last verified one too, until a newer one "
+                             "verifies)")
     overwrite_save: bool = _f(False, "let a run started from scratch save beside another run's checkpoints")
     use_checkpoint_args: bool = _f(False, "take the model and mechanism from the --load checkpoint (Megatron-LM's "
                                           "flag): fine-tune an imported model without its original --config")

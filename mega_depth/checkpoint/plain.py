@@ -75,4 +75,4 @@ def write_model_only(canonical: Dict[str, torch.Tensor], cfg: Config, save: str,
     weights = {k: v.detach().float().contiguous() for k, v in canonical.items()}
     meta = rules.run_meta(cfg, "plain", rules.new_run_id(), model_only=True, imported_from=source, layout={})
     return rules.save(save, 0, lambda tmp: save_file(weights, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"}),
-                      meta, keep_last=1, comm=SingleProcess())[0]
+                      meta, keep_last=1, comm=SingleProcess(), replace_other=force)[0]  # (--force: the user's word)

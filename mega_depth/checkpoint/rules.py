@@ -14,7 +14,13 @@
   quarantined (renamed iter_N.damaged-<time>, so it never counts as kept), and an interrupted save's iter_N.tmp is
   removed. --load of one iter_N directory never falls back. A checkpoint without its manifest is damaged, unless
   its metadata predates manifests (then it loads with a warning).
-- Pruning keeps the checkpoint a run resumed from until a newer save has been verified against its manifest.
+- Pruning never deletes a run's last verified checkpoint (the one it resumed from, or its last save that read
+  back intact) until a newer save has been verified against its manifest: a save is verified when pruning would
+  otherwise delete it, or when the run has none verified yet (about one verification every --keep-last saves).
+- A save never replaces another run's checkpoint of the same step (refused, with nothing deleted); the same run's
+  checkpoint of that step is replaced by a swap that a kill at any moment leaves recoverable (iter_N.replaced).
+- The resume point is the most recently saved checkpoint of the pointer's run, so a pointer that lags its newest
+  checkpoint (a kill, or a full disk, between the rename and the pointer's write) does not skip it.
 - A full disk during a save removes the partial save, keeps every earlier checkpoint and says how much space is
   free and how much a checkpoint takes.
 - One run writes into a --save folder at a time (checkpoint/lock.py).
@@ -28,6 +34,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -47,6 +54,16 @@ class CheckpointError(ConfigError):
 
 def iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
+
+
+REPLACED = ".replaced"  # iter_N.replaced: the checkpoint a same-step save is swapping out (save, restore_replaced)
+
+
+def is_one_checkpoint(path: str) -> bool:
+    """Whether `path` names one checkpoint (its mega_depth.json, or an iter_N name), not a save folder: a save
+    folder may itself be called iter_something."""
+    return os.path.isfile(os.path.join(path, META)) or \
+        re.fullmatch(r"iter_\d+", os.path.basename(os.path.normpath(path))) is not None
 
 
 def interrupted_saves(root: str) -> List[str]:
@@ -131,18 +148,43 @@ def check_fresh_save(root: str, overwrite: bool) -> None:
             f"{root}, or save this one to a new --save folder, or pass --overwrite-save to write beside them")
 
 
+def check_steps_free(root: str, run_id: str, first: int, last: int) -> None:
+    """Before training: another run's checkpoints at the steps this run may save (first..last: a save interval's, the
+    last step's, a pre-emption's at any step) are refused now, not at the save that would meet one (`save` never
+    replaces another run's checkpoint)."""
+    clashes = [(s, p) for s, p in list_checkpoints(root) if first <= s <= last and _run_of(p) != run_id]
+    if clashes:
+        names = ", ".join(os.path.basename(p) for _, p in clashes[:3]) + (", ..." if len(clashes) > 3 else "")
+        raise CheckpointError(
+            f"--save {root} holds checkpoints of another run at steps this run may save ({names}; this run saves "
+            f"steps {first}-{last}): a checkpoint is named by its step, and a save never replaces another run's. "
+            "Save this run to a new --save folder, or move those checkpoints aside")
+
+
 def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_last: int, comm,
-         protect: Optional[str] = None, owner: Optional[Callable[[], None]] = None) -> Tuple[str, bool]:
+         protect: Optional[str] = None, owner: Optional[Callable[[], None]] = None,
+         replace_other: bool = False) -> Tuple[str, bool]:
     """Write one checkpoint atomically (collective). `fill(tmp_dir)` writes the format's own files on every
-    rank; `meta` (format, run_id, config, ...) goes to mega_depth.json. `protect` (the checkpoint the run resumed
-    from) is pruned only once this save has been verified against its manifest. `owner()` (collective) raises if
-    the folder is no longer this run's (its lock): called before the save touches the folder and again before it
-    commits, since the process may have been frozen in between. Returns (the final directory, whether it was
+    rank; `meta` (format, run_id, config, ...) goes to mega_depth.json. `protect` (the run's last verified
+    checkpoint: the one it resumed from, or its last save that verified) is pruned only once this save has been
+    verified against its manifest; with none, this save is verified. `owner()` (collective) raises if the folder is
+    no longer this run's (its lock): called before the save touches the folder and again before it commits, since
+    the process may have been frozen in between. Another run's checkpoint of the same step is refused before
+    anything is written, unless `replace_other` (a forced import). Returns (the final directory, whether it was
     verified). A full disk raises CheckpointError after removing the partial save."""
     final = iter_dir(root, step)
     tmp = final + ".tmp"
     owner = owner or (lambda: None)
     owner()
+    clash = None
+    if comm.rank == 0 and not replace_other and os.path.isdir(final):
+        other = _run_of(final)
+        if other != meta.get("run_id"):
+            clash = (f"--save {root} already holds {os.path.basename(final)} of run {other or '(unreadable)'}, and "
+                     f"this run ({meta.get('run_id')}) would replace it: a save never deletes another run's "
+                     "checkpoint. Save this run to another --save folder, or move that checkpoint aside")
+    if comm.any(clash is not None):
+        raise CheckpointError(clash or f"saving checkpoint {step} into {root} was refused on rank 0 (see its message)")
     if comm.rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a previous kill mid-save
@@ -182,26 +224,53 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
         _abandon(tmp, comm)
         raise CheckpointError(failure or f"saving checkpoint {step} into {root} failed on rank 0")
     if comm.rank == 0:
-        if os.path.isdir(final):  # the same step saved again (a rerun of the same run): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _commit(tmp, final)
         try:
             write_pointer(root, step)
-        except OSError as exc:  # the checkpoint is complete; the pointer is found again from the folders
-            failure = disk_full(exc, root)
-            if failure is None:
-                raise
-            raise CheckpointError(failure) from None
-        keep = {final}
-        if protect is not None and protect != final:
-            try:
-                verify(final)
-                verified = True
-            except CorruptCheckpoint:
-                keep.add(protect)  # the new checkpoint reads back wrong: keep the one the run started from
-        prune(root, keep_last, record["run_id"], keep=keep)
+        except OSError as exc:  # the checkpoint is complete; a resume finds it from the folders (find_checkpoint)
+            failure = disk_full(exc, root) or (
+                f"saving into {root}: checkpoint {os.path.basename(final)} is complete, but writing {POINTER} failed "
+                f"({exc.strerror or exc}); a resume from {root} finds it all the same. Fix the folder, and resume")
+    if comm.any(failure is not None):  # (every rank raises: rank 0 alone would leave the others at a barrier)
+        raise CheckpointError(failure or f"saving checkpoint {step} into {root} failed on rank 0")
+    if comm.rank == 0:
+        verified = _prune_after(root, final, keep_last, record["run_id"], protect)
     comm.barrier()
     return final, bool(comm.broadcast(verified))
+
+
+def _commit(tmp: str, final: str) -> None:
+    """tmp -> final. Where final exists (the same run saving a step again: a rewound run), the old one is swapped
+    out first, not deleted first: a kill between the renames leaves it as iter_N.replaced, which the next resume
+    puts back (restore_replaced)."""
+    if not os.path.isdir(final):
+        os.rename(tmp, final)
+        return
+    replaced = final + REPLACED
+    shutil.rmtree(replaced, ignore_errors=True)  # (a kill after an earlier swap's second rename)
+    os.rename(final, replaced)
+    os.rename(tmp, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _prune_after(root: str, final: str, keep_last: int, run_id: str, protect: Optional[str]) -> bool:
+    """Prune after the save of `final`, never deleting the run's last verified checkpoint `protect` before `final`
+    verifies; `final` is verified where pruning would delete `protect`, or where there is none (nothing verified
+    yet). A save that reads back wrong prunes nothing. -> whether `final` was verified."""
+    final = os.path.realpath(final)
+    protect = os.path.realpath(protect) if protect is not None else None
+    if protect is not None and (os.path.dirname(protect) != os.path.dirname(final) or protect == final):
+        protect = None  # resumed from another folder, or its copy just replaced: nothing verified here now
+    doomed = prune(root, keep_last, run_id, keep={final}, dry_run=True)
+    if protect is not None and protect not in doomed:
+        prune(root, keep_last, run_id, keep={final, protect})
+        return False
+    try:
+        verify(final)
+    except CorruptCheckpoint:
+        return False  # keep everything: the older checkpoints are the ones left to fall back to
+    prune(root, keep_last, run_id, keep={final})
+    return True
 
 
 def _checkpoint_exception():
@@ -267,10 +336,11 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def prune(root: str, keep_last: int, run_id: str, keep=()) -> List[str]:
-    """Delete this run's checkpoints beyond the `keep_last` most recently saved ones; returns what was deleted.
-    Checkpoints of other runs, unreadable ones and those in `keep` are never deleted."""
-    keep = {keep} if isinstance(keep, str) else set(keep)
+def prune(root: str, keep_last: int, run_id: str, keep=(), dry_run: bool = False) -> List[str]:
+    """Delete this run's checkpoints beyond the `keep_last` most recently saved ones; returns what was deleted
+    (real paths; with dry_run, what would be, deleting nothing). Checkpoints of other runs, unreadable ones and
+    those in `keep` (paths in any spelling) are never deleted."""
+    keep = {os.path.realpath(k) for k in ([keep] if isinstance(keep, str) else keep)}
     own = []
     for _, path in list_checkpoints(root):
         try:
@@ -282,8 +352,10 @@ def prune(root: str, keep_last: int, run_id: str, keep=()) -> List[str]:
     own.sort(reverse=True)
     deleted = []
     for _, path in own[keep_last:]:
+        path = os.path.realpath(path)
         if path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
+            if not dry_run:
+                shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
     return deleted
 
@@ -341,12 +413,14 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
         say(f"--load {load} {'does not exist' if not os.path.exists(load) else 'holds nothing'} yet: starting from "
             "scratch")
         return None
-    if os.path.isfile(os.path.join(load, META)) or os.path.basename(os.path.normpath(load)).startswith("iter_"):
+    if is_one_checkpoint(load):
         try:  # one named checkpoint: never fall back
             return load, _checked(load, say)
         except CorruptCheckpoint as e:
             raise CheckpointError(f"checkpoint {load} is damaged: {e}; load another iter_N directory, or its save "
                                   "folder to fall back to the newest intact checkpoint") from None
+    if own:
+        restore_replaced(load, say)
     complete = list_checkpoints(load)
     pointer = read_pointer(load)
     leftovers = interrupted_saves(load)
@@ -362,10 +436,7 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
         raise CheckpointError(f"--load {load} holds no checkpoint (no iter_N directories or {POINTER}); point it at "
                               "a --save folder or at one iter_N directory")
     by_step = dict(complete)
-    newest = pointer if pointer in by_step else complete[-1][0]
-    run_id = _run_of(by_step[newest])
-    candidates = [newest] + [s for s, p in reversed(complete) if s != newest and
-                             (run_id is None or _run_of(p) == run_id)]
+    candidates = resume_order(complete, pointer)
     problems = []
     for step in candidates:
         path = by_step[step]
@@ -379,24 +450,66 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
             continue
         if problems:
             say(f"falling back to {path}, the newest intact checkpoint of this run")
-            if own:
-                write_pointer(load, step)
+        elif pointer in by_step and pointer != step:
+            say(f"resuming {path}, saved after the checkpoint that {POINTER} names ({pointer}): the pointer lagged")
+        if own and pointer != step:
+            write_pointer(load, step)
         return path, meta
     raise CheckpointError(f"no intact checkpoint in {load} ({'; '.join(problems)}); start without --load, or "
                           "restore the files")
 
 
+def resume_order(complete: List[Tuple[int, str]], pointer: Optional[int]) -> List[int]:
+    """The steps to try, best first: the checkpoint the pointer names (or, with no valid pointer, the highest step),
+    then the other checkpoints of its run, highest step first. Saves are renamed into place before the pointer is
+    written, so a kill or a full disk in between leaves the pointer one save behind: a checkpoint of its run saved
+    after the one it names comes first (the most recent first). A damaged anchor whose run cannot be read: every
+    checkpoint, highest step first."""
+    by_step = dict(complete)
+    anchor = pointer if pointer in by_step else complete[-1][0]
+    run_id = _run_of(by_step[anchor])
+    if run_id is None:
+        return [anchor] + [s for s, _ in reversed(complete) if s != anchor]
+    rest = [s for s, p in reversed(complete) if s != anchor and _run_of(p) == run_id]
+    anchor_at = _saved_at(by_step[anchor])
+    later = sorted((s for s in rest if _saved_at(by_step[s]) > anchor_at), key=lambda s: _saved_at(by_step[s]),
+                   reverse=True)
+    return later + [anchor] + [s for s in rest if s not in later]
+
+
+def _saved_at(ckpt_dir: str) -> float:
+    try:
+        return float(read_meta(ckpt_dir).get("saved_at", 0.0))
+    except (CorruptCheckpoint, TypeError, ValueError):
+        return float("-inf")
+
+
+def restore_replaced(root: str, say: Callable[[str], None] = print) -> None:
+    """In the run's own folder: finish or undo a same-step swap a kill interrupted (_commit). iter_N.replaced
+    beside iter_N is the old copy, removed; alone, it is the only copy of step N, put back."""
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        if not (name.startswith("iter_") and name.endswith(REPLACED)):
+            continue
+        replaced, final = os.path.join(root, name), os.path.join(root, name[:-len(REPLACED)])
+        if os.path.isdir(final):
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.rename(replaced, final)
+            say(f"put back {final}: a save of the same step was killed while it replaced it")
+
+
 def peek_metadata(load: str) -> Optional[Tuple[str, dict]]:
     """(directory, metadata) of the checkpoint `--load` would resume, reading only its mega_depth.json (no hashing;
     safe on every rank): the newest readable one of the folder, or the named iter_N directory. None: nothing yet."""
-    if os.path.isfile(os.path.join(load, META)) or os.path.basename(os.path.normpath(load)).startswith("iter_"):
+    if is_one_checkpoint(load):
         try:
             return load, read_meta(load)
         except CorruptCheckpoint as e:
             raise CheckpointError(f"checkpoint {load} is damaged: {e}") from None
     complete = list_checkpoints(load)
-    pointer = read_pointer(load)
-    steps = ([pointer] if pointer in dict(complete) else []) + [s for s, _ in reversed(complete) if s != pointer]
+    steps = resume_order(complete, read_pointer(load)) if complete else []
     for step in steps:
         try:
             return iter_dir(load, step), read_meta(iter_dir(load, step))

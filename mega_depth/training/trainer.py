@@ -129,12 +129,19 @@ class Trainer:
         if error:
             raise error_type(error)
 
-    def _check_output_dir(self, found, run_id: str) -> None:
-        """Collective: refuse (one line) an --output-dir that holds another run's records (logger.check_output_dir),
-        judged with the run id and step this run will have."""
+    def _check_outputs(self, found, run_id: str) -> None:
+        """Collective, before the build (a refusal costs nothing), judged with the run id and the step this run
+        will have: refuse (one line) an --output-dir that holds another run's records (logger.check_output_dir),
+        and a --save folder where another run's checkpoints sit at steps this run may save
+        (rules.check_steps_free: a save never replaces them)."""
         resumed = found is not None and not found[1].get("model_only")
-        self._on_rank0(lambda: check_output_dir(self.cfg, found[1].get("run_id", run_id) if resumed else run_id,
-                                                int(found[1].get("step", 0)) if resumed else 0))
+        run = found[1].get("run_id", run_id) if resumed else run_id
+        step = int(found[1].get("step", 0)) if resumed else 0
+        self._on_rank0(lambda: check_output_dir(self.cfg, run, step))
+        save = self.cfg.checkpoint.save
+        if save:
+            self._on_rank0(lambda: rules.check_steps_free(save, run, step + 1, self.cfg.training.train_iters),
+                           rules.CheckpointError)
 
     def _samplers(self, start: int = 0, consumed: int = 0):
         """Training and validation samplers (validation: None where the run does not evaluate, see evaluates); the
@@ -235,7 +242,7 @@ class Trainer:
         cfg, b, ck = self.cfg, self.backend, self.cfg.checkpoint
         found = self._resume_point()
         start, run_id, consumed, resumed_from = 0, rules.new_run_id(), 0, None
-        self._check_output_dir(found, run_id)  # before the build: a refusal costs nothing
+        self._check_outputs(found, run_id)
         weights = None
         if found is not None and found[1].get("model_only"):
             from mega_depth.checkpoint.weights import full_megatron_weights
@@ -275,6 +282,7 @@ class Trainer:
             raise ConfigError(error)
         meta = rules.run_meta(cfg, b.format, run_id)
         history, train_time, last_routing = [], 0.0, None
+        last_verified = resumed_from  # (verified when it was found: rules.find_checkpoint)
         try:
             for step in range(start, cfg.training.train_iters):
                 done = step + 1
@@ -319,9 +327,9 @@ class Trainer:
                 exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
                 if ck.save and ((ck.save_interval and done % ck.save_interval == 0) or exiting or last):
                     path, verified = self._save(lock, done, dict(meta, layout=b.layout(), consumed_samples=consumed),
-                                                resumed_from)
-                    if verified:
-                        resumed_from = None  # a newer checkpoint reads back intact: the old one may be pruned
+                                                last_verified)
+                    if verified:  # it reads back intact: the one pruning keeps until a newer one does
+                        last_verified = path
                     self.say(f"saved checkpoint {path}")
                 if exiting:
                     self.say(f"exiting after step {done} ({'SIGTERM' if preempted else '--exit-interval'})")

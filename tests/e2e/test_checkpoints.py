@@ -97,12 +97,18 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_and_deletes_nothing(sav
     proc = run(args, expect=2)
     assert "already holds checkpoints of another run" in proc.stderr and "--overwrite-save" in proc.stderr
     assert sorted(os.listdir(tmp_path / "ckpt")) == before
-    # with --overwrite-save it writes beside them (replacing the steps it saves itself, here 1..3), and pruning
-    # (--keep-last 1) removes only its own older checkpoints: the other run's step 4 stays
-    run(args + ["--overwrite-save", "--train-iters", "3", "--lr-decay-iters", "4"])
+    # with --overwrite-save it writes beside them, but never over them: a run whose saves would reach the other
+    # run's steps (here 2, of its 2 and 4) is refused before its first step ...
+    proc = run(args + ["--overwrite-save", "--train-iters", "3", "--lr-decay-iters", "4"], expect=2)
+    assert "holds checkpoints of another run at steps this run may save (iter_0000002; this run saves steps 1-3)" \
+        in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt")) == before
+    # ... and one whose steps are free writes beside them; pruning (--keep-last 1) removes only its own older
+    # checkpoints
+    run(args + ["--overwrite-save", "--train-iters", "1", "--lr-decay-iters", "4", "--overwrite-output-dir"])
     names = sorted(os.listdir(tmp_path / "ckpt"))
-    assert names == ["iter_0000003", "iter_0000004", "latest_checkpointed_iteration.txt"], names
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert names == ["iter_0000001", "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"], names
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
 
 
 def test_load_of_a_folder_that_does_not_exist_yet_starts_from_scratch(data, tmp_path):
