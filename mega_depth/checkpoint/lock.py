@@ -6,12 +6,13 @@ systems of clusters (NFS v3+, Lustre), where flock may not be; a thread refreshe
 heartbeat) while the run lives.
 
 - A second run finds the lock and is refused with one line that names the holder.
-- A lock whose holder is gone is taken over, with a line that says so: its pid is dead on this host, or its
-  heartbeat is older than STALE_S (another host: a crashed node stops beating). The takeover renames the stale
-  file aside first, so two runs that find it stale at once cannot both take it.
-- A holder on another host whose heartbeat is still fresh is watched, not refused at once: a job requeued right
-  after its node crashed would otherwise fail. It is refused when its heartbeat advances (it is alive), and taken
-  over when the heartbeat goes stale.
+- A lock whose holder is gone is taken over, with a line that says so: its pid is dead on this host (in this
+  pid namespace), or its heartbeat is older than STALE_S (another host: a crashed node stops beating). The
+  takeover renames the stale file aside first, so two runs that find it stale at once cannot both take it.
+- A holder on another host (or in another pid namespace of this one: a container) whose heartbeat is still fresh
+  is watched, not refused at once: a job requeued right after its node crashed would otherwise fail. It is refused
+  when its heartbeat advances (it is alive), and taken over when the heartbeat goes stale; a lock released or
+  replaced meanwhile is judged afresh, never taken over on the old one's verdict.
 - The holder removes the lock when it stops (only its own: a lock file taken over meanwhile is left alone).
 - The holder verifies that the file still holds its token at every heartbeat and before every save; if it does not
   (deleted, overwritten, taken over while this process was frozen past the stale limit), the run stops with one line
@@ -85,6 +86,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _pid_namespace() -> Optional[int]:
+    """The inode of this process's pid namespace (Linux), or None where there is none to read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def _inspect(path: str) -> Tuple[Optional[dict], Optional[tuple]]:
     """(holder, identity) of the lock file, both from one open file: holder None if there is no file, {} if it is
     being written or garbage; identity (inode, mtime in ns)."""
@@ -118,8 +127,8 @@ class SaveLock:
     def __init__(self, folder: str, run_id: str, purpose: str, say: Callable[[str], None] = print):
         self.folder, self.path = folder, os.path.join(folder, LOCK)
         self.purpose, self.say = purpose, say
-        self.holder = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
-                       "started": time.time(), "token": uuid.uuid4().hex}
+        self.holder = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "pid_ns": _pid_namespace(),
+                       "purpose": purpose, "started": time.time(), "token": uuid.uuid4().hex}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.lost: Optional[str] = None  # set by the heartbeat when the file stops holding this run's token
@@ -128,7 +137,7 @@ class SaveLock:
     def acquire(self) -> "SaveLock":
         heartbeat, stale_s = timing()
         os.makedirs(self.folder, exist_ok=True)
-        for _ in range(3):
+        for _ in range(4):  # (a watch, a takeover and a create can take one round each)
             if self._create():
                 self._start_heartbeat(heartbeat)
                 return self
@@ -136,9 +145,10 @@ class SaveLock:
             if holder is None:  # released between our attempt and the read: try again
                 continue
             stale = self._stale_reason(holder, identity, stale_s)
-            if stale is None and holder.get("host") != socket.gethostname():
-                stale = self._watch(holder, heartbeat, stale_s)
-                holder, identity = _inspect(self.path)  # judge the file as it is now
+            if stale is None and not self._same_processes(holder):
+                if self._watch(holder, heartbeat, stale_s) is not None:
+                    continue  # released or gone stale: judged afresh (a new holder may have taken it meanwhile)
+                holder, identity = _inspect(self.path)
                 if holder is None:
                     continue
             if stale is None:
@@ -241,9 +251,16 @@ class SaveLock:
     def _age(self, identity: Optional[tuple]) -> float:
         return 0.0 if identity is None else time.time() - identity[1] / 1e9
 
+    def _same_processes(self, holder: dict) -> bool:
+        """Whether the holder's pid can be looked up here: the same host and pid namespace (containers that share a
+        host name, e.g. with the host's network, do not share their pids; a holder from before pid_ns was recorded
+        counts by its host)."""
+        return holder.get("host") == socket.gethostname() and holder.get("pid_ns", self.holder["pid_ns"]) == \
+            self.holder["pid_ns"]
+
     def _stale_reason(self, holder: dict, identity: Optional[tuple], stale_s: float) -> Optional[str]:
-        pid, host = holder.get("pid"), holder.get("host")
-        if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+        pid = holder.get("pid")
+        if self._same_processes(holder) and isinstance(pid, int) and not _pid_alive(pid):
             return f"its process {pid} is gone"
         age = self._age(identity)
         if age > stale_s:

@@ -338,6 +338,138 @@ def test_two_takers_of_one_stale_lock_never_both_win(tmp_path, fast_lock):
             t.wait()
 
 
+def test_a_watched_lock_replaced_meanwhile_is_judged_afresh_and_pid_checks_stay_in_their_namespace(tmp_path,
+                                                                                                      fast_lock):
+    """A watcher whose holder released the lock must not take over the new holder's fresh lock on the old verdict;
+    a holder in another pid namespace of this host (a container) is never judged by a pid lookup here."""
+    import subprocess
+    import sys
+    import threading
+
+    from mega_depth.checkpoint.lock import LOCK, SaveFolderLocked, SaveLock
+
+    def planted(run_id, host, pid=1, age_s=0.0, **extra):
+        json.dump({"run_id": run_id, "host": host, "pid": pid, "started": time.time(), "token": run_id, **extra},
+                  open(tmp_path / LOCK, "w"))
+        then = time.time() - age_s
+        os.utime(tmp_path / LOCK, (then, then))
+
+    planted("b", "another-host")
+    stop = threading.Event()
+
+    class Watcher(SaveLock):
+        watched = 0
+
+        def _watch(self, holder, heartbeat, stale_s):
+            Watcher.watched += 1
+            if Watcher.watched == 1:  # b releases, and c takes the folder within the watch's poll
+                planted("c", "another-host")
+                threading.Thread(target=lambda: [os.utime(tmp_path / LOCK) for _ in iter(lambda: stop.wait(0.05),
+                                                                                           True)]).start()
+                return "it released the lock"
+            return super()._watch(holder, heartbeat, stale_s)
+
+    try:
+        with pytest.raises(SaveFolderLocked, match="in use by run c "):
+            Watcher(str(tmp_path), "a", "training", print).acquire()
+    finally:
+        stop.set()
+    assert json.load(open(tmp_path / LOCK))["run_id"] == "c"  # c's lock stands
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = SaveLock(str(tmp_path), "x", "training", print).holder["pid_ns"]
+    other_ns = (mine or 0) + 1
+    # a dead pid here, but the holder's pids are another namespace's: judged by its heartbeat (old: taken over)
+    planted("d", socket.gethostname(), pid=dead.pid, age_s=60, pid_ns=other_ns)
+    said = []
+    lock = SaveLock(str(tmp_path), "e", "training", said.append).acquire()
+    assert "heartbeat stopped 60 s ago" in said[-1]
+    lock.release()
+    planted("f", socket.gethostname(), pid=dead.pid, pid_ns=other_ns)  # fresh and beating: watched, refused
+    stop = threading.Event()
+    beating = threading.Thread(target=lambda: [os.utime(tmp_path / LOCK) for _ in iter(lambda: stop.wait(0.05),
+                                                                                      True)])
+    beating.start()
+    try:
+        with pytest.raises(SaveFolderLocked, match="in use by run f "):
+            SaveLock(str(tmp_path), "g", "training", said.append).acquire()
+    finally:
+        stop.set()
+        beating.join()
+
+
+def test_a_save_never_replaces_another_runs_checkpoint_and_swaps_its_own(tmp_path):
+    save(tmp_path, 5, "b")
+    with pytest.raises(rules.CheckpointError, match="already holds iter_0000005 of run b, and this run \\(a\\) "
+                       "would replace it"):
+        save(tmp_path, 5, "a")
+    assert rules.read_meta(str(tmp_path / "iter_0000005"))["run_id"] == "b" and not (tmp_path / "iter_0000005.tmp"
+                                                                                     ).exists()
+    verify(str(tmp_path / "iter_0000005"))
+    # refused before the first step where a run's saves would meet another run's checkpoints
+    with pytest.raises(rules.CheckpointError, match="holds checkpoints of another run at steps this run may save "
+                       "\\(iter_0000005; this run saves steps 1-10\\)"):
+        rules.check_steps_free(str(tmp_path), "a", 1, 10)
+    rules.check_steps_free(str(tmp_path), "a", 6, 10)
+    rules.check_steps_free(str(tmp_path), "b", 1, 10)
+    # the same run saving a step again (rewound): swapped in, the old copy gone
+    save(tmp_path / "own", 3, "a")
+    save(tmp_path / "own", 3, "a", payload=b"rewound")
+    assert sorted(os.listdir(tmp_path / "own")) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "own" / "iter_0000003" / "shard.bin").read_bytes().startswith(b"rewound")
+    # a kill between the swap's two renames: the next resume in the run's folder puts the old copy back ...
+    own = tmp_path / "own"
+    os.rename(own / "iter_0000003", own / "iter_0000003.replaced")
+    said = []
+    path, _ = rules.find_checkpoint(str(own), said.append, own=True)
+    assert path.endswith("iter_0000003") and "put back" in said[0]
+    # ... and after the second one, it drops the old copy
+    (own / "iter_0000003.replaced").mkdir()
+    rules.find_checkpoint(str(own), said.append, own=True)
+    assert not (own / "iter_0000003.replaced").exists()
+
+
+def test_a_lagging_pointer_does_not_skip_the_newest_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    for step in (1, 2, 3):
+        save(tmp_path, step, "a")
+    rules.write_pointer(str(tmp_path), 2)  # killed between the rename of iter_3 and the pointer's write
+    said = []
+    assert rules.find_checkpoint(str(tmp_path), said.append)[0].endswith("iter_0000003")
+    assert "the pointer lagged" in said[-1] and rules.read_pointer(str(tmp_path)) == 2  # (not its folder: unchanged)
+    assert rules.peek_metadata(str(tmp_path))[0].endswith("iter_0000003")
+    assert rules.find_checkpoint(str(tmp_path), said.append, own=True)[0].endswith("iter_0000003")
+    assert rules.read_pointer(str(tmp_path)) == 3
+    # the pointer's write fails: one line on every rank, and the checkpoint it could not name is resumed
+    real = rules.write_pointer
+    monkeypatch.setattr(rules, "write_pointer", lambda root, step: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
+    with pytest.raises(rules.CheckpointError, match="checkpoint iter_0000004 is complete, but writing "
+                       "latest_checkpointed_iteration.txt failed"):
+        save(tmp_path, 4, "a")
+    monkeypatch.setattr(rules, "write_pointer", real)
+    assert rules.find_checkpoint(str(tmp_path), said.append)[0].endswith("iter_0000004")
+    # a save folder named iter_something is a folder, not one checkpoint
+    save(tmp_path / "iter_sweep", 1, "s")
+    assert rules.find_checkpoint(str(tmp_path / "iter_sweep"), said.append)[0].endswith("iter_0000001")
+    assert rules.peek_metadata(str(tmp_path / "iter_sweep"))[0].endswith("iter_0000001")
+
+
+def test_pruning_never_deletes_the_last_verified_checkpoint_before_a_newer_one_verifies(tmp_path, monkeypatch):
+    first = save(tmp_path, 1, "a", keep_last=1)
+    monkeypatch.setattr(rules, "verify", lambda p: (_ for _ in ()).throw(CorruptCheckpoint("bad read-back")))
+    # the resumed-from checkpoint named in another spelling is still the one kept
+    save(tmp_path, 2, "a", keep_last=1, protect=os.path.join(str(tmp_path), ".", os.path.basename(first)))
+    assert [s for s, _ in rules.list_checkpoints(str(tmp_path))] == [1, 2]
+    # a run with nothing verified yet (fresh, or resumed from another folder) verifies its save before pruning
+    save(tmp_path, 3, "a", keep_last=1)
+    save(tmp_path, 4, "a", keep_last=1, protect=str(tmp_path / "elsewhere" / "iter_0000001"))
+    assert [s for s, _ in rules.list_checkpoints(str(tmp_path))] == [1, 2, 3, 4]
+    monkeypatch.undo()
+    save(tmp_path, 5, "a", keep_last=1)
+    assert [s for s, _ in rules.list_checkpoints(str(tmp_path))] == [5]
+
+
 def test_bad_lock_settings_and_a_failed_create_are_one_line_each(tmp_path, monkeypatch):
     import errno
 
