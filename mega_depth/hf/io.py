@@ -42,14 +42,12 @@ def code_files() -> Dict[str, str]:
     return files
 
 
-# mega_depth's tokenizers (tools/train_tokenizer.py) fix these ids; the pad token is looked up (special_tokens).
-BOS, EOS = ("<s>", 1), ("</s>", 2)
-
-
-def special_tokens(spm_model: str) -> Dict[str, Tuple[str, int]]:
-    """{"bos"|"eos"|"unk"|"pad": (piece, id)} of the export. The pad is the sentencepiece model's own pad piece
-    where it has one; otherwise EOS (`</s>`), as Llama-family models commonly do: pads are masked out, so which
-    token fills them does not matter, and a real piece keeps the vocabulary unchanged."""
+def special_tokens(spm_model: str) -> Dict[str, Optional[Tuple[str, int]]]:
+    """{"bos"|"eos"|"unk"|"pad": (piece, id)} of the export, read from the sentencepiece model (mega_depth's own
+    tokenizers are Llama's layout, <s> = 1 and </s> = 2, but a model trained elsewhere may number them otherwise;
+    the training data ends each document with its EOS id). bos is None for a model without one. The pad is the
+    model's own pad piece where it has one; otherwise EOS, as Llama-family models commonly do: pads are masked
+    out, so which token fills them does not matter, and a real piece keeps the vocabulary unchanged."""
     import sentencepiece as spm
 
     try:
@@ -57,9 +55,21 @@ def special_tokens(spm_model: str) -> Dict[str, Tuple[str, int]]:
     except (OSError, RuntimeError) as e:
         raise ConfigError(f"{spm_model} is not a sentencepiece model ({str(e)[:80]}); pass --tokenizer-model (the "
                           "sentencepiece model the data was made with)") from None
-    pad_id = sp.pad_id()
-    pad = (sp.id_to_piece(pad_id), pad_id) if 0 <= pad_id < sp.get_piece_size() else EOS
-    return {"bos": BOS, "eos": EOS, "unk": (sp.id_to_piece(sp.unk_id()), sp.unk_id()), "pad": pad}
+
+    def piece(i: int) -> Optional[Tuple[str, int]]:
+        return (sp.id_to_piece(i), i) if 0 <= i < sp.get_piece_size() else None
+
+    eos = piece(sp.eos_id())
+    if eos is None:
+        raise ConfigError(f"{spm_model} has no end-of-sequence piece (eos_id {sp.eos_id()}), which ends each "
+                          "document in the training data and stops generation; pass the tokenizer the data was made "
+                          "with (tools/train_tokenizer.py makes </s> = 2)")
+    return {"bos": piece(sp.bos_id()), "eos": eos, "unk": piece(sp.unk_id()), "pad": piece(sp.pad_id()) or eos}
+
+
+def token_ids(tokens: Dict[str, Optional[Tuple[str, int]]]) -> Dict[str, Optional[int]]:
+    """The bos / eos / pad ids of special_tokens, as a config's bos_token_id / eos_token_id / pad_token_id."""
+    return {f"{name}_token_id": None if tokens[name] is None else tokens[name][1] for name in ("bos", "eos", "pad")}
 
 
 def _piece_count(spm_model: str) -> int:
@@ -97,7 +107,7 @@ def _stacked_experts(canonical: Dict[str, torch.Tensor], dc: DecoderConfig) -> D
     return out
 
 
-def _native_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS[1]):
+def _native_model(dc: DecoderConfig, max_positions: int, ids: Dict[str, Optional[int]]):
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
 
@@ -105,8 +115,7 @@ def _native_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS
                   num_hidden_layers=dc.num_layers, num_attention_heads=dc.num_attention_heads,
                   num_key_value_heads=dc.num_query_groups, head_dim=dc.head_dim, hidden_act="silu",
                   max_position_embeddings=max_positions, rms_norm_eps=dc.norm_epsilon,
-                  tie_word_embeddings=dc.tie_word_embeddings, attention_bias=False, bos_token_id=BOS[1],
-                  eos_token_id=EOS[1], pad_token_id=pad_token_id,
+                  tie_word_embeddings=dc.tie_word_embeddings, attention_bias=False, **ids,
                   rope_parameters={"rope_type": "default", "rope_theta": dc.rotary_base})
     kind = native_architecture(dc)
     if kind == "qwen3_moe":
@@ -120,7 +129,7 @@ def _native_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS
     return LlamaForCausalLM(LlamaConfig(**common, mlp_bias=False))
 
 
-def _mega_depth_model(dc: DecoderConfig, max_positions: int, pad_token_id: int = EOS[1]):
+def _mega_depth_model(dc: DecoderConfig, max_positions: int, ids: Dict[str, Optional[int]]):
     from mega_depth.hf.configuration_mega_depth import MegaDepthConfig
     from mega_depth.hf.modeling_mega_depth import MegaDepthForCausalLM
 
@@ -131,7 +140,7 @@ def _mega_depth_model(dc: DecoderConfig, max_positions: int, pad_token_id: int =
         qk_layernorm=dc.qk_layernorm, residual=dc.residual_values(),
         depth_mixing_inference=dc.mechanism().inference_form(), tie_word_embeddings=dc.tie_word_embeddings,
         moe=dc.moe_values(),
-        max_position_embeddings=max_positions, bos_token_id=BOS[1], eos_token_id=EOS[1], pad_token_id=pad_token_id)
+        max_position_embeddings=max_positions, **ids)
     config.auto_map = {"AutoConfig": "configuration_mega_depth.MegaDepthConfig",
                        "AutoModelForCausalLM": "modeling_mega_depth.MegaDepthForCausalLM"}
     config.architectures = ["MegaDepthForCausalLM"]
@@ -145,8 +154,8 @@ def write_tokenizer(spm_model: str, out: str) -> None:
     tokens = special_tokens(spm_model)
     shutil.copy(spm_model, os.path.join(out, "tokenizer.model"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "LlamaTokenizer", "bos_token": tokens["bos"][0], "eos_token": tokens["eos"][0],
-                   "unk_token": tokens["unk"][0], "pad_token": tokens["pad"][0], "padding_side": "left",
+        named = {f"{name}_token": tokens[name][0] for name in ("bos", "eos", "unk", "pad") if tokens[name]}
+        json.dump({"tokenizer_class": "LlamaTokenizer", **named, "padding_side": "left",
                    "add_bos_token": False, "add_eos_token": False, "model_max_length": 1 << 20,
                    "clean_up_tokenization_spaces": False, "legacy": False}, f, indent=1)
 
@@ -162,13 +171,13 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
     if not tokenizer_model or not os.path.isfile(tokenizer_model):
         raise ConfigError(f"no tokenizer for this checkpoint ({tokenizer_model or 'none recorded'}); pass "
                           "--tokenizer-model (the sentencepiece model the data was made with)")
-    pad_id = special_tokens(tokenizer_model)["pad"][1]
+    ids = token_ids(special_tokens(tokenizer_model))
     pieces = _piece_count(tokenizer_model)
     if pieces > dc.vocab_size:  # generation would index past the embedding
         raise ConfigError(f"--tokenizer-model {tokenizer_model} has {pieces} pieces, more than the model's "
                           f"vocabulary ({dc.vocab_size}); pass the tokenizer the model was trained with")
     native = native_architecture(dc) is not None
-    model = (_native_model if native else _mega_depth_model)(dc, max_positions, pad_id)
+    model = (_native_model if native else _mega_depth_model)(dc, max_positions, ids)
     if native_architecture(dc) == "qwen3_moe":  # its files hold the canonical per-expert names again
         canonical = _stacked_experts(canonical, dc)
     missing, unexpected = model.load_state_dict(canonical, strict=False)
@@ -176,7 +185,12 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
     if missing or unexpected:
         raise ConfigError(f"the weights do not map onto the exported architecture: missing {missing[:4]}, "
                           f"unexpected {unexpected[:4]}")
+    kept = {name: t for name, t in model.state_dict().items()  # (the class's fp32 tensors: expert biases)
+            if any(key in name for key in getattr(model, "_keep_in_fp32_modules_strict", None) or [])}
     model = model.to(DTYPES[dtype])
+    for name, value in kept.items():
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, value.float())
     from transformers import GenerationConfig
 
     parent = os.path.dirname(os.path.abspath(out)) or "."
@@ -185,8 +199,7 @@ def write_folder(canonical: Dict[str, torch.Tensor], dc: DecoderConfig, out: str
     os.chmod(tmp, 0o755)
     try:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        GenerationConfig(bos_token_id=BOS[1], eos_token_id=EOS[1], pad_token_id=pad_id, do_sample=False,
-                         max_new_tokens=64).save_pretrained(tmp)
+        GenerationConfig(**ids, do_sample=False, max_new_tokens=64).save_pretrained(tmp)
         if not native:
             for name, src in code_files().items():
                 shutil.copy(src, os.path.join(tmp, name))
@@ -245,13 +258,20 @@ def _read_json(path: str, what: str) -> dict:
 
 _AGREEING = (("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
              ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_query_groups"),
-             ("intermediate_size", "ffn_hidden_size"), ("tie_word_embeddings", "tie_word_embeddings"))
+             ("intermediate_size", "ffn_hidden_size"), ("tie_word_embeddings", "tie_word_embeddings"),
+             ("vocab_size", "vocab_size"), ("head_dim", "head_dim"), ("rms_norm_eps", "norm_epsilon"),
+             ("qk_layernorm", "qk_layernorm"), ("rope_theta", "rotary_base"))
 
 
 def check_agreement(hf: dict, cfg: Config, folder: str) -> None:
     """config.json and mega_depth.json of one folder describe the same model (one of them was edited otherwise,
     and the weights follow only one)."""
-    dc = cfg.decoder_config()
+    from mega_depth.init import padded_vocab_size
+
+    dc = cfg.decoder_config(padded_vocab_size(cfg.model.vocab_size) if cfg.model.vocab_size else None)
+    hf = dict(hf)
+    if isinstance(hf.get("rope_parameters"), dict) and "rope_theta" in hf["rope_parameters"]:  # (transformers 5)
+        hf.setdefault("rope_theta", hf["rope_parameters"]["rope_theta"])
     diffs = [f"{hf_key} {hf[hf_key]!r} vs {key} {getattr(dc, key)!r}" for hf_key, key in _AGREEING
              if hf_key in hf and hf[hf_key] != getattr(dc, key)]
     if "residual" in hf and hf["residual"] != dc.residual_values():
@@ -271,6 +291,17 @@ def _native_config(hf: dict, folder: str) -> Config:
         raise ConfigError(f"{folder}: head_dim != hidden_size / num_attention_heads is not supported")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ConfigError(f"{folder}: attention or MLP biases are not supported (Llama/Qwen3 without bias)")
+    # what the import cannot represent is refused, never dropped: the model would load as another one
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type")) or scaling.get("rope_type", scaling.get("type")) or "default"
+    if rope_type != "default":
+        raise ConfigError(f"{folder}: RoPE scaling {rope_type!r} (rope_parameters / rope_scaling) is not supported; "
+                          "only plain RoPE (rope_type 'default') imports")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"{folder}: hidden_act {hf['hidden_act']!r} is not supported; only SwiGLU (silu) imports")
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"{folder}: sliding-window attention (use_sliding_window) is not supported; only full "
+                          "causal attention imports")
     moe = {}
     if hf["model_type"] == "qwen3_moe":
         if not hf.get("norm_topk_prob", False):
@@ -314,6 +345,10 @@ def read_folder(folder: str) -> Tuple[Dict[str, torch.Tensor], Config, Optional[
         check_agreement(hf, cfg, folder)
     elif hf.get("model_type") in ("qwen3", "llama", "qwen3_moe"):
         cfg = _native_config(hf, folder)
+    elif hf.get("model_type") == "mega_depth_lm":  # (re-saved by save_pretrained, which writes only its own files)
+        raise ConfigError(f"{folder} holds a mega_depth model but not its mega_depth.json (the training config, "
+                          "which save_pretrained does not write); copy mega_depth.json from the export it came from "
+                          "into the folder, and import again")
     else:
         raise ConfigError(f"{folder} holds a {hf.get('model_type')!r} model; import supports mega_depth exports "
                           "and native qwen3/qwen3_moe/llama folders")

@@ -35,6 +35,9 @@ class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MegaDepthConfig
     base_model_prefix = "model"
     _no_split_modules = ["Layer"]
+    # the routers' expert bias stays fp32 in a bf16 model, as Megatron keeps it ("to avoid routing errors"): its
+    # updates are smaller than bf16's steps near its values
+    _keep_in_fp32_modules_strict = ["e_score_correction_bias"]
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MegaDepthConfig):
