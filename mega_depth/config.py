@@ -161,6 +161,10 @@ class TrainingConfig:
         _check(t.lr_warmup_iters < decay,
                f"--lr-warmup-iters {t.lr_warmup_iters} must be below the decay length ({decay}: --lr-decay-iters, "
                "else --train-iters)")
+        _check(t.lr_wsd_decay_iters is None or 1 <= t.lr_wsd_decay_iters <= decay - t.lr_warmup_iters,
+               f"--lr-wsd-decay-iters {t.lr_wsd_decay_iters} must lie in 1..{decay - t.lr_warmup_iters} (the decay "
+               f"length {decay} less the {t.lr_warmup_iters} warm-up steps: WSD's final decay ends with the decay), "
+               "or be left out for 10% of the decay")
         _check(t.exit_interval is None or t.exit_interval >= 1, "--exit-interval must be >= 1")
 
 

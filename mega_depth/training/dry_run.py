@@ -8,7 +8,6 @@ seconds on a laptop; launched under torchrun, the same estimate is printed by ra
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Callable, List
 
@@ -62,8 +61,9 @@ def parameters_per_stage(cfg: Config, vocab_size: int) -> List[int]:
 def _zero_stage(cfg: Config) -> int:
     if not cfg.training.deepspeed or not cfg.training.deepspeed_config:
         return 0
-    with open(cfg.training.deepspeed_config) as f:
-        return int(json.load(f).get("zero_optimization", {}).get("stage", 0))
+    from mega_depth.training.backends.deepspeed import read_ds_config
+
+    return int(read_ds_config(cfg.training.deepspeed_config).get("zero_optimization", {}).get("stage", 0))
 
 
 def dry_run(cfg: Config, world_size: int, say: Callable[[str], None] = print) -> None:

@@ -49,14 +49,39 @@ def steps_at_zero_lr(cfg: Config, saved_training: Optional[dict] = None) -> Opti
             "(on a resume with --override-opt-param-scheduler), or set --min-lr")
 
 
+# WSD's final decay, which Megatron's scheduler state leaves out (it is taken from the flags on every resume):
+# saved beside it, and restored or checked with the rest
+_WSD = (("wsd_decay_steps", "--lr-wsd-decay-iters"), ("lr_wsd_decay_style", "--lr-wsd-decay-style"))
+
+
+def scheduler_state(scheduler: OptimizerParamScheduler) -> dict:
+    """What a checkpoint keeps of the schedule: Megatron's state, and WSD's final decay."""
+    return {**scheduler.state_dict(), **{key: getattr(scheduler, key) for key, _ in _WSD}}
+
+
 def load_scheduler_state(scheduler: OptimizerParamScheduler, state: dict, where: str) -> None:
     """Restore a checkpoint's schedule. Megatron's scheduler asserts that the schedule did not change, unless
-    --override-opt-param-scheduler (this run's flags) or --use-checkpoint-opt-param-scheduler (the checkpoint's)."""
+    --override-opt-param-scheduler (this run's flags) or --use-checkpoint-opt-param-scheduler (the checkpoint's);
+    WSD's final decay (scheduler_state) follows the same rule."""
+    fix = ("to change it (e.g. to extend --train-iters) pass --override-opt-param-scheduler, or "
+           "--use-checkpoint-opt-param-scheduler to keep the checkpoint's, or pass the checkpoint's "
+           "--lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style")
+    saved = {key: state[key] for key, _ in _WSD if key in state}  # (none: a checkpoint from before it was saved)
+    if scheduler.use_checkpoint_opt_param_scheduler:  # before the load, whose last step computes the lr with them
+        for key, value in saved.items():
+            setattr(scheduler, key, value)
+        if state.get("lr_decay_style") == "WSD" and scheduler.wsd_decay_steps is None:
+            raise ConfigError(f"checkpoint {where} decays its learning rate by WSD but does not record WSD's final "
+                              "decay (it predates that record); pass --lr-decay-style WSD with its "
+                              "--lr-wsd-decay-iters and --lr-wsd-decay-style")
+    elif not scheduler.override_opt_param_scheduler and scheduler.lr_decay_style == "WSD":
+        for key, flag in _WSD:
+            if key in saved and getattr(scheduler, key) != saved[key]:
+                raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {where}'s ({flag}: "
+                                  f"checkpoint {saved[key]!r}, this run {getattr(scheduler, key)!r}); {fix}, {flag}")
     try:
         scheduler.load_state_dict(state)
     except AssertionError as e:
         detail = str(e).replace("OptimizerParamScheduler: ", "")
-        raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {where}'s ({detail}); to "
-                          "change it (e.g. to extend --train-iters) pass --override-opt-param-scheduler, or "
-                          "--use-checkpoint-opt-param-scheduler to keep the checkpoint's, or pass the checkpoint's "
-                          "--lr/--min-lr/--lr-warmup-iters/--lr-decay-iters/--lr-decay-style") from None
+        raise ConfigError(f"the learning-rate schedule of this run differs from checkpoint {where}'s ({detail}); "
+                          f"{fix}") from None

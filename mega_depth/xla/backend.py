@@ -237,8 +237,10 @@ class PlainBackend(SingleProcess):  # its collectives: one SPMD program
     def save_files(self, tmp_dir: str, step: int) -> None:
         from safetensors.torch import save_file
 
+        from mega_depth.training.schedule import scheduler_state
+
         save_file(canonical_state(self.model), os.path.join(tmp_dir, WEIGHTS), metadata={"format": "pt"})
-        torch.save({"optimizer": _to_cpu(self.optimizer.state_dict()), "scheduler": self.scheduler.state_dict(),
+        torch.save({"optimizer": _to_cpu(self.optimizer.state_dict()), "scheduler": scheduler_state(self.scheduler),
                     "step": step, "rng": rng.capture()}, os.path.join(tmp_dir, TRAINER_STATE))
 
     def load(self, ckpt_dir: str, meta: dict) -> int:

@@ -120,3 +120,21 @@ def test_load_of_a_folder_that_does_not_exist_yet_starts_from_scratch(data, tmp_
     assert f"--load {ckpt} holds nothing yet: starting from scratch" in proc.stdout
     assert sorted(metrics(tmp_path / "run")) == [1, 2, 3, 4]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def test_an_overridden_schedule_takes_this_runs_lr_and_min_lr_on_the_megatron_optimizer(saved, data, tmp_path):
+    """--override-opt-param-scheduler: Megatron's param groups carry max_lr / min_lr, which its scheduler reads
+    before its own and the checkpoint's optimizer state would bring back (Megatron-LM #1138); this run's stand."""
+    shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
+    resume = ["-m", "mega_depth.train"] + FLAGS + data["flags"] + [
+        "--load", str(tmp_path / "ckpt"), "--override-opt-param-scheduler", "--overwrite-output-dir"]
+    # a constant schedule at a new peak: every new step at this run's --lr (the checkpoint's is 3e-3)
+    run(resume + ["--train-iters", "6", "--lr-decay-style", "constant", "--lr", "0.0123", "--output-dir",
+                  str(tmp_path / "peak")])
+    lrs = {s: r["lr"] for s, r in metrics(tmp_path / "peak").items()}
+    assert lrs[5] == pytest.approx(0.0123) and lrs[6] == pytest.approx(0.0123), lrs
+    # past the decay's end: this run's --min-lr (the checkpoint's is 0)
+    run(resume + ["--train-iters", "6", "--lr-decay-iters", "4", "--min-lr", "0.00045", "--output-dir",
+                  str(tmp_path / "floor")])
+    lrs = {s: r["lr"] for s, r in metrics(tmp_path / "floor").items()}
+    assert lrs[6] == pytest.approx(0.00045), lrs

@@ -82,6 +82,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--cuda-graph-impl", "local", "--attention-backend", "unfused"], 1, "--attention-backend sdpa"),
         (["--cuda-graph-impl", "local", "--num-experts", "4"], 1, "drop --num-experts or the flag"),
         (["--cuda-graph-impl", "local", "--deepspeed", "--deepspeed-config", "x.json"], 1, "drop --deepspeed"),
+        (["--lr-decay-style", "WSD", "--train-iters", "100", "--lr-warmup-iters", "10", "--lr-wsd-decay-iters", "0"],
+         1, "--lr-wsd-decay-iters 0 must lie in 1..90"),
+        (["--lr-decay-style", "WSD", "--train-iters", "100", "--lr-warmup-iters", "10", "--lr-wsd-decay-iters",
+          "1000"], 1, "--lr-wsd-decay-iters 1000 must lie in 1..90 (the decay length 100 less the 10 warm-up"),
     ],
 )
 def test_bad_configuration_names_the_fix(flags, world, message):
@@ -207,3 +211,28 @@ def test_a_truncated_index_and_text_that_is_not_a_string_are_one_line(data, tmp_
         path.write_text('{"text": "fine"}\n{"text": %s}\n' % value)
         with pytest.raises(ValueError, match=rf"{kind}.jsonl:2: 'text' is {kind} \(.*\), not a string"):
             load_text_dataset([str(path)])
+
+
+def test_dry_run_reads_a_bad_deepspeed_config_as_one_line(tmp_path):
+    """--dry-run sizes a DeepSpeed run from its config's ZeRO stage: a missing, unreadable or malformed file is the
+    trainer's one line, not a traceback."""
+    from mega_depth.training.dry_run import _zero_stage
+
+    (tmp_path / "bad.json").write_text("{stage")
+    (tmp_path / "ok.json").write_text('{"zero_optimization": {"stage": 2}}')
+    for path, message in ((tmp_path / "nowhere.json", "does not exist"), (tmp_path / "bad.json", "is not valid JSON"),
+                          (tmp_path, "is a folder, not a JSON file")):
+        cfg = parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(path)])
+        with pytest.raises(ConfigError, match=f"--deepspeed-config {path} {message}"):
+            _zero_stage(cfg)
+    assert _zero_stage(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "ok.json")])) == 2
+
+
+def test_a_json_key_that_a_line_lacks_is_an_empty_text_not_the_word_none(tmp_path):
+    from mega_depth.data.text import load_text_dataset
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"title": "A title", "text": "a body"}\n{"text": "no title here"}\n{"title": "no body"}\n')
+    joined = load_text_dataset([str(path)], ["title", "text"])
+    assert joined["text"] == ["A title\n\na body", "no title here", "no body"]
+    assert load_text_dataset([str(path)], ["text"])["text"] == ["a body", "no title here", None]  # (encoded as "")

@@ -24,7 +24,7 @@ from mega_depth.init import padded_vocab_size
 from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
-from mega_depth.training.schedule import build_scheduler, load_scheduler_state
+from mega_depth.training.schedule import build_scheduler, load_scheduler_state, scheduler_state
 from mega_depth.training.loss import token_mean_loss
 
 TAG = "deepspeed"
@@ -62,13 +62,15 @@ class _MegatronMPU:
         return self.ps.get_data_parallel_group()
 
 
-def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
-    path = cfg.training.deepspeed_config
+def read_ds_config(path: str) -> dict:
+    """The --deepspeed-config file as a dict, its ZeRO stage checked; one line for a missing or bad file."""
     try:
         with open(path) as f:
             ds = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--deepspeed-config {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--deepspeed-config {path} is a folder, not a JSON file") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"--deepspeed-config {path} is not valid JSON: {e}") from None
     if not isinstance(ds, dict):
@@ -76,6 +78,11 @@ def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    return ds
+
+
+def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
+    ds = read_ds_config(cfg.training.deepspeed_config)
     t = cfg.training
     ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     ds["gradient_accumulation_steps"] = num_microbatches
@@ -344,7 +351,7 @@ class DeepSpeedBackend(Collectives):
 
         from mega_depth.model.state_dict_adapter import to_canonical
 
-        client = {"step": step, "scheduler": self.scheduler.state_dict(), "rng": rng.capture()}
+        client = {"step": step, "scheduler": scheduler_state(self.scheduler), "rng": rng.capture()}
         self.engine.save_checkpoint(tmp_dir, tag=TAG, client_state=client, save_latest=False)
         full = self._full_module_state()
         if full is not None:

@@ -16,7 +16,7 @@ from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
 from mega_depth.megatron import grad_norm
-from mega_depth.training.schedule import build_scheduler, load_scheduler_state
+from mega_depth.training.schedule import build_scheduler, load_scheduler_state, scheduler_state
 from mega_depth.training.loss import token_mean_loss
 
 
@@ -254,7 +254,7 @@ class MegatronBackend(Collectives):
 
         dist_writer.install()  # megatron-core's bucket writes on this process's threads, not in forked processes
         sd = self._sharded_state()
-        sd["common"] = {"step": step, "scheduler": self.scheduler.state_dict()}
+        sd["common"] = {"step": step, "scheduler": scheduler_state(self.scheduler)}
         dist_checkpointing.save(sd, tmp_dir)
         # RNG per (pp, tp) rank, outside the dist-checkpoint (whose objects unpickle arbitrary code on load).
         if parallel_state.get_data_parallel_rank() == 0:
@@ -273,7 +273,13 @@ class MegatronBackend(Collectives):
             loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), ckpt_dir)
         for i, module in enumerate(self.modules):
             module.load_state_dict(loaded[f"model{i}"])
+        # Megatron's param groups carry max_lr / min_lr, which its scheduler reads before its own and the optimizer
+        # state brings back: under --override-opt-param-scheduler this run's bounds stand (Megatron-LM #1138)
+        bounds = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(loaded["optimizer"])
+        if self.cfg.training.override_opt_param_scheduler:
+            for group, own in zip(self.optimizer.param_groups, bounds):
+                group.update(own)
         common = loaded["common"]
         load_scheduler_state(self.scheduler, common["scheduler"], ckpt_dir)
         rng_file = self._rng_path(ckpt_dir)
