@@ -8,6 +8,7 @@ Files are written under temporary names and renamed at the end, so an interrupte
 """
 
 import argparse
+import hashlib
 import os
 import sys
 
@@ -47,11 +48,16 @@ def main(argv=None) -> int:
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=model_path)  # one per worker process
-        ids = sp.encode(batch["text"])
+        ids = sp.encode([text or "" for text in batch["text"]])  # (None: a line without the key, an empty text)
         return {"ids": [x + [eod] if append else x for x in ids]}
 
+    # datasets keys its cache by the function, which holds only the model's path: a tokenizer retrained at the same
+    # path would get the old ids back. The key names the model's bytes (and what else the ids depend on).
+    with open(model_path, "rb") as f:
+        model_hash = hashlib.sha256(f.read()).hexdigest()
+    fingerprint = hashlib.sha256(f"{dataset._fingerprint}:{model_hash}:{eod}:{append}".encode()).hexdigest()[:32]
     tokenized = dataset.map(encode, batched=True, batch_size=256, num_proc=max(1, args.workers),
-                            remove_columns=dataset.column_names, desc="tokenizing")
+                            remove_columns=dataset.column_names, desc="tokenizing", new_fingerprint=fingerprint)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     tmp = args.output_prefix + ".tmp"

@@ -3,6 +3,7 @@ BlendedMegatronDatasetBuilder into GPTDatasets, or Megatron's MockGPTDataset wit
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import Dict, List, Optional, Tuple
@@ -84,11 +85,17 @@ def split_tokens(prefix: str, split: str) -> Dict[str, Tuple[int, int]]:
 
 
 def check_split_fits(prefix: str, split: str, seq_length: int, splits=("training", "validation")) -> None:
-    """Every split a run samples holds at least one sequence: --seq-length + 1 tokens. Megatron would otherwise
-    build each sample from the split's documents repeated many times over (and its sample index grows with the
-    sequence: a runaway allocation for a huge --seq-length)."""
+    """Every split a run samples holds a document and at least one sequence: --seq-length + 1 tokens. Megatron loops
+    for ever on a split without documents, and would otherwise build each sample from the split's documents
+    repeated many times over (and its sample index grows with the sequence: a runaway allocation for a huge
+    --seq-length)."""
     for name, (tokens, documents) in split_tokens(prefix, split).items():
-        if name in splits and documents and tokens < seq_length + 1:
+        if name in splits and not documents:  # (megatron would loop for ever filling it)
+            hint = " or drop --eval-interval / set --eval-iters 0," if name == "validation" else ""
+            raise ConfigError(f"the {name} split of {prefix} holds no document (--split {split} over its "
+                              f"{len(document_lengths(prefix))} documents); give that part of --split more weight,"
+                              f"{hint} or add data")
+        if name in splits and tokens < seq_length + 1:
             raise ConfigError(f"--seq-length {seq_length} needs {seq_length + 1} tokens per sample, but the {name} "
                               f"split of {prefix} holds {tokens} tokens in {documents} documents (--split {split}); "
                               "lower --seq-length, or add data")
@@ -122,8 +129,12 @@ def _blend(paths: List[str]) -> Tuple[List[str], Optional[List[float]]]:
 
 
 def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Optional[int], Optional[int]]):
-    """(train, valid, test) datasets. A split asked for None samples is built only if it has documents (megatron
-    loops forever asking a document-less split for samples)."""
+    """(train, valid, test) datasets; a split asked for None samples is not built (None), and megatron's index of
+    every other split covers one epoch, so that the order of the samples depends on the data and the seed alone,
+    not on how many a run asks for: megatron shuffles its document index over all the epochs it builds, so a run
+    resumed with a longer --train-iters or another global batch reordered every sample it had trained on.
+    GlobalBatchSampler reorders each later epoch. A weighted blend needs its sizes (its mix is drawn for them): its
+    order follows the samples asked for, as in Megatron-LM."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -139,26 +150,31 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
         path_to_cache=d.data_cache_path,
         mid_level_dataset_surplus=0.005,
     )
+    weighted = False
     if d.mock_data:
         ds_cfg = GPTDatasetConfig(split="1,1,1", **common)
         cls = _mock_dataset_class()
     else:
         prefixes, weights = _blend(d.data_path)
+        weighted = weights is not None
         sampled = ("training",) + (("validation",) if num_samples[1] else ())
         for prefix in prefixes:
             check_indexed_dataset(prefix, tokenizer.vocab_size)
             check_split_fits(prefix, d.split, cfg.model.seq_length, sampled)
         ds_cfg = GPTDatasetConfig(blend=(prefixes, weights), split=d.split, **common)
         cls = GPTDataset
+    # a split not asked for is left out of the split matrix (its document range kept for the others): megatron
+    # would build it, and a weighted blend would refuse its missing size, a split without documents loop for ever
+    ds_cfg.split_matrix = [bounds if n else None for bounds, n in zip(ds_cfg.split_matrix, num_samples)]
+    sizes = [(n if weighted else None) if n else (0 if weighted else None) for n in num_samples]
     rank0_first = d.data_cache_path is not None and torch.distributed.is_initialized()
     builder = BlendedMegatronDatasetBuilder(
-        cls, list(num_samples), (lambda: torch.distributed.get_rank() == 0) if rank0_first else (lambda: True),
-        ds_cfg)
+        cls, sizes, (lambda: torch.distributed.get_rank() == 0) if rank0_first else (lambda: True), ds_cfg)
     if rank0_first:  # rank 0 writes the index cache, the others read it
         datasets = builder.build() if torch.distributed.get_rank() == 0 else None
         torch.distributed.barrier()
         if datasets is None:
-            datasets = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, ds_cfg).build()
+            datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, ds_cfg).build()
         return datasets
     return builder.build()
 
@@ -201,15 +217,37 @@ class GlobalBatchSampler:
     holds the mbs samples starting at c + (m * dp + r) * mbs. Every layout with the same global batch sees the
     same samples in each step, and a checkpoint's data position is the samples it consumed (as Megatron-LM
     counts them), so a run resumed with another global batch size continues right after the last sample trained.
+    Past the dataset's end each epoch is read in an order of its own (`index`).
     """
 
     def __init__(self, dataset, micro_batch_size: int, num_microbatches: int, dp_size: int, dp_rank: int):
         self.dataset = dataset
         self.mbs, self.nmb, self.dp, self.dp_rank = micro_batch_size, num_microbatches, dp_size, dp_rank
+        self._permutations: Dict[int, Tuple[int, int]] = {}  # epoch -> (a, b) of its order (index)
 
     @property
     def global_batch_size(self) -> int:
         return self.mbs * self.nmb * self.dp
+
+    def index(self, sample: int) -> int:
+        """The dataset index of the run's sample `sample`: the dataset's own order in the first epoch, then each
+        later epoch in an order of its own (an affine permutation j -> (a j + b) mod L, drawn from the epoch's
+        number: no table of L entries), so that a second epoch does not replay the first batch by batch."""
+        size = len(self.dataset)
+        epoch, j = divmod(sample, size)
+        if epoch == 0 or size == 1:
+            return j
+        a, b = self._permutations.get(epoch) or self._permutation(epoch, size)
+        return (a * j + b) % size
+
+    def _permutation(self, epoch: int, size: int) -> Tuple[int, int]:
+        draw = np.random.RandomState([epoch, size % (1 << 31)])
+        while True:
+            a = int(draw.randint(1, size))
+            if math.gcd(a, size) == 1:
+                break
+        self._permutations[epoch] = a, int(draw.randint(0, size))
+        return self._permutations[epoch]
 
     def microbatches(self, step: int) -> List[dict]:
         """The global batch of `step` when every earlier step had this batch size."""
@@ -220,7 +258,7 @@ class GlobalBatchSampler:
         out = []
         for m in range(self.nmb):
             start = consumed + (m * self.dp + self.dp_rank) * self.mbs
-            samples = [self.dataset[i % len(self.dataset)] for i in range(start, start + self.mbs)]
+            samples = [self.dataset[self.index(i)] for i in range(start, start + self.mbs)]
             out.append({k: torch.stack([torch.as_tensor(s[k]) for s in samples])
                         for k in ("tokens", "labels", "loss_mask", "position_ids")})
         return out

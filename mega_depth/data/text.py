@@ -45,7 +45,8 @@ def _check_json_lines(path: str, json_keys) -> None:
 
 
 def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
-    """One `datasets.Dataset` with a single "text" column (several json keys are joined with a blank line)."""
+    """One `datasets.Dataset` with a single "text" column (several json keys are joined with a blank line). A key
+    that a line lacks (or a null in a parquet file) is an empty text there: None in the column."""
     import datasets
 
     for p in paths:
@@ -70,5 +71,6 @@ def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
         raise ValueError(f"json keys {missing} not in the data (columns: {ds.column_names}); set --json-keys")
     if list(json_keys) == ["text"]:
         return ds.select_columns(["text"])
-    return ds.map(lambda row: {"text": "\n\n".join(str(row[k]) for k in json_keys)},
+    # a key a line lacks is read as empty (datasets fills in None there, which would join as the word "None")
+    return ds.map(lambda row: {"text": "\n\n".join(row[k] for k in json_keys if row[k])},
                   remove_columns=ds.column_names)

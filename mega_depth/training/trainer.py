@@ -144,8 +144,9 @@ class Trainer:
                            rules.CheckpointError)
 
     def _samplers(self, start: int = 0, consumed: int = 0):
-        """Training and validation samplers (validation: None where the run does not evaluate, see evaluates); the
-        training data covers the samples consumed so far and those the remaining steps take."""
+        """Training and validation samplers (validation: None where the run does not evaluate, see evaluates). The
+        count of samples asked for (those consumed so far and those the remaining steps take) sizes a weighted
+        blend only; any other data is one epoch of megatron's index, whatever the count (build_datasets)."""
         from mega_depth.data.datasets import GlobalBatchSampler, build_datasets, tokenizer_for
 
         cfg, (mbs, nmb, dp, dp_rank) = self.cfg, self.backend.sampler_shape

@@ -87,6 +87,8 @@ TRAINER_CASES = {
     "negative-global-batch": (_flags("--global-batch-size", "-4"), "--global-batch-size -4 must be >= 1"),
     "sequence-longer-than-the-data": (_flags("--seq-length", "2000000"),
                                       "--seq-length 2000000 needs 2000001 tokens per sample, but the training split"),
+    "validation-split-without-documents": (_flags("--split", "1000,1,0", "--eval-interval", "2"),
+                                           "the validation split of"),
     "yaml-float-for-int": (_yaml("model:\n  num_layers: 2.9\n"),
                            "model.num_layers in {tmp}/c.yaml must be an integer, got 2.9 (float)"),
     "context-parallel-on-one-process": (_flags("--context-parallel-size", "2"),
@@ -119,6 +121,29 @@ def test_preprocess_bad_json_lines_and_empty_input(data, tmp_path):
                     str(tmp_path / f"out-{name}"), "--tokenizer-model", spm], expect=2)
         assert_clean_error(proc, expected)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out-")]  # nothing half-written
+
+
+def test_preprocessing_with_a_tokenizer_retrained_at_the_same_path_writes_its_ids(tmp_path):
+    """datasets caches the tokenized corpus by the map function, which names the model by its path: the ids must
+    follow the model's bytes, or a retrained tokenizer would get the old one's ids back."""
+    import numpy as np
+    import sentencepiece as spm
+
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"text": "document {i} says the quick brown fox jumps"}}\n'
+                                               for i in range(40)))
+    text = tmp_path / "plain.txt"
+    text.write_text("\n".join(f"document {i} says the quick brown fox jumps" for i in range(40)))
+    model = tmp_path / "tok.model"
+    for vocab in (40, 60):  # two tokenizers, one path
+        spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / f"v{vocab}"), vocab_size=vocab,
+                                       hard_vocab_limit=False, minloglevel=2)
+        shutil.copy(tmp_path / f"v{vocab}.model", model)
+        run(["tools/preprocess_data.py", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+             str(tmp_path / f"out{vocab}"), "--tokenizer-model", str(model)])
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    written = np.fromfile(tmp_path / "out60.bin", dtype=np.uint16)
+    expected = [i for k in range(40) for i in sp.encode(f"document {k} says the quick brown fox jumps")]
+    assert written.tolist() == expected
 
 
 def test_train_tokenizer_empty_input_and_impossible_vocabulary(tmp_path):

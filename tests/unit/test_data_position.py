@@ -58,3 +58,56 @@ def test_metrics_records_are_strict_json():
                     "nonfinite": {"loss": "nan", "grad_norm": "inf"}}
     finite = {"step": 4, "loss": 2.5}
     assert strict_json(finite) is finite and not any(math.isnan(v) for v in finite.values())
+
+
+def test_each_later_epoch_has_an_order_of_its_own():
+    """The first epoch is the dataset's own order; each later one a permutation of its own, the same in every
+    process (a second epoch replayed the first batch by batch)."""
+    sampler = GlobalBatchSampler(DATA[:10], 1, 1, 1, 0)
+    epochs = [[sampler.index(i) for i in range(10 * e, 10 * (e + 1))] for e in range(4)]
+    assert epochs[0] == list(range(10))
+    assert all(sorted(order) == list(range(10)) for order in epochs)
+    assert epochs[1] != epochs[0] and epochs[2] != epochs[1]
+    again = GlobalBatchSampler(DATA[:10], 1, 1, 1, 0)
+    assert [again.index(i) for i in range(40)] == [i for order in epochs for i in order]
+
+
+def test_the_sample_order_does_not_depend_on_how_many_samples_a_run_asks_for(data):
+    """Megatron shuffles its document index over all the epochs it builds: a resume with a longer --train-iters (or
+    another global batch) asked for more samples and reordered every sample trained on. One epoch is built for
+    any count."""
+    import torch
+
+    from fixtures import TRAIN_MODEL
+    from mega_depth.config import parse_args
+    from mega_depth.data.datasets import build_datasets, tokenizer_for
+    from mega_depth.train import apply_tokenizer_vocab
+
+    cfg = parse_args(TRAIN_MODEL + data["flags"])
+    apply_tokenizer_vocab(cfg)
+    cfg.validate(1)
+    short = build_datasets(cfg, tokenizer_for(cfg), (8, None, None))[0]
+    epoch = len(short)
+    long = build_datasets(cfg, tokenizer_for(cfg), (3 * epoch + 5, None, None))[0]
+    assert len(long) == epoch
+    for i in (0, 1, epoch // 2, epoch - 1):
+        assert torch.equal(torch.as_tensor(short[i]["tokens"]), torch.as_tensor(long[i]["tokens"]))
+
+
+def test_blends_build_with_the_splits_a_run_samples(data):
+    """A weighted blend (megatron asks a size of every split it builds) and an unweighted one whose test split
+    holds no document (megatron's blend refuses a dataset of none) build the splits a run samples, and leave the
+    others out."""
+    from fixtures import TRAIN_MODEL
+    from mega_depth.config import parse_args
+    from mega_depth.data.datasets import build_datasets, tokenizer_for
+    from mega_depth.train import apply_tokenizer_vocab
+
+    docs = str(data["dir"] / "docs")
+    for blend in (["1", docs, "2", docs], [docs, docs]):
+        cfg = parse_args(TRAIN_MODEL + data["flags"] + ["--data-path", *blend, "--split", "969,30,1"])
+        apply_tokenizer_vocab(cfg)
+        cfg.validate(1)
+        train, valid, test = build_datasets(cfg, tokenizer_for(cfg), (16, 8, None))
+        assert len(train) >= 16 and len(valid) >= 8 and test is None
+        assert build_datasets(cfg, tokenizer_for(cfg), (16, None, None))[1] is None
