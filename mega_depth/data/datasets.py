@@ -3,6 +3,7 @@ BlendedMegatronDatasetBuilder into GPTDatasets, or Megatron's MockGPTDataset wit
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import struct
@@ -147,7 +148,7 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        path_to_cache=d.data_cache_path,
+        path_to_cache=_cache_folder(d.data_cache_path, None if d.mock_data else d.data_path),
         mid_level_dataset_surplus=0.005,
     )
     weighted = False
@@ -177,6 +178,24 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
             datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, ds_cfg).build()
         return datasets
     return builder.build()
+
+
+def _cache_folder(root: Optional[str], data_path: Optional[List[str]]) -> Optional[str]:
+    """Where megatron caches the sample indexes of this data: under --data-cache-path, in a folder named by the
+    size and modification time of every prefix's .idx. Megatron keys its cache by the path, the sample count and
+    the split, never by the files: a prefix preprocessed again (more documents) got the old indexes back, naming
+    samples that are not there any more."""
+    if root is None or not data_path:
+        return root
+    prefixes, _ = _blend(data_path)
+    stamps = []
+    for prefix in prefixes:
+        try:
+            st = os.stat(prefix + ".idx")
+        except OSError:  # (check_indexed_dataset names it)
+            return root
+        stamps.append(f"{os.path.abspath(prefix)}:{st.st_size}:{st.st_mtime_ns}")
+    return os.path.join(root, hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:16])
 
 
 # Mock documents in one epoch. Megatron's mock corpus holds 100,000 (about 200M tokens): each split's shuffle index then

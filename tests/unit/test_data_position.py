@@ -111,3 +111,19 @@ def test_blends_build_with_the_splits_a_run_samples(data):
         train, valid, test = build_datasets(cfg, tokenizer_for(cfg), (16, 8, None))
         assert len(train) >= 16 and len(valid) >= 8 and test is None
         assert build_datasets(cfg, tokenizer_for(cfg), (16, None, None))[1] is None
+
+
+def test_the_index_cache_follows_the_data_files(tmp_path):
+    """Megatron keys its cached sample indexes by path, count and split: a prefix preprocessed again must not get
+    the old indexes back."""
+    import os
+
+    from mega_depth.data.datasets import _cache_folder
+
+    prefix = tmp_path / "docs"
+    (tmp_path / "docs.idx").write_bytes(b"x" * 10)
+    first = _cache_folder(str(tmp_path / "cache"), [str(prefix)])
+    assert first.startswith(str(tmp_path / "cache")) and _cache_folder(str(tmp_path / "cache"), [str(prefix)]) == first
+    (tmp_path / "docs.idx").write_bytes(b"x" * 20)  # preprocessed again, with more documents
+    assert _cache_folder(str(tmp_path / "cache"), [str(prefix)]) != first
+    assert _cache_folder(None, [str(prefix)]) is None and os.listdir(tmp_path) == ["docs.idx"]
