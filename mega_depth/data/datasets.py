@@ -182,25 +182,26 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
 
 def _cache_folder(root: Optional[str], data_path: Optional[List[str]]) -> Optional[str]:
     """Where megatron caches the sample indexes of this data: under --data-cache-path, in a folder named by the
-    size and modification time of every prefix's .idx. Megatron keys its cache by the path, the sample count and
-    the split, never by the files: a prefix preprocessed again (more documents) got the old indexes back, naming
-    samples that are not there any more."""
+    sizes of every prefix's .idx and .bin. Megatron keys its cache by the path, the sample count and the split,
+    never by the files: a prefix preprocessed again (more documents, other tokens) got the old indexes back,
+    naming samples that are not there any more. (Sizes, not modification times: every node must find the folder
+    rank 0 wrote, also where each node holds its own copy of the data.)"""
     if root is None or not data_path:
         return root
     prefixes, _ = _blend(data_path)
     stamps = []
     for prefix in prefixes:
         try:
-            st = os.stat(prefix + ".idx")
+            sizes = [os.path.getsize(prefix + ext) for ext in (".idx", ".bin")]
         except OSError:  # (check_indexed_dataset names it)
             return root
-        stamps.append(f"{os.path.abspath(prefix)}:{st.st_size}:{st.st_mtime_ns}")
+        stamps.append(f"{os.path.abspath(prefix)}:{sizes[0]}:{sizes[1]}")
     return os.path.join(root, hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:16])
 
 
 # Mock documents in one epoch. Megatron's mock corpus holds 100,000 (about 200M tokens): each split's shuffle index then
-# spans ~10M samples at a short sequence, ~0.6 s of every rank's start-up. 2,000 documents (~4M tokens) give as many
-# epochs as a run asks for, each document drawn from the same lengths.
+# spans ~10M samples at a short sequence, ~0.6 s of every rank's start-up. 2,000 documents (~4M tokens) are one epoch,
+# each document drawn from the same lengths; a longer run reads later epochs in orders of their own.
 MOCK_DOCUMENTS = 2000
 
 

@@ -122,8 +122,11 @@ def test_the_index_cache_follows_the_data_files(tmp_path):
 
     prefix = tmp_path / "docs"
     (tmp_path / "docs.idx").write_bytes(b"x" * 10)
+    (tmp_path / "docs.bin").write_bytes(b"x" * 100)
     first = _cache_folder(str(tmp_path / "cache"), [str(prefix)])
     assert first.startswith(str(tmp_path / "cache")) and _cache_folder(str(tmp_path / "cache"), [str(prefix)]) == first
     (tmp_path / "docs.idx").write_bytes(b"x" * 20)  # preprocessed again, with more documents
-    assert _cache_folder(str(tmp_path / "cache"), [str(prefix)]) != first
-    assert _cache_folder(None, [str(prefix)]) is None and os.listdir(tmp_path) == ["docs.idx"]
+    second = _cache_folder(str(tmp_path / "cache"), [str(prefix)])
+    (tmp_path / "docs.bin").write_bytes(b"x" * 90)  # ... or as many, of other tokens
+    assert len({first, second, _cache_folder(str(tmp_path / "cache"), [str(prefix)])}) == 3
+    assert _cache_folder(None, [str(prefix)]) is None and sorted(os.listdir(tmp_path)) == ["docs.bin", "docs.idx"]
