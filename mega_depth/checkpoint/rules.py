@@ -471,9 +471,10 @@ def resume_order(complete: List[Tuple[int, str]], pointer: Optional[int]) -> Lis
     if run_id is None:
         return [anchor] + [s for s, _ in reversed(complete) if s != anchor]
     rest = [s for s, p in reversed(complete) if s != anchor and _run_of(p) == run_id]
-    anchor_at = _saved_at(by_step[anchor])  # (-inf where its metadata cannot be read: it is tried first, and named)
+    saved_at = {s: _saved_at(by_step[s]) for s in [anchor] + rest}  # (each mega_depth.json read once here)
+    anchor_at = saved_at[anchor]  # (-inf where its metadata cannot be read: it is tried first, and named)
     later = [] if anchor_at == float("-inf") else sorted(
-        (s for s in rest if _saved_at(by_step[s]) > anchor_at), key=lambda s: _saved_at(by_step[s]), reverse=True)
+        (s for s in rest if saved_at[s] > anchor_at), key=saved_at.get, reverse=True)
     return later + [anchor] + [s for s in rest if s not in later]
 
 

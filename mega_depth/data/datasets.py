@@ -167,7 +167,7 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
     # a split not asked for is left out of the split matrix (its document range kept for the others): megatron
     # would build it, and a weighted blend would refuse its missing size, a split without documents loop for ever
     ds_cfg.split_matrix = [bounds if n else None for bounds, n in zip(ds_cfg.split_matrix, num_samples)]
-    sizes = [(n if weighted else None) if n else (0 if weighted else None) for n in num_samples]
+    sizes = [(n or 0) if weighted else None for n in num_samples]  # (a weighted blend: a size for every split)
     rank0_first = d.data_cache_path is not None and torch.distributed.is_initialized()
     builder = BlendedMegatronDatasetBuilder(
         cls, sizes, (lambda: torch.distributed.get_rank() == 0) if rank0_first else (lambda: True), ds_cfg)
