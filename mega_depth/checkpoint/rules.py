@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 import uuid
 from typing import Callable, List, Optional, Tuple
@@ -208,6 +209,8 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
     comm.barrier()
     if os.environ.get("MEGA_DEPTH_FAULT_KILL_IN_SAVE") == str(step):  # fault injection for the crash tests
         _kill_self()
+    if os.environ.get("MEGA_DEPTH_FAULT_SIGTERM_IN_SAVE") == str(step):  # fault injection: a pre-emption mid-save
+        os.kill(os.getpid(), signal.SIGTERM)
     owner()
     verified = False
     if comm.rank == 0:

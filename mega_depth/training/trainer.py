@@ -322,7 +322,8 @@ class Trainer:
                     if paths:
                         self.say(f"depth-weight heatmaps: {', '.join(paths)}")
                 # one collective a step for both: a pre-emption, or a lock the heartbeat found lost (rank 0)
-                preempted = b.any(preemption.requested or (lock is not None and lock.lost is not None))
+                stop_asked = lambda: b.any(preemption.requested or (lock is not None and lock.lost is not None))
+                preempted = stop_asked()
                 if preempted:
                     self._check_lock(lock, verify=False)
                 exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
@@ -332,6 +333,10 @@ class Trainer:
                     if verified:  # it reads back intact: the one pruning keeps until a newer one does
                         last_verified = path
                     self.say(f"saved checkpoint {path}")
+                    # a SIGTERM during a periodic save: that save is the one to stop on, not a step and a save later
+                    if not exiting and not last and stop_asked():
+                        preempted = exiting = True
+                        self._check_lock(lock, verify=False)
                 if exiting:
                     self.say(f"exiting after step {done} ({'SIGTERM' if preempted else '--exit-interval'})")
                     break

@@ -1,7 +1,7 @@
 """The same behaviour on every backend (Megatron-core, DeepSpeed, plain/XLA-eager): the one training loop's rules.
 
 - exact resume after --exit-interval, and keep-last pruning (only this run's newest checkpoints stay);
-- SIGTERM saves, exits 0 and resumes exactly;
+- SIGTERM saves, exits 0 and resumes exactly; one during a periodic save stops on that save;
 - a NaN loss stops the run (exit 3) or skips the update: the weights after the skipped step are the weights
   before it, bit for bit, and the next step updates again.
 """
@@ -85,6 +85,18 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(reference, data, tmp_path)
     run(command(backend, data, *STEPS, "--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "run")))
     ref, resumed = metrics(d / "run"), metrics(tmp_path / "run")
     assert [resumed[s]["loss"] for s in range(saved + 1, 13)] == [ref[s]["loss"] for s in range(saved + 1, 13)]
+
+
+def test_a_sigterm_during_a_periodic_save_stops_on_that_save(data, tmp_path):
+    """The one loop's rule, shown on the cheapest backend: a pre-emption that lands while step 4 saves stops there,
+    rather than training step 5 and saving again inside the scheduler's grace period."""
+    proc = run(command("plain", data, *STEPS, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                       "--output-dir", str(tmp_path / "run")), env={"MEGA_DEPTH_FAULT_SIGTERM_IN_SAVE": "4"})
+    assert "exiting after step 4 (SIGTERM)" in proc.stdout, proc.stdout[-3000:]
+    assert sorted(metrics(tmp_path / "run")) == [1, 2, 3, 4]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "iter_0000004",
+                                                     "latest_checkpointed_iteration.txt"]
 
 
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed", "deepspeed-zero0", "plain"])
