@@ -297,6 +297,9 @@ class DeepSpeedBackend(Collectives):
     def discard(self) -> None:
         """Take the boundary step without an update (the gradients are NaN: see the module doc)."""
         e = self.engine
+        # the router counted this step's tokens: Megatron and XLA move the expert bias by them and reset them on a
+        # skipped step too (the counts are finite), so this step must not leave them to the next update
+        self._update_expert_bias()
         builtin = e.zero_optimization() or e.bfloat16_enabled() or e.fp16_enabled()
         if builtin:
             e.step()
