@@ -226,6 +226,24 @@ def test_dry_run_reads_a_bad_deepspeed_config_as_one_line(tmp_path):
         with pytest.raises(ConfigError, match=f"--deepspeed-config {path} {message}"):
             _zero_stage(cfg)
     assert _zero_stage(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "ok.json")])) == 2
+    # DeepSpeed's own precision and schedule blocks would train another model than the one the run records
+    for block, message in (('"fp16": {"enabled": true}', 'the "fp16" block is not supported: remove it and use --bf16'),
+                           ('"scheduler": {"type": "WarmupLR"}', 'the "scheduler" block is not supported')):
+        (tmp_path / "own.json").write_text('{"zero_optimization": {"stage": 1}, %s}' % block)
+        with pytest.raises(ConfigError, match=message):
+            _zero_stage(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "own.json")]))
+    (tmp_path / "off.json").write_text('{"fp16": {"enabled": false}, "bf16": {"enabled": false}}')
+    assert _zero_stage(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "off.json")])) == 0
+    from mega_depth.training.backends.deepspeed import ds_config
+
+    (tmp_path / "bf16.json").write_text('{"bf16": {"enabled": true}}')
+    with pytest.raises(ConfigError, match='"bf16" is enabled there but the run is fp32: pass --bf16'):
+        ds_config(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "bf16.json")]), 1, 1)
+    bf16_run = parse_args(BASE + ["--bf16", "--deepspeed", "--deepspeed-config", str(tmp_path / "bf16.json")])
+    agreeing = ds_config(bf16_run, 1, 1)
+    assert agreeing["bf16"] == {"enabled": True}
+    assert ds_config(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "off.json")]), 1,
+                     1)["bf16"] == {"enabled": False}
 
 
 def test_a_json_key_that_a_line_lacks_is_an_empty_text_not_the_word_none(tmp_path):

@@ -78,6 +78,13 @@ def read_ds_config(path: str) -> dict:
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    # the trainer owns the precision and the schedule: DeepSpeed's own would train another model than the one
+    # the config records (fp16's loss scale is also not applied to the MoE auxiliary loss's gradient)
+    for key, fix in (("fp16", "use --bf16"), ("amp", "use --bf16"),
+                     ("scheduler", "set the schedule with --lr-decay-style, --lr-warmup-iters and --lr-decay-iters")):
+        block = ds.get(key)
+        if block is not None and (key == "scheduler" or (isinstance(block, dict) and block.get("enabled", False))):
+            raise ConfigError(f"{path}: the \"{key}\" block is not supported: remove it and {fix}")
     return ds
 
 
@@ -93,8 +100,11 @@ def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
         {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay})
     if not torch.cuda.is_available():
         ds["optimizer"]["params"].setdefault("torch_adam", True)  # CPU: no 100 s JIT build of fused Adam
-    if t.bf16:
-        ds["bf16"] = {"enabled": True}
+    own = ds.get("bf16")
+    if isinstance(own, dict) and own.get("enabled", False) and not t.bf16:
+        raise ConfigError(f"{t.deepspeed_config}: \"bf16\" is enabled there but the run is fp32: pass --bf16 (or "
+                          "disable it in the file), so that the model, its record and DeepSpeed agree")
+    ds["bf16"] = {"enabled": bool(t.bf16)}
     ds.setdefault("steps_per_print", 1 << 30)  # the trainer logs; DeepSpeed's own progress lines are noise
     return ds
 
