@@ -10,7 +10,11 @@ master_port() {
   if [ -n "${MASTER_PORT:-}" ]; then echo "$MASTER_PORT"; return; fi
   local job=${SLURM_JOB_ID:-${PBS_JOBID:-${LSB_JOBID:-${JOB_ID:-}}}}
   if [ -n "$job" ]; then
-    echo $((20000 + $(printf '%s' "$job" | cksum | cut -d' ' -f1) % 40000))
+    # below the ephemeral range, as mega_depth/ports.py picks: an outgoing connection cannot take it first
+    local ephemeral=32768
+    read -r ephemeral _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || ephemeral=32768
+    [ "$ephemeral" -gt 21000 ] 2>/dev/null || ephemeral=32768
+    echo $((20000 + $(printf '%s' "$job" | cksum | cut -d' ' -f1) % (ephemeral - 20000)))
   elif [ "${NNODES:-1}" -gt 1 ]; then
     echo "set MASTER_PORT (the same value on every node) or run under a scheduler that sets a job id" >&2
     return 2
