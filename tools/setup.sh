@@ -5,7 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
-if [ ! -x .venv/bin/python ]; then
+# megatron-core 0.16.1 is the newest for Python 3.11 (pyproject: >=3.11,<3.12): say so before building a venv
+# that cannot take it, and refuse an existing .venv of another Python, which pip would fail on later
+python_ok() { "$1" -c 'import sys; sys.exit(not (sys.version_info[:2] == (3, 11)))' 2>/dev/null; }
+if [ -x .venv/bin/python ]; then
+  if ! python_ok .venv/bin/python; then
+    echo "setup: .venv holds Python $(.venv/bin/python -c 'import platform; print(platform.python_version())'), not 3.11: remove it (rm -rf .venv) and rerun with PYTHON=python3.11" >&2
+    exit 2
+  fi
+elif ! python_ok "$PYTHON"; then
+  echo "setup: $PYTHON is not Python 3.11 (megatron-core 0.16.1 wants 3.11): install python3.11 or set PYTHON to one" >&2
+  exit 2
+else
   "$PYTHON" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
