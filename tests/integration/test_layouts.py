@@ -230,6 +230,23 @@ def test_the_fused_layouts_made_mhcs_phi_gradient_in_the_streams_sum(runs):
     assert json.loads((runs / "single" / "mhc" / "fused_paths.json").read_text()) == {}
 
 
+def test_each_pipeline_stage_draws_its_own_dropout_stream(runs):
+    """Megatron-LM's seeding: stage r seeds seed + 100 r, so a stage's dropout masks are not the first stage's over
+    again; the ranks of one stage (tensor-parallel) keep one default stream, which dropout outside the
+    tensor-parallel region needs alike on each."""
+    for layout in ("pp2-vpp", "tp2-pp2"):
+        ranks = [json.loads(p.read_text()) for p in sorted((runs / layout / "standard").glob("streams_rank*.json"))]
+        assert len(ranks) == LAYOUTS[layout][0]
+        by_stage = {}
+        for rank in ranks:
+            by_stage.setdefault(rank["pp_rank"], []).append(rank["streams"])
+        assert sorted(by_stage) == [0, 1], layout
+        for stage in by_stage.values():
+            assert all(streams[0] == stage[0][0] for streams in stage), layout  # one default stream a stage
+        first, second = by_stage[0][0], by_stage[1][0]
+        assert len(first) > 1 and all(a != b for a in first for b in second), (layout, first, second)
+
+
 def test_a_closed_backend_leaves_only_the_default_process_group(runs):
     """One launch builds a backend per layout and mechanism (up to ~130): each close must free the groups Megatron
     made for it, and the backend itself, else every gloo group's threads and sockets stay (a launch slowed ~5x by

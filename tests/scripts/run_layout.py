@@ -124,7 +124,7 @@ _BUILDS = itertools.count()  # this process's backends so far
 
 def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
     """Every mechanism (or those in `only`, comma-separated) for a few steps in one layout."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state, tensor_parallel
     from torch.distributed import distributed_c10d
 
     from mega_depth.config import parse_args
@@ -140,6 +140,11 @@ def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
         _, breaks_before = _dynamo_counts()
         backend = MegatronBackend(cfg)
         backend.build()
+        # what this rank's dropout would draw next (the default generator's and the tensor-parallel tracker's)
+        streams = [torch.rand(4, generator=torch.Generator().set_state(torch.get_rng_state())).tolist()]
+        tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+        streams += [torch.rand(4, generator=torch.Generator().set_state(state)).tolist()
+                    for _, state in sorted(tracker.items()) if state.device.type == "cpu"]
         mbs, nmb, dp, dp_rank = backend.sampler_shape
         data = build_datasets(cfg, tokenizer_for(cfg), (64, None, None))[0]
         sampler = GlobalBatchSampler(data, mbs, nmb, dp, dp_rank)
@@ -155,6 +160,8 @@ def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
         os.makedirs(run_dir, exist_ok=True)
         rank = backend.rank
         torch.save(grads, os.path.join(run_dir, f"grads_rank{rank}.pt"))  # every rank: experts differ over EP
+        with open(os.path.join(run_dir, f"streams_rank{rank}.json"), "w") as f:
+            json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "streams": streams}, f)
         if dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             with open(os.path.join(run_dir, f"hops_rank{rank}.json"), "w") as f:
                 json.dump(hops, f)

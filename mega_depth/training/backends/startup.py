@@ -44,8 +44,11 @@ def start_megatron(cfg: Config, data_parallel_only: bool = False) -> FrozenSet:
             expert_model_parallel_size=p.expert_model_parallel_size,
             expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         )
-    seed_everything(cfg.training.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+    # one stream a pipeline stage, as Megatron-LM seeds (seed + 100 x stage): with the same seed every stage would
+    # repeat the first stage's dropout masks. The weights do not draw from these (keyed init: mega_depth/init.py).
+    seed = cfg.training.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    seed_everything(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return _process_groups() - groups_before
 
 
