@@ -364,7 +364,11 @@ class DeepSpeedBackend(Collectives):
 
         from mega_depth.model.state_dict_adapter import to_canonical
 
-        client = {"step": step, "scheduler": scheduler_state(self.scheduler), "rng": rng.capture()}
+        from megatron.core import tensor_parallel
+
+        # Megatron's layers draw attention dropout from the model-parallel tracker: without it a resume is not exact
+        client = {"step": step, "scheduler": scheduler_state(self.scheduler),
+                  "rng": rng.capture(tensor_parallel.get_cuda_rng_tracker())}
         self.engine.save_checkpoint(tmp_dir, tag=TAG, client_state=client, save_latest=False)
         full = self._full_module_state()
         if full is not None:
@@ -383,7 +387,9 @@ class DeepSpeedBackend(Collectives):
             raise ConfigError(f"{ckpt_dir} holds no DeepSpeed checkpoint ({TAG}/ is missing)")
         load_scheduler_state(self.scheduler, client["scheduler"], ckpt_dir)
         if meta.get("layout", {}).get("dp") == self.dp and "rng" in client:
-            rng.restore(client["rng"])
+            from megatron.core import tensor_parallel
+
+            rng.restore(client["rng"], tensor_parallel.get_cuda_rng_tracker())  # older saves: no tracker, reseeded
         return int(client["step"])
 
     def _load_universal(self, ckpt_dir: str, dp: int, stage_from: int, stage_to: int):
