@@ -47,7 +47,6 @@ class ModelConfig(architecture_flags()):
     run may change on resume."""
     seq_length: int = _f(64, "tokens per training sample")
     init_method_std: float = _f(0.02, "std of the normal initialisation of the weight matrices")
-    attention_dropout: float = _f(0.0, "dropout on the attention probabilities")
     transformer_impl: Optional[str] = _f(None, "Megatron layer spec: local (torch ops) or transformer_engine "
                                                "(default: transformer_engine on a GPU where it imports, else local)",
                                          (None,) + TRANSFORMER_IMPLS)

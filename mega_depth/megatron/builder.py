@@ -52,7 +52,7 @@ def transformer_config(cfg: Config) -> TransformerConfig:
         add_bias_linear=False,
         qk_layernorm=dc.qk_layernorm,
         hidden_dropout=dc.hidden_dropout,
-        attention_dropout=m.attention_dropout,
+        attention_dropout=dc.attention_dropout,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,

@@ -129,6 +129,8 @@ class DecoderConfig:
     rotary_base: float = _field("RoPE base", 10000, "int", default=10000.0)
     norm_epsilon: float = _field("RMSNorm epsilon", NORM_EPSILON, "float", default=NORM_EPSILON)
     hidden_dropout: float = _field("dropout on each sublayer's output", 0.0, "float", default=0.0, architecture=False)
+    attention_dropout: float = _field("dropout on the attention probabilities", 0.0, "float", default=0.0,
+                                      architecture=False)
     # Mixture of experts (Megatron-LM's flags): the MLP of each layer marked 1 in moe_layer_pattern routes every token
     # to its top-k of num_experts SwiGLU experts (0 experts: dense MLPs everywhere; configs saved before MoE: dense).
     num_experts: int = _field("routed experts per MoE layer (default: dense MLPs)", None, "Optional[int]", default=0,

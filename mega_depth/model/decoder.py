@@ -107,7 +107,8 @@ class Attention(nn.Module):
                 raise ValueError(f"the attention mask covers {allowed.shape[-1]} keys but layer {self.layer} has "
                                  f"{k.shape[2]} (cached + current)")
             mask = allowed
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hn))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hn),
+                                             dropout_p=cfg.attention_dropout if self.training else 0.0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
