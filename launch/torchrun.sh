@@ -11,6 +11,17 @@ cd "$(dirname "$0")/.."
 source launch/common.sh
 NPROC=${NPROC:-$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null || echo 1)}
 NNODES=${NNODES:-1}
+if [ "$NNODES" -gt 1 ]; then
+  # defaults here would hang: each node would wait on its own 127.0.0.1, or two nodes would claim rank 0
+  for need in "MASTER_ADDR=node 0's address, the same on every node" \
+              "NODE_RANK=this node's index, 0 to $((NNODES - 1))"; do
+    var=${need%%=*}
+    if [ -z "${!var:-}" ]; then
+      echo "launch/torchrun.sh: NNODES=$NNODES needs $var set to ${need#*=}" >&2
+      exit 2
+    fi
+  done
+fi
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=$(master_port)
