@@ -240,8 +240,13 @@ class PlainBackend(SingleProcess):  # its collectives: one SPMD program
         from mega_depth.training.schedule import scheduler_state
 
         save_file(canonical_state(self.model), os.path.join(tmp_dir, WEIGHTS), metadata={"format": "pt"})
-        torch.save({"optimizer": _to_cpu(self.optimizer.state_dict()), "scheduler": scheduler_state(self.scheduler),
-                    "step": step, "rng": rng.capture()}, os.path.join(tmp_dir, TRAINER_STATE))
+        state = {"optimizer": _to_cpu(self.optimizer.state_dict()), "scheduler": scheduler_state(self.scheduler),
+                 "step": step, "rng": rng.capture()}
+        if self.xla:  # the XLA device draws dropout from its own generator, which torch's CPU state does not hold
+            import torch_xla.core.xla_model as xm
+
+            state["xla_rng"] = int(xm.get_rng_state())
+        torch.save(state, os.path.join(tmp_dir, TRAINER_STATE))
 
     def load(self, ckpt_dir: str, meta: dict) -> int:
         from safetensors.torch import load_file
@@ -254,6 +259,10 @@ class PlainBackend(SingleProcess):  # its collectives: one SPMD program
         load_scheduler_state(self.scheduler, state["scheduler"], ckpt_dir)
         if "rng" in state:
             rng.restore(state["rng"])
+        if self.xla and "xla_rng" in state:  # a save from --device cpu (or an older one) leaves the seeded state
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(state["xla_rng"])
         return int(state["step"])
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The TPU path for real, on the CPU PJRT device: XLA losses equal the eager run's, 2-device SPMD (data parallel
-and FSDP) equals 1 device, and an XLA checkpoint exports to Hugging Face with the XLA model's logits."""
+and FSDP) equals 1 device, a run with dropout resumes exactly, and an XLA checkpoint exports to Hugging Face with
+the XLA model's logits."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import os
 import pytest
 import torch
 
-from fixtures import READINGS
+from fixtures import READINGS, metrics
 from xla_helpers import MAIN_PY, ROOT, RUN_PLAIN, run, run_together
 from mega_depth.catalogue import SETTINGS
 
@@ -70,6 +71,22 @@ def test_xla_moe_equals_the_eager_run_on_one_and_two_devices(tmp_path):
     for name in ("xla1", "xla2"):
         torch.testing.assert_close(torch.tensor(losses(tmp_path / name, "attnres-block")), torch.tensor(eager),
                                    rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_an_xla_run_with_dropout_resumes_exactly(tmp_path):
+    """The XLA device draws dropout from its own generator: the checkpoint carries its state, so the resumed steps
+    draw the masks the uninterrupted run drew."""
+    train = ["-m", "mega_depth.xla.train", "--mock-data", "--num-layers", "2", "--hidden-size", "32",
+             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--train-iters", "4", "--lr", "1e-2", "--hidden-dropout", "0.2", "--attention-dropout", "0.2",
+             "--log-interval", "1", "--no-tensorboard"] + PRECISE
+    ckpt = str(tmp_path / "ckpt")
+    run_together([(train + ["--output-dir", str(tmp_path / "straight")], None),
+                  (train + ["--save", ckpt, "--exit-interval", "2", "--output-dir", str(tmp_path / "resumed")], None)])
+    run(train + ["--load", ckpt, "--output-dir", str(tmp_path / "resumed")])
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert [resumed[s]["loss"] for s in (1, 2, 3, 4)] == [straight[s]["loss"] for s in (1, 2, 3, 4)]
 
 
 def test_xla_checkpoint_exports_to_hugging_face_with_equal_logits(tmp_path):
