@@ -1,7 +1,7 @@
 # Shared by the launch scripts (sourced): the Python to use, a rendezvous port, the pre-emption grace period.
 PY=${PYTHON:-.venv/bin/python}
 # SIGTERM -> save -> exit: the seconds torchrun waits for its workers before it kills them (its default is 30).
-SAVE_GRACE_S=${SAVE_GRACE_S:-100}
+export SAVE_GRACE_S=${SAVE_GRACE_S:-100}  # mega_depth.ds_launcher reads it
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$SAVE_GRACE_S}
 
 # A port every node of a job derives alike, never a fixed one (two jobs on one node would collide): MASTER_PORT

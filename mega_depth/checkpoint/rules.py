@@ -194,6 +194,8 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
     failure = None
     try:
         fill(tmp)
+        if os.environ.get("MEGA_DEPTH_FAULT_SLOW_SAVE_S"):  # fault injection: a save as slow as a large model's
+            time.sleep(float(os.environ["MEGA_DEPTH_FAULT_SLOW_SAVE_S"]))
         if os.environ.get("MEGA_DEPTH_FAULT_DISK_FULL_IN_SAVE") == str(step):  # fault injection (tests)
             with open(os.path.join(tmp, "partial.bin"), "wb") as f:
                 f.write(b"\0" * 1024)

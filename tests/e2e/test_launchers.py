@@ -1,7 +1,8 @@
 """The launchers as far as one machine allows: two simulated nodes on 127.0.0.1 for launch/torchrun.sh,
 launch/deepspeed.sh (per-node, no ssh) and launch/slurm.sbatch (with stand-ins for scontrol and srun), each
 equal to the one-node run; a SIGTERM to the launcher ends with a saved checkpoint and exit status 0, also after
-periodic saves (whose writer helpers receive the same signal), and the run resumes from it exactly."""
+periodic saves (whose writer helpers receive the same signal), and the run resumes from it exactly; through
+launch/deepspeed.sh a save longer than DeepSpeed's 30 s kill timeout completes too."""
 
 import os
 import signal
@@ -175,3 +176,27 @@ def test_a_preemption_of_the_launcher_after_periodic_saves_saves_a_verified_chec
     resumed, straight = metrics(tmp_path / "resumed"), metrics(tmp_path / "straight")
     assert sorted(resumed) == list(range(saved + 1, steps + 1))
     assert [resumed[s]["loss"] for s in resumed] == pytest.approx([straight[s]["loss"] for s in resumed], rel=1e-6)
+
+
+def test_a_preemption_of_deepspeed_sh_gives_a_slow_save_its_grace_and_exits_zero(tmp_path):
+    """DeepSpeed's own node launcher kills the workers 30 s after a SIGTERM and exits 1: a save that takes longer
+    is lost. Through mega_depth.ds_launcher the workers get SAVE_GRACE_S (100 s) and the launch exits 0. The
+    signal goes to the whole process group, as a scheduler's does; the save takes 35 s."""
+    ckpt = tmp_path / "ckpt"
+    env = dict(ENV, NGPUS="2", MEGA_DEPTH_FAULT_SLOW_SAVE_S="35")
+    job = subprocess.Popen(["bash", "launch/deepspeed.sh", "--deepspeed-config", "launch/ds_configs/zero1.json"]
+                           + iters(1000) + ["--log-interval", "1", "--save", str(ckpt), "--output-dir",
+                                            str(tmp_path / "run")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    path = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+        assert job.poll() is None and time.time() < deadline, "training did not start: " + job.stdout.read()[-3000:]
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGTERM)
+    out = job.communicate(timeout=300)[0]
+    assert job.returncode == 0, out[-4000:]
+    assert "SIGTERM received; the workers saved and stopped; exit 0" in out and "Traceback" not in out, out[-4000:]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2, out[-4000:]
+    verify(str(ckpt / f"iter_{saved:07d}"))
