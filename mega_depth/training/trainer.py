@@ -193,7 +193,7 @@ class Trainer:
     def run(self) -> List[dict]:
         if self.cfg.training.dry_run:
             return self._dry_run()
-        preemption = Preemption()  # first: a SIGTERM while the model builds is honoured at the first step's end
+        preemption = Preemption()  # first: a SIGTERM while the model builds stops the run before its first step
         lock = None
         try:
             lock = self._lock_save_folder()  # before anything reads or writes --save
@@ -250,6 +250,8 @@ class Trainer:
 
             weights = full_megatron_weights(*found)
         b.build(weights)
+        if os.environ.get("MEGA_DEPTH_FAULT_SIGTERM_IN_BUILD"):  # fault injection: a pre-emption during start-up
+            os.kill(os.getpid(), signal.SIGTERM)
         if found is not None:
             ckpt, meta = found
             if meta.get("model_only"):
@@ -285,6 +287,12 @@ class Trainer:
         history, train_time, last_routing = [], 0.0, None
         last_verified = resumed_from  # (verified when it was found: rules.find_checkpoint)
         try:
+            # a SIGTERM during the start-up (building, loading, indexing the data): nothing new to save, and a
+            # step and a save would only spend the scheduler's grace period
+            if b.any(preemption.requested):
+                self.say(f"exiting before step {start + 1} (SIGTERM during start-up): "
+                         + (f"{resumed_from} stands" if resumed_from else "nothing trained, nothing saved"))
+                return history
             for step in range(start, cfg.training.train_iters):
                 done = step + 1
                 last = done == cfg.training.train_iters

@@ -1,7 +1,8 @@
 """The same behaviour on every backend (Megatron-core, DeepSpeed, plain/XLA-eager): the one training loop's rules.
 
 - exact resume after --exit-interval, and keep-last pruning (only this run's newest checkpoints stay);
-- SIGTERM saves, exits 0 and resumes exactly; one during a periodic save stops on that save;
+- SIGTERM saves, exits 0 and resumes exactly; one during a periodic save stops on that save, one during the
+  start-up before the first step;
 - a NaN loss stops the run (exit 3) or skips the update: the weights after the skipped step are the weights
   before it, bit for bit, and the next step updates again.
 """
@@ -100,6 +101,17 @@ def test_a_sigterm_during_a_periodic_save_stops_on_that_save(data, tmp_path):
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000002", "iter_0000004",
                                                      "latest_checkpointed_iteration.txt"]
+
+
+def test_a_sigterm_during_start_up_exits_before_the_first_step(data, tmp_path):
+    """A pre-emption while the model builds: nothing is trained yet, so the run stops at once (exit 0) rather than
+    spend the grace period on a step and a save; the --save folder's lock is released for the resubmission."""
+    proc = run(command("plain", data, *STEPS, "--save", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "run")),
+               env={"MEGA_DEPTH_FAULT_SIGTERM_IN_BUILD": "1"})
+    assert "exiting before step 1 (SIGTERM during start-up): nothing trained, nothing saved" in proc.stdout, \
+        proc.stdout[-3000:]
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl") or not metrics(tmp_path / "run")
+    assert os.listdir(tmp_path / "ckpt") == []  # no checkpoint, and no lock left behind
 
 
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed", "deepspeed-zero0", "plain"])
