@@ -77,8 +77,9 @@ def run_node(argv: List[str]) -> int:
 
     def stop_workers(pid: int) -> None:
         """launch.terminate_process_tree, which DeepSpeed calls for one worker after another: the first call stops
-        every worker at once (they save together: a save is collective) and waits `grace` for them; it records
-        each worker's exit status, or "killed"."""
+        every worker at once (they save together: a save is collective) and, after a SIGTERM, waits `grace` for
+        them (DeepSpeed's 30 s when a failed worker stops the rest); it records each worker's exit status, or
+        "killed"."""
         me = psutil.Process()
         workers = me.children()
         tree = me.children(recursive=True)
@@ -87,7 +88,7 @@ def run_node(argv: List[str]) -> int:
                 p.terminate()
             except psutil.NoSuchProcess:
                 pass
-        gone, alive = psutil.wait_procs(tree, timeout=grace)
+        gone, alive = psutil.wait_procs(tree, timeout=grace if received else 30)
         for p in alive:
             p.kill()
         ids = {w.pid for w in workers}
