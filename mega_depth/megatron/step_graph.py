@@ -44,12 +44,21 @@ class CudaCapture:
     def capture(self, fn: Callable):
         torch.cuda.synchronize()
         previous = torch.cuda.current_stream()
+        raised = []  # the step's own error: capture_end's, raised over it, hides it (exc.__context__ may be older)
+
+        def step():
+            try:
+                return fn()
+            except Exception as e:
+                raised.append(e)
+                raise
+
         try:
             # thread_local: another thread's CUDA calls (a data loader's pinning) do not break this capture
             with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-                out = fn()
-        except Exception as exc:  # one line that names the cause (capture_end's error hides it) and the way out
-            cause = exc.__context__ or exc
+                out = step()
+        except Exception as exc:  # one line that names the cause and the way out
+            cause = raised[0] if raised else exc
             first = str(cause).splitlines()[0] if str(cause) else ""
             raise RuntimeError(f"the training step could not be captured as a CUDA graph ({type(cause).__name__}: "
                                f"{first}); drop --cuda-graph-impl local to train eagerly, and report the "

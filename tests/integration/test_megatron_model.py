@@ -404,3 +404,19 @@ def test_a_cuda_capture_restores_the_stream_and_names_a_failure_in_one_line(monk
                                            r"permitted when stream is capturing\); drop --cuda-graph-impl local"):
         capture.capture(syncs)
     assert current[0] == "default"
+
+    # a step whose error passes capture_end (a Python-level failure): the line names it, not the exception it was
+    # handling when it raised (its __context__)
+    @contextlib.contextmanager
+    def graph_that_ends(g, stream, capture_error_mode):
+        yield
+
+    def fails_after_handling_one():
+        try:
+            {}["rope"]
+        except KeyError:
+            raise ValueError("the micro-batch changed shape")
+
+    monkeypatch.setattr(torch.cuda, "graph", graph_that_ends)
+    with pytest.raises(RuntimeError, match=r"\(ValueError: the micro-batch changed shape\)"):
+        capture.capture(fails_after_handling_one)
