@@ -22,7 +22,8 @@ import subprocess
 import sys
 from typing import List, Optional
 
-PREEMPTED = 128 + signal.SIGTERM
+from mega_depth.launcher import PREEMPTED  # one exit status for a pre-emption, whichever launcher
+
 NODE = "--node"  # the runner starts this module with it in place of deepspeed.launcher.launch
 
 

@@ -75,6 +75,10 @@ class Trainer:
         if lost:
             raise self._lost_lock(lost)
 
+    def _stop_asked(self, preemption: Preemption, lock) -> bool:
+        """Collective, one a step for both: a pre-emption on any rank, or a lock rank 0's heartbeat found lost."""
+        return self.backend.any(preemption.requested or (lock is not None and lock.lost is not None))
+
     def _lost_lock(self, lost: str) -> Exception:
         save = self.cfg.checkpoint.save
         last = rules.read_pointer(save)
@@ -329,9 +333,7 @@ class Trainer:
                         paths = paths + [p for p in [logger.expert_load(last_routing["tokens_per_expert"], done)] if p]
                     if paths:
                         self.say(f"depth-weight heatmaps: {', '.join(paths)}")
-                # one collective a step for both: a pre-emption, or a lock the heartbeat found lost (rank 0)
-                stop_asked = lambda: b.any(preemption.requested or (lock is not None and lock.lost is not None))
-                preempted = stop_asked()
+                preempted = self._stop_asked(preemption, lock)
                 if preempted:
                     self._check_lock(lock, verify=False)
                 exiting = preempted or (cfg.training.exit_interval and done % cfg.training.exit_interval == 0)
@@ -342,7 +344,7 @@ class Trainer:
                         last_verified = path
                     self.say(f"saved checkpoint {path}")
                     # a SIGTERM during a periodic save: that save is the one to stop on, not a step and a save later
-                    if not exiting and not last and stop_asked():
+                    if not exiting and not last and self._stop_asked(preemption, lock):
                         preempted = exiting = True
                         self._check_lock(lock, verify=False)
                 if exiting:
