@@ -2,7 +2,7 @@
 
 Every layout trains every catalogue setting (tests/scripts/run_layout.py), then each (layout, mechanism) pair is
 compared with the single-process run. Layouts of one process count share a torchrun launch (a plan), so that the
-~8 s of imports a process are paid in 4 launches instead of 31. Also: the pipeline payload of Block AttnRes
+~8 s of imports a process are paid in 4 launches instead of 36. Also: the pipeline payload of Block AttnRes
 with virtual stages, with and without cross-stage caching, against the formula of docs/mechanisms.md §11.
 """
 
@@ -29,6 +29,7 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "([0]
        "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "0.01", "--global-batch-size", "8"]
 EP2 = ["--expert-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+RECOMPUTE = ["--recompute-granularity", "full"]  # (uniform, one layer a group: the defaults)
 ONE_STEP = ["--train-iters", "1"]  # (the last --train-iters wins over LAYOUT_MODEL's 3)
 TWO_LAYERS = ["--num-layers", "2"]  # (and the last --num-layers over its 4)
 MOE_SET = "standard,attnres-block,dca-2,depth-attention,mhc"
@@ -39,6 +40,16 @@ LAYOUTS = {
     # or replicate every mixing parameter alike, so they run a subset (CI time: the other layouts run them all)
     "tp2": (2, ["--tensor-model-parallel-size", "2"], True, CP_SET + ",attnres-full,mhc"),
     "pp2-recompute": (2, PP2 + ["--recompute-granularity", "full", "--recompute-num-layers", "1"], True, None),
+    # The other recomputations: --recompute-method block (the first 2 of the 4 layers checkpointed, the last 2 not:
+    # state entries cross from checkpointed layers to plain ones), selective (Megatron's checkpoint of the core
+    # attention, DCA's and Depth-Attention's inputs included), and full recompute with virtual stages (the cached
+    # entries of earlier chunks), with CP (groups of 2 layers) and with MoE (the routers' no-grad first pass).
+    "single-recompute-block": (1, RECOMPUTE + ["--recompute-method", "block", "--recompute-num-layers", "2"], True,
+                               None),
+    "single-selective": (1, ["--recompute-granularity", "selective"], True, None),
+    "pp2-vpp-recompute": (2, VPP + RECOMPUTE, True, CP_SET + ",attnres-full,mhc"),
+    "cp2-recompute": (2, CP2 + RECOMPUTE + ["--recompute-num-layers", "2"], True, CP_SET),
+    "moe-ep2-recompute": (2, MOE + EP2 + RECOMPUTE, True, "standard,attnres-block,depth-attention,mhc"),
     "pp2-vpp": (2, VPP, True, None),
     "pp2-vpp-nocache": (2, VPP + ["--no-vp-cache"], True, "attnres-block,attnres-full"),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], True, None),
@@ -129,11 +140,20 @@ def runs(tmp_path_factory):
 
 
 def load(root, layout, mechanism):
+    """(rank 0's losses, {global name: step-1 grad}, {to_stage: [width, bytes]}) of one run. Where the layout
+    compares grads, every rank that holds a parameter (data-parallel and TP replicas, the tied embedding's two
+    stages) must hold the same reduced grad: the one kept could else hide another rank's wrong copy."""
     d = root / layout / mechanism
     losses = json.loads((d / "losses.json").read_text())
-    grads, hops = {}, {}
-    for f in glob.glob(str(d / "grads_rank*.pt")):
-        grads.update(torch.load(f))
+    grads, held_by, hops = {}, {}, {}
+    for f in sorted(glob.glob(str(d / "grads_rank*.pt"))):
+        rank = os.path.basename(f)[len("grads_rank"):-len(".pt")]
+        for name, grad in torch.load(f).items():
+            if name in grads and LAYOUTS[layout][2]:
+                torch.testing.assert_close(grad, grads[name], rtol=0, atol=0, msg=lambda m: (
+                    f"{layout}/{mechanism} grad of {name}: rank {rank}'s copy differs from rank {held_by[name]}'s: {m}"))
+            grads.setdefault(name, grad)
+            held_by.setdefault(name, rank)
     for f in glob.glob(str(d / "hops_rank*.json")):
         hops.update({int(k): v for k, v in json.loads(open(f).read()).items()})
     return losses, grads, hops
@@ -193,6 +213,26 @@ def test_compiled_layers_were_compiled_whole(runs, layout):
             assert compiled["graph_breaks"] == 0, (layout, mechanism, compiled)
     eager = json.loads((runs / "single" / "standard" / "compiled.json").read_text())
     assert eager == {"layers": 0, "graphs_in_process": 0, "graph_breaks": 0}
+
+
+# {recomputing layout: (the same layout without recomputation, core-attention calls of step 1 against it)}
+RECOMPUTED = {"pp2-recompute": ("pp2-vpp", 2),  # (rank 0 holds two layers in both)
+              "single-recompute-block": ("single", 1.5), "single-selective": ("single", 2),
+              "pp2-vpp-recompute": ("pp2-vpp", 2), "cp2-recompute": ("cp2", 2), "moe-ep2-recompute": ("moe-ep2", 2),
+              "tp2-sp-recompute-fused": ("tp2-sp", 2)}
+
+
+@pytest.mark.parametrize("layout", RECOMPUTED)
+def test_the_recomputing_layouts_ran_attention_again_in_backward(runs, layout):
+    """Else they would compare a run that kept its activations with one process: full recompute runs each
+    checkpointed layer's forward again in backward (block: the first 2 of 4 layers only), selective the core
+    attention alone, for every mechanism (DCA's three inputs and Depth-Attention's value mixer included)."""
+    plain, factor = RECOMPUTED[layout]
+    only = LAYOUTS[layout][3]
+    for mechanism in (only.split(",") if only else SETTINGS + READINGS):
+        calls = json.loads((runs / layout / mechanism / "attention_calls.json").read_text())
+        kept = json.loads((runs / plain / mechanism / "attention_calls.json").read_text())
+        assert kept > 0 and calls == factor * kept, (layout, mechanism, calls, plain, kept)
 
 
 def test_the_interpreted_layouts_ran_the_fused_norms_remade_paths(runs):

@@ -11,13 +11,15 @@ under global names, experts included), OUT_DIR/<mechanism>/hops_rank<r>.json (ho
 OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-layers, graphs Dynamo has captured in
 the process so far (a later mechanism or layout may reuse the graphs of an earlier one), and the graph breaks Dynamo
 met while this mechanism trained) and OUT_DIR/<mechanism>/fused_paths.json (rank 0: calls of the fused norm's remade
-paths), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0, once the backend has closed: the process groups
+paths), OUT_DIR/<mechanism>/attention_calls.json (rank 0: calls of the core attention in step 1, forward and
+recomputation; null for compiled layers), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0, once the backend has closed: the process groups
 the process holds, its OS threads and the build's number in the process). MECHANISMS=a,b limits the mechanisms of a
 single layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -119,6 +121,25 @@ def _dynamo_counts():
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+@contextlib.contextmanager
+def _counting_core_attention(calls: list):
+    """calls[0] counts the SDPA core attention's forward calls meanwhile: a recomputation runs a layer's (full) or
+    the core's own (selective) again in backward."""
+    from mega_depth.megatron.attention import SDPAttention
+
+    forward = SDPAttention.forward
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return forward(self, *args, **kwargs)
+
+    SDPAttention.forward = counted
+    try:
+        yield
+    finally:
+        SDPAttention.forward = forward
+
+
 _BUILDS = itertools.count()  # this process's backends so far
 
 
@@ -149,8 +170,13 @@ def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
         data = build_datasets(cfg, tokenizer_for(cfg), (64, None, None))[0]
         sampler = GlobalBatchSampler(data, mbs, nmb, dp, dp_rank)
         losses, hops = [], {}
+        compiled = "--compile-layers" in layout  # (a Python counter inside compiled layers would break graphs)
+        attention_calls = [0]
         for step in range(cfg.training.train_iters):
-            losses.append(backend.forward_backward(sampler.microbatches(step)))
+            counting = _counting_core_attention(attention_calls) if step == 0 and not compiled else \
+                contextlib.nullcontext()
+            with counting:
+                losses.append(backend.forward_backward(sampler.microbatches(step)))
             if step == 0:
                 grads = full_grads(backend.modules, cfg)  # step 1's grads, before the optimizer consumes them
                 for pipe in pipelines_of(backend.model):  # {to_stage: [width per token, bytes per micro-batch]}
@@ -175,6 +201,8 @@ def train_layout(out_dir: str, layout, only, fused_paths: _FusedPaths) -> None:
                            "graphs_in_process": graphs, "graph_breaks": breaks - breaks_before}, f)
             with open(os.path.join(run_dir, "fused_paths.json"), "w") as f:
                 json.dump(fused_paths.take(), f)
+            with open(os.path.join(run_dir, "attention_calls.json"), "w") as f:
+                json.dump(None if compiled else attention_calls[0], f)
         backend.close()
         # The closed backend's model and optimizer hold its destroyed process groups in reference cycles: collected
         # now, their gloo threads and sockets go now (else they pile up, hundreds of busy threads, until Python's
