@@ -1,5 +1,11 @@
 # Shared by the launch scripts (sourced): the Python to use, a rendezvous port, the pre-emption grace period.
-PY=${PYTHON:-.venv/bin/python}
+# PY: the Python of the environment mega_depth is installed in (default .venv/bin/python, what tools/setup.sh builds).
+# Not PYTHON: that names the interpreter tools/setup.sh builds .venv from, which has none of the packages.
+PY=${PY:-.venv/bin/python}
+if ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("mega_depth") is None)' 2>/dev/null; then
+  echo "launch: PY=$PY cannot import mega_depth: run bash tools/setup.sh (it builds .venv), or set PY to the Python of an environment that has it installed" >&2
+  exit 2
+fi
 # SIGTERM -> save -> exit: the seconds torchrun waits for its workers before it kills them (its default is 30).
 export SAVE_GRACE_S=${SAVE_GRACE_S:-100}  # mega_depth.ds_launcher reads it
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$SAVE_GRACE_S}

@@ -101,7 +101,7 @@ def test_the_launcher_reports_a_failed_worker_without_a_traceback(data, tmp_path
         expected = "already holds checkpoints of another run"
     proc = subprocess.run(["bash", "launch/torchrun.sh"] + flags(data, "--train-iters", "2", "--output-dir",
                                                                  str(tmp_path / "run"), *extra),
-                          capture_output=True, text=True, cwd=ROOT, env=dict(ENV, NPROC="2", PYTHON=PY), timeout=600)
+                          capture_output=True, text=True, cwd=ROOT, env=dict(ENV, NPROC="2", PY=PY), timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert expected in out and "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]

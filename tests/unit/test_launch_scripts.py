@@ -1,4 +1,4 @@
-"""launch/torchrun.sh refuses a multi-node launch it cannot rendezvous, in one line, instead of hanging: each node
+"""The launch scripts refuse a Python without mega_depth, and launch/torchrun.sh refuses a multi-node launch it cannot rendezvous, in one line, instead of hanging: each node
 defaulting to 127.0.0.1 waits on itself, and every node defaulting to rank 0 leaves the rendezvous short."""
 
 import os
@@ -18,3 +18,25 @@ def test_a_multi_node_torchrun_launch_without_its_rendezvous_settings_stops_and_
                           text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and f"needs {missing} set to" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["launch/torchrun.sh", "launch/deepspeed.sh"])
+def test_a_launch_with_a_python_that_lacks_mega_depth_stops_and_says_how_to_fix_it(script, tmp_path):
+    env = dict(os.environ, PY=str(tmp_path / "no-such-python"), NPROC="1")
+    proc = subprocess.run(["bash", script, "--mock-data"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert f"PY={tmp_path / 'no-such-python'} cannot import mega_depth" in proc.stderr, proc.stderr
+    assert "tools/setup.sh" in proc.stderr
+
+
+def test_the_launch_takes_its_python_from_py_not_from_the_setups_python(tmp_path):
+    """tools/setup.sh's PYTHON (the interpreter it builds .venv from, python3.11: its own error message suggests
+    exporting it) is not the launch's: a launch in that shell still runs .venv's Python."""
+    env = {k: v for k, v in os.environ.items() if k != "PY"}
+    env.update({"PYTHON": str(tmp_path / "python3.11-without-packages"), "NPROC": "1"})
+    proc = subprocess.run(["bash", "launch/torchrun.sh", "--help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout and "--save-interval" in proc.stdout, proc.stdout[-2000:]
