@@ -12,9 +12,9 @@ OUT_DIR/<mechanism>/compiled.json (rank 0: layers compiled whole by --compile-la
 the process so far (a later mechanism or layout may reuse the graphs of an earlier one), and the graph breaks Dynamo
 met while this mechanism trained) and OUT_DIR/<mechanism>/fused_paths.json (rank 0: calls of the fused norm's remade
 paths), OUT_DIR/<mechanism>/attention_calls.json (rank 0: calls of the core attention in step 1, forward and
-recomputation; null for compiled layers), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0, once the backend has closed: the process groups
-the process holds, its OS threads and the build's number in the process). MECHANISMS=a,b limits the mechanisms of a
-single layout.
+recomputation; null for compiled layers), and OUT_DIR/<mechanism>/groups_after_close.json (rank 0, once the backend
+has closed: the process groups the process holds, its OS threads and the build's number in the process).
+MECHANISMS=a,b limits the mechanisms of a single layout.
 """
 
 from __future__ import annotations
