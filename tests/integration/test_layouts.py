@@ -151,7 +151,8 @@ def load(root, layout, mechanism):
         for name, grad in torch.load(f).items():
             if name in grads and LAYOUTS[layout][2]:
                 torch.testing.assert_close(grad, grads[name], rtol=0, atol=0, msg=lambda m: (
-                    f"{layout}/{mechanism} grad of {name}: rank {rank}'s copy differs from rank {held_by[name]}'s: {m}"))
+                    f"{layout}/{mechanism} grad of {name}: rank {rank}'s copy differs from rank "
+                    f"{held_by[name]}'s: {m}"))
             grads.setdefault(name, grad)
             held_by.setdefault(name, rank)
     for f in glob.glob(str(d / "hops_rank*.json")):

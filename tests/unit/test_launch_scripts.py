@@ -1,5 +1,6 @@
-"""The launch scripts refuse a Python without mega_depth, and launch/torchrun.sh refuses a multi-node launch it cannot rendezvous, in one line, instead of hanging: each node
-defaulting to 127.0.0.1 waits on itself, and every node defaulting to rank 0 leaves the rendezvous short."""
+"""The launch scripts refuse, in one line each: a Python without mega_depth, and (launch/torchrun.sh) a multi-node
+launch it cannot rendezvous, instead of hanging: each node defaulting to 127.0.0.1 waits on itself, and every node
+defaulting to rank 0 leaves the rendezvous short."""
 
 import os
 import subprocess
