@@ -34,10 +34,16 @@ def test_a_launch_with_a_python_that_lacks_mega_depth_stops_and_says_how_to_fix_
 
 def test_the_launch_takes_its_python_from_py_not_from_the_setups_python(tmp_path):
     """tools/setup.sh's PYTHON (the interpreter it builds .venv from, python3.11: its own error message suggests
-    exporting it) is not the launch's: a launch in that shell still runs .venv's Python."""
-    env = {k: v for k, v in os.environ.items() if k != "PY"}
-    env.update({"PYTHON": str(tmp_path / "python3.11-without-packages"), "NPROC": "1"})
-    proc = subprocess.run(["bash", "launch/torchrun.sh", "--help"], cwd=ROOT, env=env, capture_output=True,
+    exporting it) is not the launch's: a launch in that shell still runs .venv's Python. The launch stops on the
+    missing MASTER_PORT of a two-node launch, after its Python has run, before any rendezvous."""
+    called = tmp_path / "setup-python-was-run"
+    setup_python = tmp_path / "python3.11"
+    setup_python.write_text(f"#!/bin/sh\ntouch {called}\nexit 1\n")
+    setup_python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PY", "NPROC", "MASTER_PORT", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")}
+    env.update({"PYTHON": str(setup_python), "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    proc = subprocess.run(["bash", "launch/torchrun.sh", "--mock-data"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage:" in proc.stdout and "--save-interval" in proc.stdout, proc.stdout[-2000:]
+    assert not called.exists(), "the launch ran PYTHON"
+    assert proc.returncode == 2 and "set MASTER_PORT" in proc.stderr, proc.stderr[-2000:]
