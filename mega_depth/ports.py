@@ -3,15 +3,23 @@
 A port from bind(0) is ephemeral: between its release and the rendezvous's own bind, any process's outgoing
 connection (gloo opens many) can be given it, and the launch fails with EADDRINUSE. A free port below that range is
 never handed out that way; only another explicit bind to the same number could take it. No torch import: the launch
-scripts ask for a port before anything starts."""
+scripts ask for a port before anything starts.
+
+MEGA_DEPTH_PORT_RANGE=LOW-HIGH confines the draw to those ports: a firewall's open range, or one test worker's share
+(tests/fixtures.py), so that two workers cannot both draw a port before either's rendezvous binds it."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import sys
+from typing import Optional, Tuple
 
 LOWEST = 20000  # above the registered services most hosts run
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+RANGE_ENV = "MEGA_DEPTH_PORT_RANGE"
+TRIES = 64
 
 
 def _ephemeral_start() -> int:
@@ -31,11 +39,41 @@ def _free(port: int) -> bool:
     return True
 
 
+def _range_from_env() -> Optional[Tuple[int, int]]:
+    """RANGE_ENV's (low, high), both included; None where it is unset or empty."""
+    value = os.environ.get(RANGE_ENV, "").strip()
+    if not value:
+        return None
+    low, _, high = value.partition("-")
+    if low.strip().isdigit() and high.strip().isdigit() and 1024 <= int(low) <= int(high) <= 65535:
+        return int(low), int(high)
+    raise ValueError(f"{RANGE_ENV}={value!r} is not a port range: give LOW-HIGH with 1024 <= LOW <= HIGH <= 65535 "
+                     f"(e.g. 20000-20999), or unset it")
+
+
+def worker_share(index: int, count: int) -> Optional[Tuple[int, int]]:
+    """Worker `index` of `count`'s slice of the ports between LOWEST and the ephemeral range, the slices disjoint;
+    None where the range leaves fewer than TRIES ports a worker."""
+    span = (_ephemeral_start() - LOWEST) // count
+    if span < TRIES:
+        return None
+    low = LOWEST + index * span
+    return low, low + span - 1
+
+
 def free_port() -> int:
-    """A port no process listens on, between LOWEST and the ephemeral range (bind(0)'s, where that range leaves no
-    room or every try is taken)."""
+    """A port no process listens on: in RANGE_ENV where it is set, else between LOWEST and the ephemeral range
+    (bind(0)'s, where that range leaves no room or every try is taken)."""
+    confined = _range_from_env()
+    if confined is not None:
+        for _ in range(TRIES):
+            port = random.randint(*confined)
+            if _free(port):
+                return port
+        raise RuntimeError(f"no free port in {RANGE_ENV}={confined[0]}-{confined[1]} after {TRIES} tries: widen "
+                           f"the range, or unset it")
     top = _ephemeral_start() - 1
-    for _ in range(64):
+    for _ in range(TRIES):
         if top <= LOWEST:
             break
         port = random.randint(LOWEST, top)
@@ -47,4 +85,7 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
-    print(free_port())
+    try:
+        print(free_port())
+    except (ValueError, RuntimeError) as error:  # launch/common.sh: one line, not a traceback
+        sys.exit(f"mega_depth.ports: {error}")

@@ -12,12 +12,27 @@ from typing import Dict, List
 
 import pytest
 
+from mega_depth import ports
 from mega_depth.training.distributed import free_port  # noqa: F401  (tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 CORPUS = os.path.join(ROOT, "data", "corpus", "python-docs-3.11.jsonl.gz")
 PY = sys.executable
+
+
+def confine_ports_to_this_worker() -> None:
+    """Each pytest-xdist worker (and what it launches) draws rendezvous ports from its own share: a rendezvous
+    whose free port a test on the other worker took before it bound it was a red run (EADDRINUSE). Loopback
+    rendezvous only, so a range of the user's own gives way; a nested pytest (the kernel tests) gets the same share."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count.isdigit():
+        share = ports.worker_share(int(worker[2:]), int(count))
+        if share is not None:
+            os.environ[ports.RANGE_ENV] = f"{share[0]}-{share[1]}"
+
+
+confine_ports_to_this_worker()  # before ENV copies the environment
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 # 4 layers, 4 query heads in 2 key-value groups (TP=2 splits the groups), mock data, 4 micro-batches of 1.

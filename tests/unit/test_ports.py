@@ -3,13 +3,17 @@
 import os
 import socket
 import subprocess
+import sys
+
+import pytest
 
 from mega_depth import ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_a_free_port_is_below_the_ephemeral_range_and_bindable():
+def test_a_free_port_is_below_the_ephemeral_range_and_bindable(monkeypatch):
+    monkeypatch.delenv(ports.RANGE_ENV, raising=False)  # the suite's worker share (tests/fixtures.py)
     start = ports._ephemeral_start()
     for _ in range(20):
         port = ports.free_port()
@@ -23,12 +27,14 @@ def test_a_taken_port_is_passed_over(monkeypatch):
         taken = ports.free_port()  # below the ephemeral range, where the next port is as unlikely to be in use
         held.bind(("", taken))
         held.listen()
+        monkeypatch.delenv(ports.RANGE_ENV, raising=False)
         monkeypatch.setattr(ports, "LOWEST", taken)
         monkeypatch.setattr(ports, "_ephemeral_start", lambda: taken + 2)  # the range holds `taken` and one more
         assert {ports.free_port() for _ in range(10)} == {taken + 1}
 
 
 def test_no_room_below_the_ephemeral_range_falls_back_to_any_free_port(monkeypatch):
+    monkeypatch.delenv(ports.RANGE_ENV, raising=False)
     monkeypatch.setattr(ports, "_ephemeral_start", lambda: ports.LOWEST)
     port = ports.free_port()
     with socket.socket() as s:
@@ -46,3 +52,48 @@ def test_a_port_derived_from_a_job_id_is_below_the_ephemeral_range_and_alike_for
     ports_now = derived()
     assert len(ports_now) == 302 and all(ports.LOWEST <= p < ports._ephemeral_start() for p in ports_now)
     assert derived() == ports_now and len(set(ports_now)) > 250  # the same on every node; spread over the jobs
+
+
+def test_a_port_range_in_the_environment_confines_the_draw(monkeypatch):
+    with socket.socket() as held:
+        taken = ports.free_port()
+        held.bind(("", taken))
+        held.listen()
+        monkeypatch.setenv(ports.RANGE_ENV, f"{taken}-{taken + 1}")
+        assert {ports.free_port() for _ in range(10)} == {taken + 1}
+        monkeypatch.setenv(ports.RANGE_ENV, f"{taken}-{taken}")  # its one port taken: an error, not a port outside
+        with pytest.raises(RuntimeError, match=f"no free port in {ports.RANGE_ENV}={taken}-{taken} .*widen"):
+            ports.free_port()
+
+
+@pytest.mark.parametrize("value", ["30000", "abc-def", "30000-20000", "80-90", "30000-70000", "-1-5"])
+def test_a_malformed_port_range_is_one_line_that_says_how_to_write_it(monkeypatch, value):
+    monkeypatch.setenv(ports.RANGE_ENV, value)
+    with pytest.raises(ValueError, match=f"{ports.RANGE_ENV}='{value}' is not a port range: give LOW-HIGH"):
+        ports.free_port()
+    proc = subprocess.run([sys.executable, "-m", "mega_depth.ports"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, **{ports.RANGE_ENV: value}))  # what launch/common.sh runs
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"mega_depth.ports: {ports.RANGE_ENV}='{value}' is not a port "
+                                                f"range: give LOW-HIGH with 1024 <= LOW <= HIGH <= 65535 (e.g. "
+                                                f"20000-20999), or unset it"]
+
+
+def test_the_test_workers_draw_from_disjoint_shares_below_the_ephemeral_range():
+    start = ports._ephemeral_start()
+    for count in (1, 2, 3, 8):
+        shares = [ports.worker_share(i, count) for i in range(count)]
+        assert all(ports.LOWEST <= low <= high < start and high - low + 1 >= ports.TRIES for low, high in shares)
+        assert all(shares[i][1] < shares[i + 1][0] for i in range(count - 1))  # disjoint, in order
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # this suite's worker was given its share (tests/fixtures.py), and its launches inherit it
+        share = ports.worker_share(int(worker[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+        assert os.environ[ports.RANGE_ENV] == f"{share[0]}-{share[1]}"
+        from fixtures import ENV
+
+        assert ENV[ports.RANGE_ENV] == os.environ[ports.RANGE_ENV]
+
+
+def test_no_share_where_the_range_below_the_ephemeral_one_is_too_small(monkeypatch):
+    monkeypatch.setattr(ports, "_ephemeral_start", lambda: ports.LOWEST + 2 * ports.TRIES - 1)
+    assert ports.worker_share(0, 1) is not None and ports.worker_share(0, 2) is None
