@@ -22,6 +22,10 @@ RANGE_ENV = "MEGA_DEPTH_PORT_RANGE"
 TRIES = 64
 
 
+class PortRangeError(ValueError):
+    """RANGE_ENV cannot give a port: malformed, or every try in it taken. The message says what to change."""
+
+
 def _ephemeral_start() -> int:
     try:
         with open(EPHEMERAL_RANGE) as f:
@@ -47,7 +51,7 @@ def _range_from_env() -> Optional[Tuple[int, int]]:
     low, _, high = value.partition("-")
     if low.strip().isdigit() and high.strip().isdigit() and 1024 <= int(low) <= int(high) <= 65535:
         return int(low), int(high)
-    raise ValueError(f"{RANGE_ENV}={value!r} is not a port range: give LOW-HIGH with 1024 <= LOW <= HIGH <= 65535 "
+    raise PortRangeError(f"{RANGE_ENV}={value!r} is not a port range: give LOW-HIGH with 1024 <= LOW <= HIGH <= 65535 "
                      f"(e.g. 20000-20999), or unset it")
 
 
@@ -70,7 +74,7 @@ def free_port() -> int:
             port = random.randint(*confined)
             if _free(port):
                 return port
-        raise RuntimeError(f"no free port in {RANGE_ENV}={confined[0]}-{confined[1]} after {TRIES} tries: widen "
+        raise PortRangeError(f"no free port in {RANGE_ENV}={confined[0]}-{confined[1]} after {TRIES} tries: widen "
                            f"the range, or unset it")
     top = _ephemeral_start() - 1
     for _ in range(TRIES):
@@ -87,5 +91,5 @@ def free_port() -> int:
 if __name__ == "__main__":
     try:
         print(free_port())
-    except (ValueError, RuntimeError) as error:  # launch/common.sh: one line, not a traceback
+    except PortRangeError as error:  # launch/common.sh: one line, not a traceback
         sys.exit(f"mega_depth.ports: {error}")

@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from mega_depth.ports import free_port
+from mega_depth.config import ConfigError
+from mega_depth.ports import PortRangeError, free_port
 
 
 def device() -> torch.device:
@@ -27,7 +28,11 @@ def init_process_group() -> int:
     """NCCL on GPU, gloo on CPU; works under torchrun / the deepspeed launcher and as one plain process."""
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if "MASTER_PORT" not in os.environ:  # (a launcher's port is kept, and no port drawn beside it)
+            try:
+                os.environ["MASTER_PORT"] = str(free_port())
+            except PortRangeError as error:
+                raise ConfigError(str(error)) from None
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")

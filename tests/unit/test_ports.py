@@ -62,14 +62,14 @@ def test_a_port_range_in_the_environment_confines_the_draw(monkeypatch):
         monkeypatch.setenv(ports.RANGE_ENV, f"{taken}-{taken + 1}")
         assert {ports.free_port() for _ in range(10)} == {taken + 1}
         monkeypatch.setenv(ports.RANGE_ENV, f"{taken}-{taken}")  # its one port taken: an error, not a port outside
-        with pytest.raises(RuntimeError, match=f"no free port in {ports.RANGE_ENV}={taken}-{taken} .*widen"):
+        with pytest.raises(ports.PortRangeError, match=f"no free port in {ports.RANGE_ENV}={taken}-{taken} .*widen"):
             ports.free_port()
 
 
 @pytest.mark.parametrize("value", ["30000", "abc-def", "30000-20000", "80-90", "30000-70000", "-1-5"])
 def test_a_malformed_port_range_is_one_line_that_says_how_to_write_it(monkeypatch, value):
     monkeypatch.setenv(ports.RANGE_ENV, value)
-    with pytest.raises(ValueError, match=f"{ports.RANGE_ENV}='{value}' is not a port range: give LOW-HIGH"):
+    with pytest.raises(ports.PortRangeError, match=f"{ports.RANGE_ENV}='{value}' is not a port range: give LOW-HIGH"):
         ports.free_port()
     proc = subprocess.run([sys.executable, "-m", "mega_depth.ports"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, **{ports.RANGE_ENV: value}))  # what launch/common.sh runs
@@ -97,3 +97,34 @@ def test_the_test_workers_draw_from_disjoint_shares_below_the_ephemeral_range():
 def test_no_share_where_the_range_below_the_ephemeral_one_is_too_small(monkeypatch):
     monkeypatch.setattr(ports, "_ephemeral_start", lambda: ports.LOWEST + 2 * ports.TRIES - 1)
     assert ports.worker_share(0, 1) is not None and ports.worker_share(0, 2) is None
+
+
+def test_a_process_group_without_a_launchers_port_draws_one_and_a_bad_range_is_a_config_error(monkeypatch):
+    """mega_depth/training/distributed.py: one plain process draws its rendezvous port (a launcher's is kept, with
+    no draw beside it, so a range it never needs cannot fail it); a range that gives none is the one-line config
+    error that `mega_depth.train` prints, not a traceback."""
+    import torch
+
+    from mega_depth.config import ConfigError
+    from mega_depth.training import distributed
+
+    started = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda **kwargs: started.append(os.environ["MASTER_PORT"]))
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(ports.RANGE_ENV, "not-a-range")
+    monkeypatch.setenv("MASTER_PORT", "29417")
+    assert distributed.init_process_group() == 1 and started == ["29417"]
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ConfigError, match=f"{ports.RANGE_ENV}='not-a-range' is not a port range"):
+        distributed.init_process_group()
+    assert started == ["29417"] and "MASTER_PORT" not in os.environ
+    monkeypatch.delenv(ports.RANGE_ENV)
+    with socket.socket() as held:  # a drawn port comes from the range
+        taken = ports.free_port()
+        held.bind(("", taken))
+        monkeypatch.setenv(ports.RANGE_ENV, f"{taken}-{taken + 1}")
+        assert distributed.init_process_group() == 1 and started == ["29417", str(taken + 1)]
