@@ -113,7 +113,7 @@ LAYOUTS = {
     # process: another reduction order rounds otherwise, so these agree to within bf16's own rounding, not exactly
     # (test_bf16_layout_matches_single_process_to_bf16s_rounding). Pipeline stages with virtual stages, TP with SP
     # and CP: the layouts whose code casts, splits or sends the depth state; DP with the distributed optimizer:
-    # its bf16 gradient buckets.
+    # its fp32 master shards, gathered back into the bf16 weights.
     "single-bf16": (1, BF16, True, None),
     "pp2-vpp-bf16": (2, VPP + BF16, True, None),
     "tp2-sp-bf16": (2, TP2_SP + BF16, True, None),
