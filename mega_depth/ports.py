@@ -51,8 +51,8 @@ def _range_from_env() -> Optional[Tuple[int, int]]:
     low, _, high = value.partition("-")
     if low.strip().isdigit() and high.strip().isdigit() and 1024 <= int(low) <= int(high) <= 65535:
         return int(low), int(high)
-    raise PortRangeError(f"{RANGE_ENV}={value!r} is not a port range: give LOW-HIGH with 1024 <= LOW <= HIGH <= 65535 "
-                     f"(e.g. 20000-20999), or unset it")
+    raise PortRangeError(f"{RANGE_ENV}={value!r} is not a port range: give LOW-HIGH with 1024 <= LOW <= HIGH <= "
+                         f"65535 (e.g. 20000-20999), or unset it")
 
 
 def worker_share(index: int, count: int) -> Optional[Tuple[int, int]]:
@@ -74,8 +74,8 @@ def free_port() -> int:
             port = random.randint(*confined)
             if _free(port):
                 return port
-        raise PortRangeError(f"no free port in {RANGE_ENV}={confined[0]}-{confined[1]} after {TRIES} tries: widen "
-                           f"the range, or unset it")
+        raise PortRangeError(f"no free port in {RANGE_ENV}={confined[0]}-{confined[1]} after {TRIES} tries: "
+                             f"widen the range, or unset it")
     top = _ephemeral_start() - 1
     for _ in range(TRIES):
         if top <= LOWEST:
