@@ -11,16 +11,13 @@ export SAVE_GRACE_S=${SAVE_GRACE_S:-100}  # mega_depth.ds_launcher reads it
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$SAVE_GRACE_S}
 
 # A port every node of a job derives alike, never a fixed one (two jobs on one node would collide): MASTER_PORT
-# if set, else one derived from the scheduler's job id, else (one node only) a free port.
+# if set, else one derived from the scheduler's job id, else (one node only) a free port. The last two keep to
+# MEGA_DEPTH_PORT_RANGE=LOW-HIGH where it is set (a firewall's open range), and stay below the ephemeral range.
 master_port() {
   if [ -n "${MASTER_PORT:-}" ]; then echo "$MASTER_PORT"; return; fi
   local job=${SLURM_JOB_ID:-${PBS_JOBID:-${LSB_JOBID:-${JOB_ID:-}}}}
   if [ -n "$job" ]; then
-    # below the ephemeral range, as mega_depth/ports.py picks: an outgoing connection cannot take it first
-    local ephemeral=32768
-    read -r ephemeral _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || ephemeral=32768
-    [ "$ephemeral" -gt 21000 ] 2>/dev/null || ephemeral=32768
-    echo $((20000 + $(printf '%s' "$job" | cksum | cut -d' ' -f1) % (ephemeral - 20000)))
+    "$PY" -m mega_depth.ports --job "$job"
   elif [ "${NNODES:-1}" -gt 1 ]; then
     echo "set MASTER_PORT (the same value on every node) or run under a scheduler that sets a job id" >&2
     return 2

@@ -6,14 +6,17 @@ never handed out that way; only another explicit bind to the same number could t
 scripts ask for a port before anything starts.
 
 MEGA_DEPTH_PORT_RANGE=LOW-HIGH confines the draw to those ports: a firewall's open range, or one test worker's share
-(tests/fixtures.py), so that two workers cannot both draw a port before either's rendezvous binds it."""
+(tests/fixtures.py), so that two workers cannot both draw a port before either's rendezvous binds it. A port derived
+from a scheduler's job id (`job_port`, what every node of a multi-node launch computes alike) keeps to it too."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import socket
 import sys
+import zlib
 from typing import Optional, Tuple
 
 LOWEST = 20000  # above the registered services most hosts run
@@ -88,8 +91,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-if __name__ == "__main__":
+def job_port(job_id: str) -> int:
+    """The port every node of job `job_id` derives alike, without talking to the others: a hash of the id into
+    RANGE_ENV where it is set, else into LOWEST up to the ephemeral range (Linux's default where this host's leaves
+    too little room, so that nodes with different ranges still agree). Not checked free: it is on another node
+    that the rendezvous binds it."""
+    confined = _range_from_env()
+    if confined is None:
+        top = _ephemeral_start() - 1
+        confined = (LOWEST, top if top - LOWEST >= TRIES else 32767)
+    low, high = confined
+    return low + zlib.crc32(job_id.encode()) % (high - low + 1)
+
+
+def main(argv: Optional[list] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mega_depth.ports", description=__doc__.splitlines()[0])
+    parser.add_argument("--job", metavar="ID", help="derive the port from this scheduler job id (the same on "
+                        "every node) instead of drawing a free one")
+    args = parser.parse_args(argv)
     try:
-        print(free_port())
+        print(job_port(args.job) if args.job else free_port())
     except PortRangeError as error:  # launch/common.sh: one line, not a traceback
         sys.exit(f"mega_depth.ports: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -41,17 +41,73 @@ def test_no_room_below_the_ephemeral_range_falls_back_to_any_free_port(monkeypat
         s.bind(("", port))
 
 
-def test_a_port_derived_from_a_job_id_is_below_the_ephemeral_range_and_alike_for_one_job():
+JOB_IDS = [str(i) for i in range(1, 19)] + ["7.pbs-server", "job-xyz"]
+
+
+def _master_ports(job_ids, **env_overrides):
+    """What launch/common.sh's master_port prints for each job id: (its ports, its stderr, its status)."""
+    script = 'source launch/common.sh; for id in "$@"; do SLURM_JOB_ID=$id master_port || exit; done'
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_PORT", "PBS_JOBID", "LSB_JOBID", "JOB_ID", ports.RANGE_ENV)}
+    env.update(env_overrides)
+    proc = subprocess.run(["bash", "-c", script, "master_port", *job_ids], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    return [int(p) for p in proc.stdout.split()], proc.stderr, proc.returncode
+
+
+def test_a_port_derived_from_a_job_id_is_below_the_ephemeral_range_and_alike_for_one_job(monkeypatch):
     """launch/common.sh: every node of a job derives one port from the scheduler's job id, below the ephemeral
     range (a port inside it can be given to an outgoing connection before torchrun binds it)."""
-    script = ('source launch/common.sh; for id in $(seq 1 300) 7.pbs-server job-xyz; do SLURM_JOB_ID=$id '
-              'master_port; done')
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "PBS_JOBID", "LSB_JOBID", "JOB_ID")}
-    derived = lambda: [int(p) for p in subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, check=True,
-                                                      capture_output=True, text=True).stdout.split()]
-    ports_now = derived()
-    assert len(ports_now) == 302 and all(ports.LOWEST <= p < ports._ephemeral_start() for p in ports_now)
-    assert derived() == ports_now and len(set(ports_now)) > 250  # the same on every node; spread over the jobs
+    monkeypatch.delenv(ports.RANGE_ENV, raising=False)
+    derived = [ports.job_port(str(i)) for i in range(1, 301)]
+    assert all(ports.LOWEST <= p < ports._ephemeral_start() for p in derived)
+    assert len(set(derived)) > 250  # spread over the jobs
+    shell_ports, stderr, status = _master_ports(JOB_IDS)
+    assert status == 0, stderr
+    assert shell_ports == [ports.job_port(job) for job in JOB_IDS]  # the same on every node: a function of the id
+
+
+def test_a_port_derived_from_a_job_id_keeps_to_the_port_range(monkeypatch):
+    """A cluster whose firewall opens one range: the job's port lies in it, on every node alike; a range that is
+    not one stops the launch with the one line that says how to write it, before any rendezvous."""
+    monkeypatch.setenv(ports.RANGE_ENV, "41000-41015")
+    assert {ports.job_port(str(i)) for i in range(200)} == set(range(41000, 41016))
+    shell_ports, stderr, status = _master_ports(JOB_IDS, **{ports.RANGE_ENV: "41000-41015"})
+    assert status == 0, stderr
+    assert shell_ports == [ports.job_port(job) for job in JOB_IDS]
+    shell_ports, stderr, status = _master_ports(["4242"], **{ports.RANGE_ENV: "41000"})
+    assert status == 1 and shell_ports == []
+    assert stderr.strip().splitlines() == [f"mega_depth.ports: {ports.RANGE_ENV}='41000' is not a port range: give "
+                                           f"LOW-HIGH with 1024 <= LOW <= HIGH <= 65535 (e.g. 20000-20999), or "
+                                           f"unset it"]
+
+
+def test_a_slurm_job_whose_port_cannot_be_derived_stops_before_srun(tmp_path):
+    """launch/slurm.sbatch: `export MASTER_PORT=$(master_port)` had export's status, so set -e went on and srun
+    started every node's torchrun on an empty port."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun_ran = tmp_path / "srun-ran"
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {srun_ran}\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[0-1]",
+                "SLURM_SUBMIT_DIR": ROOT, "PY": sys.executable, ports.RANGE_ENV: "not-a-range"})
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sbatch"), "--mock-data"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and not srun_ran.exists(), proc.stderr[-2000:]
+    assert f"{ports.RANGE_ENV}='not-a-range' is not a port range" in proc.stderr
+    env[ports.RANGE_ENV] = "41000-41015"  # the same launch with a good range reaches srun, with the job's port
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$MASTER_ADDR:$MASTER_PORT" > {srun_ran}\n')
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch/slurm.sbatch"), "--mock-data"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with_range = {**os.environ, ports.RANGE_ENV: "41000-41015"}
+    expected = subprocess.run([sys.executable, "-m", "mega_depth.ports", "--job", "4242"], env=with_range,
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert srun_ran.read_text().strip() == f"node0:{expected}"
 
 
 def test_a_port_range_in_the_environment_confines_the_draw(monkeypatch):
