@@ -42,6 +42,7 @@ def compare(name: str, flags, steps: int, gpu: bool) -> dict:
         if not gpu:
             graphed.step_graph = StepGraph(1, torch.device("cpu"), new_capture=RerunCapture)
         losses = {"eager": [], "graphed": []}
+        grad_norms = {"eager": [], "graphed": []}
         host_ms = {"eager": [], "graphed": []}
         for step in range(steps):
             batches = sampler.microbatches(step)
@@ -51,14 +52,33 @@ def compare(name: str, flags, steps: int, gpu: bool) -> dict:
                 began = time.perf_counter()
                 loss = backend.forward_backward(batches)  # (reads the loss: the host waits for the step's end)
                 host_ms[label].append(1e3 * (time.perf_counter() - began))
-                backend.update()
+                norm, _ = backend.update()
                 losses[label].append(loss)
+                grad_norms[label].append(float(norm))  # (a device scalar: the host waits, outside the timing)
         captured = graphed.step_graph is not None and graphed.step_graph.captured
     finally:  # a failed capture too: the next setting starts from a clean process state
         for backend in backends:
             backend.close()
-    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["eager"], losses["graphed"]))
-    return {"losses": losses, "max_relative_difference": worst, "step_ms": host_ms, "captured": captured}
+    return {"losses": losses, "max_relative_difference": _worst(losses), "grad_norms": grad_norms,
+            "max_relative_grad_norm_difference": _worst(grad_norms), "step_ms": host_ms, "captured": captured}
+
+
+def _worst(series: dict) -> float:
+    """The largest relative difference, step by step, of the captured run's values from the eager run's (a NaN in
+    either is the largest: NaN compares unequal to itself, and `max` would pass it over)."""
+    gaps = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(series["eager"], series["graphed"])]
+    return max((float("inf") if gap != gap else gap for gap in gaps), default=0.0)
+
+
+def agrees(result: dict, tolerance: float, grad_norm_tolerance: float, gpu: bool) -> bool:
+    """Captured, and its losses and gradient norms those of the eager run: within the tolerances on a GPU, equal on
+    a CPU (where the capture is a rerun of the same closure)."""
+    if not result["captured"]:
+        return False
+    if gpu:
+        return (result["max_relative_difference"] <= tolerance
+                and result["max_relative_grad_norm_difference"] <= grad_norm_tolerance)
+    return all(result[key]["eager"] == result[key]["graphed"] for key in ("losses", "grad_norms"))
 
 
 def main(argv=None) -> int:
@@ -67,7 +87,11 @@ def main(argv=None) -> int:
     add_model_args(parser, hidden_size=256, seq_length=256)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (the first is the eager warm-up)")
     parser.add_argument("--tolerance", type=float, default=2e-3,
-                        help="largest relative loss difference on a GPU (on a CPU the losses must be equal)")
+                        help="largest relative difference of a step's loss on a GPU (on a CPU the losses must "
+                             "be equal)")
+    parser.add_argument("--grad-norm-tolerance", type=float, default=1e-2,
+                        help="largest relative difference of a step's gradient norm on a GPU (on a CPU the norms "
+                             "must be equal)")
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args(argv)
     if args.steps < 3:
@@ -84,8 +108,7 @@ def main(argv=None) -> int:
         flags = model_flags(args, name, args.steps, gpu, extra)
         try:
             result = compare(name, flags, args.steps, gpu)
-            ok = result["captured"] and (result["max_relative_difference"] <= args.tolerance if gpu
-                                         else result["losses"]["eager"] == result["losses"]["graphed"])
+            ok = agrees(result, args.tolerance, args.grad_norm_tolerance, gpu)
         except Exception as exc:  # a capture that failed: reported with where, and the next setting runs
             where = "".join(traceback.format_tb(exc.__traceback__)[-6:])
             result, ok = {"error": f"{type(exc).__name__}: {exc}\n{where}"}, False
@@ -98,7 +121,7 @@ def main(argv=None) -> int:
         else:
             ms = {k: sorted(v[2:])[len(v[2:]) // 2] for k, v in result["step_ms"].items()}
             print(f"{name}: {'ok' if ok else 'DIFFERENT'}, losses differ by {result['max_relative_difference']:.2e} "
-                  f"at most; step {ms['eager']:.1f} ms eager, {ms['graphed']:.1f} ms captured", flush=True)
+                  f"at most, gradient norms by {result['max_relative_grad_norm_difference']:.2e}; step {ms['eager']:.1f} ms eager, {ms['graphed']:.1f} ms captured", flush=True)
         if args.out:  # after every setting: a run cut short by its time box keeps what it finished
             with open(args.out, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "results": results}, f,
