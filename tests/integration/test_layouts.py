@@ -113,12 +113,19 @@ LAYOUTS = {
     # process: another reduction order rounds otherwise, so these agree to within bf16's own rounding, not exactly
     # (test_bf16_layout_matches_single_process_to_bf16s_rounding). Pipeline stages with virtual stages, TP with SP
     # and CP: the layouts whose code casts, splits or sends the depth state; DP with the distributed optimizer:
-    # its fp32 master shards, gathered back into the bf16 weights.
+    # its fp32 master shards, gathered back into the bf16 weights. The fused mixing Functions, whose bodies cast
+    # to fp32 and back, under PP with virtual stages (their torch inner compute on a CPU, against the eager math in
+    # one process); TP x PP (the stage's hops of a TP rank's share); and MoE under EP x PP with virtual stages, the
+    # experts' bf16 dispatch included, against bf16 MoE in one process.
     "single-bf16": (1, BF16, True, None),
     "pp2-vpp-bf16": (2, VPP + BF16, True, None),
+    "pp2-vpp-fused-bf16": (2, VPP + ["--mixing-impl", "triton"] + BF16, True, None),
     "tp2-sp-bf16": (2, TP2_SP + BF16, True, None),
+    "tp2-pp2-bf16": (4, ["--tensor-model-parallel-size", "2"] + PP2 + BF16, True, CP_SET + ",attnres-full,mhc"),
     "cp2-bf16": (2, CP2 + BF16, True, CP_SET),
     "dp2-distopt-bf16": (2, ["--use-distributed-optimizer"] + BF16, False, CP_SET + ",attnres-full,hc,mhc"),
+    "moe-single-bf16": (1, MOE + BF16, True, MOE_SET),
+    "moe-ep2-pp2-vpp-bf16": (4, MOE + EP2 + VPP + BF16, True, MOE_SET),
 }
 INTERPRETED = {"TRITON_INTERPRET": "1", "FUSED_NORM_INTERPRETED": "1"}
 LAYOUT_ENV = {"tp2-sp-interpreted": INTERPRETED, "tp2-interpreted": INTERPRETED}
@@ -173,9 +180,10 @@ def load(root, layout, mechanism):
 
 def reference(layout: str) -> str:
     """The single-process run a layout is compared with: the same model in one process."""
+    bf16 = "--bf16" in LAYOUTS[layout][1]
     if layout.startswith("moe-"):
-        return "moe-single"
-    if "--bf16" in LAYOUTS[layout][1]:
+        return "moe-single-bf16" if bf16 else "moe-single"
+    if bf16:
         return "single-bf16"
     return "single-2layers" if "--num-layers" in LAYOUTS[layout][1] else "single"
 
@@ -219,17 +227,21 @@ def test_layout_matches_single_process(runs, layout, mechanism):
 
 # How far a bf16 layout may stray from bf16 in one process, in units of bf16's own rounding there (its distance
 # from the fp32 run), per loss and per step-1 gradient tensor. Measured on this matrix: up to 1.4x for the losses
-# and 2.6x for a gradient (TP2+SP: HC's B, mHC's bias), 1.1x under PP and 1.3x under CP. A lost or doubled
+# and 3.1x for a gradient (the fused mixing under PP with virtual stages: mHC's bias; TP2+SP 2.6x: HC's B, mHC's
+# bias; TP2xPP2 1.9x), 1.1x under PP, 1.2x under EP2xPP2 with virtual stages and 1.3x under CP. A lost or doubled
 # contribution strays by the gradient itself, ~100x a tensor's rounding (the median): 478 of the 494 nonzero
-# tensors exceed 4x theirs. Not HC's A_m and W_m, whose gradients cancel to about their rounding at init: the
-# fp32 layouts check them exactly.
+# tensors exceed 4x theirs. Not HC's A_m and W_m (BF16_UNRESOLVED), whose gradients cancel at init to about their
+# rounding (a norm of 1e-6 with a rounding of 1e-6 to 3e-6), so that another order of the same bf16 sums (the
+# fused path's) moves them by more than that: the fp32 layouts check them exactly.
 BF16_SPREAD_FACTOR = 4
+BF16_UNRESOLVED = ("_hc.A_m", "_hc.W_m")
 
 
 @pytest.mark.parametrize("layout, mechanism", BF16_CASES)
 def test_bf16_layout_matches_single_process_to_bf16s_rounding(runs, layout, mechanism):
-    fp32_losses, fp32_grads, _ = load(runs, "single", mechanism)
-    ref_losses, ref_grads, _ = load(runs, "single-bf16", mechanism)
+    bf16_reference = reference(layout)
+    fp32_losses, fp32_grads, _ = load(runs, bf16_reference.replace("-bf16", ""), mechanism)
+    ref_losses, ref_grads, _ = load(runs, bf16_reference, mechanism)
     losses, grads, _ = load(runs, layout, mechanism)
     fp32_losses, ref_losses, losses = map(torch.tensor, (fp32_losses, ref_losses, losses))
     rounding = (ref_losses - fp32_losses).abs().max().item()
@@ -242,6 +254,8 @@ def test_bf16_layout_matches_single_process_to_bf16s_rounding(runs, layout, mech
         return
     assert set(ref_grads) <= set(grads), sorted(set(ref_grads) - set(grads))
     for name, ref in ref_grads.items():
+        if name.endswith(BF16_UNRESOLVED):
+            continue
         rounding = (ref - fp32_grads[name]).norm().item()
         strayed = (grads[name] - ref).norm().item()
         # (a floor of 1e-3 of the tensor's norm where bf16 happened to round it alike in both single runs)
