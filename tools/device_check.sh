@@ -11,8 +11,9 @@
 #      saved-for-backward bytes, the analytic bound;
 #   4. the step captured as one CUDA graph (--cuda-graph-impl local, never run on a GPU before this script's
 #      first run of it): tools/graph_check.py trains every setting at d = 256 eagerly and captured and compares
-#      the losses and gradient norms step by step; then the 1B ratios of Block AttnRes and Depth-Attention (MECHS_1B_GRAPHED) with the baseline
-#      captured too, where the host no longer issues the step kernel by kernel;
+#      the losses and gradient norms step by step and the weights' updates; then the 1B ratios of Block AttnRes
+#      and Depth-Attention (MECHS_1B_GRAPHED) with the baseline captured too, where the host no longer issues the
+#      step kernel by kernel;
 #   5. the published peers on the same ops, each checked equal to ours first, then torch.compile of the eager math
 #      (--passes peers,torch.compile): the rest of the kernel table. Their first compiles and autotuning take
 #      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios.

@@ -4,11 +4,14 @@
 
 For each setting two Megatron backends are built alike (same seed and data), one eager and one whose step is
 captured as a CUDA graph after one eager warm-up step (mega_depth/megatron/step_graph.py); both train --steps
-optimizer steps on the same micro-batches (two a step) and the losses are compared step by step, the captured
-one's from its first replay on. On a GPU two eager runs differ by the nondeterminism of a few cuBLAS and
-embedding-gradient kernels, so the check allows a relative --tolerance; the host's time to issue a step is
-reported for both. On a CPU the capture is stood in for by step_graph.RerunCapture (a dry run of the plumbing:
-the losses must then be equal). Exits 1 if a setting's losses differ or its capture failed.
+optimizer steps on the same micro-batches (two a step). The losses and the gradient norms are compared step by step,
+and what the steps did to the weights at the end: a replay whose gradients miss a parameter, or keep a stale one,
+still computes its step's loss right, and the norm shows it; the updates show a parameter that the optimizer step
+left out. On a GPU two eager runs differ by the nondeterminism of a few cuBLAS and embedding-gradient kernels, so
+the check allows a relative --tolerance on the losses and --grad-norm-tolerance on the norms and the updates (sums
+over every gradient, which those kernels reach more of); the host's time to issue a step is reported for both. On a
+CPU the capture is stood in for by step_graph.RerunCapture (a dry run of the plumbing: losses, norms and updates
+must then be equal). Exits 1 if any of them differ for a setting, or its capture failed.
 """
 
 import argparse
@@ -41,6 +44,10 @@ def compare(name: str, flags, steps: int, gpu: bool) -> dict:
         backends.insert(0, graphed)  # closed first: its graph goes before anything it reads
         if not gpu:
             graphed.step_graph = StepGraph(1, torch.device("cpu"), new_capture=RerunCapture)
+        start = {label: _weights(backend) for label, backend in (("eager", eager), ("graphed", graphed))}
+        if not all(torch.equal(a, b) for a, b in zip(start["eager"], start["graphed"])):
+            raise RuntimeError("the eager and the captured run start from different weights: the comparison of "
+                               "their training means nothing (the seed or the build differs)")
         losses = {"eager": [], "graphed": []}
         grad_norms = {"eager": [], "graphed": []}
         host_ms = {"eager": [], "graphed": []}
@@ -56,11 +63,25 @@ def compare(name: str, flags, steps: int, gpu: bool) -> dict:
                 losses[label].append(loss)
                 grad_norms[label].append(float(norm))  # (a device scalar: the host waits, outside the timing)
         captured = graphed.step_graph is not None and graphed.step_graph.captured
+        # what the steps did to the weights, captured against eager: over all tensors on a GPU (one tensor whose
+        # gradient is about zero gets an Adam update of the noise's sign), and tensor by tensor on a CPU
+        moved = {label: [w - w0 for w, w0 in zip(_weights(backend), start[label])]
+                 for label, backend in (("eager", eager), ("graphed", graphed))}
+        update_gap = (torch.stack([(g - e).norm() for g, e in zip(moved["graphed"], moved["eager"])]).norm()
+                      / torch.stack([e.norm() for e in moved["eager"]]).norm().clamp_min(1e-30)).item()
+        updates_equal = all(torch.equal(g, e) for g, e in zip(moved["graphed"], moved["eager"]))
     finally:  # a failed capture too: the next setting starts from a clean process state
         for backend in backends:
             backend.close()
     return {"losses": losses, "max_relative_difference": _worst(losses), "grad_norms": grad_norms,
-            "max_relative_grad_norm_difference": _worst(grad_norms), "step_ms": host_ms, "captured": captured}
+            "max_relative_grad_norm_difference": _worst(grad_norms), "relative_update_difference": update_gap,
+            "updates_equal": updates_equal, "step_ms": host_ms, "captured": captured}
+
+
+def _weights(backend) -> list:
+    """Every parameter of the backend's model chunks, in fp32 copies (the model's own bf16 weights under --bf16:
+    what the forward reads, gathered from the optimizer's fp32 master weights after each step)."""
+    return [p.detach().float().clone() for chunk in backend.model for p in chunk.parameters()]
 
 
 def _worst(series: dict) -> float:
@@ -71,14 +92,17 @@ def _worst(series: dict) -> float:
 
 
 def agrees(result: dict, tolerance: float, grad_norm_tolerance: float, gpu: bool) -> bool:
-    """Captured, and its losses and gradient norms those of the eager run: within the tolerances on a GPU, equal on
-    a CPU (where the capture is a rerun of the same closure)."""
+    """Captured, and its losses, gradient norms and weight updates those of the eager run: within the tolerances
+    on a GPU (the updates within the gradient norms' one), equal on a CPU (where the capture is a rerun of the same
+    closure)."""
     if not result["captured"]:
         return False
     if gpu:
         return (result["max_relative_difference"] <= tolerance
-                and result["max_relative_grad_norm_difference"] <= grad_norm_tolerance)
-    return all(result[key]["eager"] == result[key]["graphed"] for key in ("losses", "grad_norms"))
+                and result["max_relative_grad_norm_difference"] <= grad_norm_tolerance
+                and result["relative_update_difference"] <= grad_norm_tolerance)
+    return result["updates_equal"] and all(result[key]["eager"] == result[key]["graphed"]
+                                           for key in ("losses", "grad_norms"))
 
 
 def main(argv=None) -> int:
@@ -90,8 +114,8 @@ def main(argv=None) -> int:
                         help="largest relative difference of a step's loss on a GPU (on a CPU the losses must "
                              "be equal)")
     parser.add_argument("--grad-norm-tolerance", type=float, default=1e-2,
-                        help="largest relative difference of a step's gradient norm on a GPU (on a CPU the norms "
-                             "must be equal)")
+                        help="largest relative difference of a step's gradient norm, and of the weights' updates "
+                             "over the run, on a GPU (on a CPU they must be equal)")
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args(argv)
     if args.steps < 3:
@@ -121,7 +145,8 @@ def main(argv=None) -> int:
         else:
             ms = {k: sorted(v[2:])[len(v[2:]) // 2] for k, v in result["step_ms"].items()}
             print(f"{name}: {'ok' if ok else 'DIFFERENT'}, losses differ by {result['max_relative_difference']:.2e} "
-                  f"at most, gradient norms by {result['max_relative_grad_norm_difference']:.2e}; step {ms['eager']:.1f} ms eager, {ms['graphed']:.1f} ms captured", flush=True)
+                  f"at most, gradient norms by {result['max_relative_grad_norm_difference']:.2e}, the weights' "
+                  f"updates by {result['relative_update_difference']:.2e}; step {ms['eager']:.1f} ms eager, {ms['graphed']:.1f} ms captured", flush=True)
         if args.out:  # after every setting: a run cut short by its time box keeps what it finished
             with open(args.out, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "results": results}, f,

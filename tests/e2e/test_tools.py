@@ -219,8 +219,10 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     graphs = json.loads((tmp_path / "results" / "graph_check.json").read_text())["results"]
     assert list(graphs) == ["standard", "attnres-block", "mhc"]
     assert all(r["ok"] and r["captured"] and r["max_relative_difference"] == 0 for r in graphs.values()), graphs
-    # and the same gradient norms, step by step (a replay that left a gradient stale would still match the loss)
+    # and the same gradient norms, step by step (a replay that left a gradient stale would still match the loss),
+    # and the same updates of the weights
     assert all(len(r["grad_norms"]["graphed"]) == len(r["losses"]["graphed"]) and
                r["grad_norms"]["graphed"] == r["grad_norms"]["eager"] and
-               all(0 < n < float("inf") for n in r["grad_norms"]["eager"]) for r in graphs.values()), graphs
+               all(0 < n < float("inf") for n in r["grad_norms"]["eager"]) and r["updates_equal"] and
+               r["relative_update_difference"] == 0 for r in graphs.values()), graphs
     assert json.loads((tmp_path / "results" / "throughput_1b_graphed.json").read_text())["complete"]

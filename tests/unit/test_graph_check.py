@@ -12,11 +12,12 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from graph_check import _worst, agrees  # noqa: E402
 
 
-def _result(losses, norms, captured=True):
+def _result(losses, norms, captured=True, update_gap=0.0):
     losses = {"eager": losses[0], "graphed": losses[1]}
     norms = {"eager": norms[0], "graphed": norms[1]}
     return {"captured": captured, "losses": losses, "grad_norms": norms,
-            "max_relative_difference": _worst(losses), "max_relative_grad_norm_difference": _worst(norms)}
+            "max_relative_difference": _worst(losses), "max_relative_grad_norm_difference": _worst(norms),
+            "relative_update_difference": update_gap, "updates_equal": update_gap == 0}
 
 
 SAME = ([5.0, 4.5, 4.0], [5.0, 4.5, 4.0])
@@ -37,6 +38,15 @@ def test_a_gpu_allows_its_tolerances_and_a_cpu_none():
     close = _result(([5.0, 4.5], [5.0, 4.5 * (1 + 1e-3)]), ([2.0, 1.5], [2.0, 1.5 * (1 + 5e-3)]))
     assert agrees(close, 2e-3, 1e-2, gpu=True) and not agrees(close, 2e-3, 1e-2, gpu=False)
     assert not agrees(close, 2e-3, 1e-3, gpu=True)  # the norm past its tolerance
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_weights_updated_otherwise_fail_though_losses_and_norms_match(gpu):
+    """A parameter that the captured optimizer step left out (or updated twice) shows in the weights alone."""
+    assert not agrees(_result(SAME, ([2.0, 1.5, 1.2], [2.0, 1.5, 1.2]), update_gap=0.05), 2e-3, 1e-2, gpu)
+    # within the norms' tolerance on a GPU, where two eager runs' updates differ too; never on a CPU
+    near = _result(SAME, ([2.0, 1.5, 1.2], [2.0, 1.5, 1.2]), update_gap=1e-3)
+    assert agrees(near, 2e-3, 1e-2, gpu=True) and not agrees(near, 2e-3, 1e-2, gpu=False)
 
 
 def test_a_nan_norm_or_no_capture_fails():
