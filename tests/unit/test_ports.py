@@ -84,11 +84,14 @@ def test_a_port_derived_from_a_job_id_keeps_to_the_port_range(monkeypatch):
 
 def test_a_slurm_job_whose_port_cannot_be_derived_stops_before_srun(tmp_path):
     """launch/slurm.sbatch: `export MASTER_PORT=$(master_port)` had export's status, so set -e went on and srun
-    started every node's torchrun on an empty port."""
+    started every node's torchrun on an empty port. The good launch reads its address from a long node list (the
+    first node), whose reader must not end the list's writer early."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     srun_ran = tmp_path / "srun-ran"
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\n")
+    # a long node list, written as scontrol writes one (more than a pipe holds): the first node is the address
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\ni=1; while [ $i -le 20000 ]; do echo node$i; "
+                                      "i=$((i+1)); done\n")
     (bin_dir / "srun").write_text(f"#!/bin/sh\ntouch {srun_ran}\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
