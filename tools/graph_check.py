@@ -79,9 +79,11 @@ def compare(name: str, flags, steps: int, gpu: bool) -> dict:
 
 
 def _weights(backend) -> list:
-    """Every parameter of the backend's model chunks, in fp32 copies (the model's own bf16 weights under --bf16:
-    what the forward reads, gathered from the optimizer's fp32 master weights after each step)."""
-    return [p.detach().float().clone() for chunk in backend.model for p in chunk.parameters()]
+    """Copies of the weights the optimizer updates: under --bf16 its fp32 master weights, whose updates are
+    Adam's own (the model's bf16 copies move only where a master weight crosses a rounding step, and two runs
+    a rounding apart would differ there by a whole step)."""
+    inner = getattr(backend.optimizer, "chained_optimizers", [backend.optimizer])
+    return [p.detach().float().clone() for optimizer in inner for p in optimizer.get_parameters()]
 
 
 def _worst(series: dict) -> float:
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
             ms = {k: sorted(v[2:])[len(v[2:]) // 2] for k, v in result["step_ms"].items()}
             print(f"{name}: {'ok' if ok else 'DIFFERENT'}, losses differ by {result['max_relative_difference']:.2e} "
                   f"at most, gradient norms by {result['max_relative_grad_norm_difference']:.2e}, the weights' "
-                  f"updates by {result['relative_update_difference']:.2e}; step {ms['eager']:.1f} ms eager, {ms['graphed']:.1f} ms captured", flush=True)
+                  f"updates by {result['relative_update_difference']:.2e}; step {ms['eager']:.1f} ms eager, "
+                  f"{ms['graphed']:.1f} ms captured", flush=True)
         if args.out:  # after every setting: a run cut short by its time box keeps what it finished
             with open(args.out, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name() if gpu else "cpu", "results": results}, f,
