@@ -43,8 +43,14 @@ def check_weights(canonical: Dict[str, torch.Tensor], cfg: Config, where: str) -
     canonical = dict(canonical)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         t = canonical.get(name)
-        if t is not None and t.dim() == 2 and t.shape[0] < dc.vocab_size:
-            canonical[name] = torch.cat([t, t.new_zeros(dc.vocab_size - t.shape[0], t.shape[1])])
+        if t is None or t.dim() != 2 or t.shape[0] >= dc.vocab_size:
+            continue
+        # only the padding rows are made up: a table shorter than its own vocabulary lost real tokens' rows
+        if t.shape[0] < cfg.model.vocab_size:
+            raise ConfigError(f"{where}: {name} has {t.shape[0]} rows but its config's vocab_size is "
+                              f"{cfg.model.vocab_size}; the weights are truncated or belong to another config "
+                              f"(transformers refuses them too): convert the matching weights")
+        canonical[name] = torch.cat([t, t.new_zeros(dc.vocab_size - t.shape[0], t.shape[1])])
     with torch.device("meta"):
         expected = CausalLM(dc).state_dict()
     if dc.tie_word_embeddings:

@@ -107,3 +107,31 @@ def test_a_bf16_export_keeps_the_expert_bias_in_fp32(tmp_path):
     assert stored[key.replace("e_score_correction_bias", "weight")].dtype == torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16)
     assert torch.equal(model.state_dict()[key], bias)
+
+
+def test_an_import_pads_only_the_padding_rows_of_a_vocabulary():
+    """A foreign table of exactly its vocabulary's rows is padded to Megatron's multiple with zeros; one shorter
+    than its own config's vocab_size lost real tokens' rows (transformers refuses it) and is refused, not
+    zero-filled."""
+    import torch
+
+    from mega_depth.checkpoint.plain import check_weights
+    from mega_depth.hf.io import _native_config
+    from mega_depth.init import padded_vocab_size
+    from mega_depth.model.decoder import CausalLM
+
+    cfg = _native_config(dict(LLAMA, vocab_size=100), "plain")
+    padded = padded_vocab_size(100)
+    assert padded > 100
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(cfg.decoder_config(padded)).state_dict().items()}
+    canonical = {k: torch.zeros(s) for k, s in shapes.items()}
+    canonical["model.embed_tokens.weight"] = torch.ones(100, 32)
+    canonical.pop("lm_head.weight", None)
+    if not cfg.decoder_config(padded).tie_word_embeddings:
+        canonical["lm_head.weight"] = torch.ones(100, 32)
+    embedding = check_weights(canonical, cfg, "folder")["model.embed_tokens.weight"]
+    assert embedding.shape[0] == padded and embedding[:100].eq(1).all() and embedding[100:].eq(0).all()
+    canonical["model.embed_tokens.weight"] = torch.ones(70, 32)
+    with pytest.raises(ConfigError, match="model.embed_tokens.weight has 70 rows but its config's vocab_size is 100"):
+        check_weights(canonical, cfg, "folder")
