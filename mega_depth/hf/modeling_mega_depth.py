@@ -75,7 +75,10 @@ class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden[:, keep])
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+            # transformers' own causal-LM loss, as its native models call it: given num_items_in_batch (the Trainer
+            # passes it to a forward that takes **kwargs, and then does not divide by the accumulation steps) it
+            # sums and divides by the window's label count, else it is the mean over the non-ignored labels
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         # transformers 5 names the output's cache `cache` (`past_key_values` warns); older releases the other way
         cache_field = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field: cache if use_cache else None})

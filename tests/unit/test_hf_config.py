@@ -135,3 +135,32 @@ def test_an_import_pads_only_the_padding_rows_of_a_vocabulary():
     canonical["model.embed_tokens.weight"] = torch.ones(70, 32)
     with pytest.raises(ConfigError, match="model.embed_tokens.weight has 70 rows but its config's vocab_size is 100"):
         check_weights(canonical, cfg, "folder")
+
+
+def test_the_exported_loss_follows_the_trainers_token_count_under_gradient_accumulation():
+    """transformers' Trainer passes num_items_in_batch to a forward that takes **kwargs and then does not divide the
+    micro-batches' losses by the accumulation steps: the loss must be the window's token sum over that count, so two
+    accumulated halves give the whole batch's gradient. Without it, the mean over the micro-batch's labels."""
+    import torch
+
+    from mega_depth.hf.io import _mega_depth_model
+    from mega_depth.model.config import DecoderConfig, ResidualConfig
+
+    dc = DecoderConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                       vocab_size=64, residual=ResidualConfig(mechanism="attnres"))
+    model = _mega_depth_model(dc, 64, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}).float()
+    ids = torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, 8:] = -100  # uneven label counts per row: a per-half mean would weigh the rows unequally
+    labels[3, 5:] = -100
+    out = model(input_ids=ids, labels=labels)
+    mean = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, mean)
+    out.loss.backward()
+    whole = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    count = int((labels[:, 1:] != -100).sum())
+    for half in (slice(0, 2), slice(2, 4)):  # as Trainer.training_step accumulates: no division by the steps
+        model(input_ids=ids[half], labels=labels[half], num_items_in_batch=count).loss.backward()
+    for accumulated, expected in zip((p.grad for p in model.parameters()), whole):
+        torch.testing.assert_close(accumulated, expected, rtol=1e-4, atol=1e-6)
