@@ -96,6 +96,30 @@ def resume_elsewhere(flags, tmp_path, name, saved_at=(1, []), resumed_at=(1, [])
     return original, resumed
 
 
+def test_a_distributed_optimizer_resumes_exactly_reshards_over_dp_and_refuses_a_toggle(data, tmp_path):
+    """--use-distributed-optimizer (every shipped config sets it) in bf16, without TE or apex: a run stopped after
+    step 3 resumes with the uninterrupted run's losses bit for bit (the fp32 master weights, the Adam moments and
+    each parameter's own step count came back: a step shared by all parameters would be counted once per parameter
+    and move the losses from step 5 on); its checkpoint resumes at DP 2 with the same losses to rounding; a resume
+    without the flag is refused in one line."""
+    flags = ["-m", "mega_depth.train"] + TRAIN_MODEL + data["flags"] + [
+        "--train-iters", "6", "--lr-decay-iters", "6", "--no-tensorboard", "--bf16", "--use-distributed-optimizer"]
+    run(flags + ["--output-dir", str(tmp_path / "full")])
+    run(flags + ["--save", str(tmp_path / "ckpt"), "--exit-interval", "3", "--output-dir", str(tmp_path / "part")])
+    run(flags + ["--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "resumed")])
+    full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "resumed")
+    assert min(resumed) == 4
+    assert [resumed[s]["loss"] for s in (4, 5, 6)] == [full[s]["loss"] for s in (4, 5, 6)]
+    torchrun(2, flags + ["--load", str(tmp_path / "ckpt" / "iter_0000003"), "--output-dir", str(tmp_path / "dp2")],
+             str(tmp_path / "dp2.log"))
+    dp2 = metrics(tmp_path / "dp2")
+    assert [dp2[s]["loss"] for s in (4, 5, 6)] == pytest.approx([full[s]["loss"] for s in (4, 5, 6)], rel=1e-6)
+    proc = run([f for f in flags if f != "--use-distributed-optimizer"] + [
+        "--load", str(tmp_path / "ckpt"), "--output-dir", str(tmp_path / "plain")], expect=2)
+    assert "was saved with --use-distributed-optimizer, and this run's optimizer cannot read" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
 def test_checkpoints_reshard_between_tp2xpp2_and_one_process(data, tmp_path):
     flags = TRAIN_MODEL + data["flags"] + ["--residual", "dca", "--dca-last-k", "1", "--num-layers", "4",
                                            "--train-iters", "11"]

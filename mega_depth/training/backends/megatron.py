@@ -15,7 +15,7 @@ from mega_depth.config import Config
 from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
-from mega_depth.megatron import grad_norm
+from mega_depth.megatron import distopt_state, grad_norm
 from mega_depth.training.schedule import build_scheduler, load_scheduler_state, scheduler_state
 from mega_depth.training.loss import token_mean_loss
 
@@ -95,6 +95,7 @@ class MegatronBackend(Collectives):
         rule = cfg.decoder_config().mechanism()  # the weight-decay rule: Megatron's, plus each mechanism's own choices
         no_decay = ParamKey(with_name_predicate=ParamWithNamePredicate(
             name="mega_depth_no_weight_decay", fn=lambda param, name: not rule.weight_decay_applies(name, param)))
+        distopt_state.apply()  # a distributed optimizer's resume without TE or apex (megatron/distopt_state.py)
         self.optimizer = get_megatron_optimizer(opt_config, self.model, config_overrides={no_decay: {"wd_mult": 0.0}})
         # Without TE or apex: the grad norm and its clip on the device (no sync in the step), torch's fused AdamW
         grad_norm.apply()
@@ -265,6 +266,16 @@ class MegatronBackend(Collectives):
     def load(self, ckpt_dir: str, meta: dict) -> int:
         from megatron.core import dist_checkpointing, tensor_parallel
 
+        from mega_depth.checkpoint.rules import CheckpointError
+
+        distributed = self.cfg.parallel.use_distributed_optimizer
+        saved_distributed = meta.get("config", {}).get("parallel", {}).get("use_distributed_optimizer", distributed)
+        if bool(saved_distributed) != distributed:  # the two optimizers lay out their state and groups differently
+            how = "with" if saved_distributed else "without"
+            raise CheckpointError(
+                f"{ckpt_dir} was saved {how} --use-distributed-optimizer, and this run's optimizer cannot read that "
+                f"optimizer state: resume {how} it, or keep only its weights for a new optimizer (python "
+                f"tools/convert_from_hf.py --hf {ckpt_dir} --save NEW, then --load NEW)")
         saved = {"cp": 1, **meta.get("layout", {})}  # checkpoints from before context parallelism: CP 1
         same_layout = all(saved.get(k) == v for k, v in self.layout().items())
         with warnings.catch_warnings():  # megatron-core 0.16.1's own use of torch APIs it has yet to move off
