@@ -414,6 +414,12 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
     """(directory, metadata) of the checkpoint `--load` names, verified; None to start from scratch.
     own: `load` is this run's --save folder (locked by it): damaged checkpoints are quarantined there and
     interrupted saves removed. Not collective: call on one rank and broadcast (see resolve_load)."""
+    if not os.path.exists(load) and is_one_checkpoint(load):  # a named step that is not there: never from scratch
+        parent = os.path.dirname(os.path.normpath(load)) or "."
+        there = [os.path.basename(p) for _, p in list_checkpoints(parent)] if os.path.isdir(parent) else []
+        raise CheckpointError(
+            f"--load {load} does not exist ({parent} holds " + (", ".join(there[-3:]) if there else "no checkpoint")
+            + "); name an existing iter_N directory, or its save folder to resume the newest")
     if not os.path.exists(load) or (os.path.isdir(load) and not folder_contents(load)):
         say(f"--load {load} {'does not exist' if not os.path.exists(load) else 'holds nothing'} yet: starting from "
             "scratch")

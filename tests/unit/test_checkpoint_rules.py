@@ -81,6 +81,12 @@ def test_find_falls_back_within_the_run_and_never_for_a_named_checkpoint(tmp_pat
     (tmp_path / "junk" / "x.txt").write_text("x")
     with pytest.raises(rules.CheckpointError, match="holds no checkpoint"):
         rules.find_checkpoint(str(tmp_path / "junk"), said.append)
+    # a named step that is not there (a typo, a pruned step) is refused with what is there, never a fresh start
+    with pytest.raises(rules.CheckpointError, match=r"iter_0000009 does not exist \(.*holds iter_0000002, "
+                                                    r"iter_0000003, iter_0000004\); name an existing iter_N"):
+        rules.find_checkpoint(str(tmp_path / "c" / "iter_0000009"), said.append)
+    with pytest.raises(rules.CheckpointError, match="holds no checkpoint\\); name an existing"):
+        rules.find_checkpoint(str(tmp_path / "nothing" / "iter_0000001"), said.append)
 
 
 def test_manifest_records_the_run_and_the_config_hash(tmp_path):
