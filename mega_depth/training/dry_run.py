@@ -8,6 +8,7 @@ seconds on a laptop; launched under torchrun, the same estimate is printed by ra
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable, List
 
@@ -18,9 +19,13 @@ _EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
 def layout_world(cfg: Config, world_size: int) -> int:
-    """The world the estimate is for: the launched one, or in one process the smallest the layout needs (DP 1)."""
+    """The world the estimate is for: the launched one, or in one process the smallest the layout needs: a stage's
+    ranks are a multiple of TP x CP (DP 1 where experts need no more) and of EP x expert TP (the experts spread
+    inside data parallelism, as Megatron lays them)."""
     p = cfg.parallel
-    return max(world_size, p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size)
+    stage = math.lcm(p.tensor_model_parallel_size * p.context_parallel_size,
+                     p.expert_model_parallel_size * (p.expert_tensor_parallel_size or p.tensor_model_parallel_size))
+    return max(world_size, stage * p.pipeline_model_parallel_size)
 
 
 def parameters_per_stage(cfg: Config, vocab_size: int) -> List[int]:

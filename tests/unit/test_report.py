@@ -104,6 +104,29 @@ def test_moe_flops_count_the_experts_a_token_runs():
     assert shared.flops_per_token == dense + 3 * 2 * 3 * (3 * 64 * 32)
 
 
+def test_dry_run_sizes_an_expert_parallel_layout_at_a_world_it_can_run_on():
+    """In one process --dry-run sizes the layout's smallest world: a stage's ranks a multiple of TP x CP and of
+    EP x expert TP (the shipped MoE configs' EP 8 was refused at TP x CP x PP = 1)."""
+    import os
+
+    from mega_depth.config import parse_args
+    from mega_depth.training.dry_run import layout_world
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in ("1b-k3-attnres-moe.yaml", "1b-dsv4-mhc-moe.yaml"):
+        cfg = parse_args(["--config", os.path.join(root, "launch", "configs", name), "--mock-data"])
+        world = layout_world(cfg, 1)
+        assert world == 8, (name, world)
+        cfg.validate(world)  # no configuration error at that world
+    layout = ["--mock-data", "--num-experts", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    assert layout_world(parse_args(layout + ["--expert-model-parallel-size", "4",
+                                             "--expert-tensor-parallel-size", "1"]), 1) == 8  # lcm(2, 4) x PP
+    assert layout_world(parse_args(layout + ["--expert-model-parallel-size", "2"]), 1) == 8  # EP 2 x ETP 2
+    assert layout_world(parse_args(layout + ["--expert-model-parallel-size", "2", "--context-parallel-size", "2",
+                                             "--expert-tensor-parallel-size", "1"]), 16) == 16  # the launched one
+
+
 def test_dry_run_places_each_parameter_as_megatron_does():
     """Per pipeline stage, by hand: TP splits the linear weights and the vocabulary, the last stage keeps its copy
     of the tied embedding, norms are replicated; interleaved chunks alternate between the stages."""
