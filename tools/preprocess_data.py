@@ -49,13 +49,15 @@ def main(argv=None) -> int:
 
         sp = spm.SentencePieceProcessor(model_file=model_path)  # one per worker process
         ids = sp.encode([text or "" for text in batch["text"]])  # (None: a line without the key, an empty text)
-        return {"ids": [x + [eod] if append else x for x in ids]}
+        # an empty text stays empty (skipped below), as in Megatron-LM: an EOD alone would be a document of nothing
+        return {"ids": [x + [eod] if append and x else x for x in ids]}
 
     # datasets keys its cache by the function, which holds only the model's path: a tokenizer retrained at the same
     # path would get the old ids back. The key names the model's bytes (and what else the ids depend on).
     with open(model_path, "rb") as f:
         model_hash = hashlib.sha256(f.read()).hexdigest()
-    fingerprint = hashlib.sha256(f"{dataset._fingerprint}:{model_hash}:{eod}:{append}".encode()).hexdigest()[:32]
+    key = f"{dataset._fingerprint}:{model_hash}:{eod}:{append}:empty-skipped"  # (the rule for empty texts, 2026-12-04)
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
     tokenized = dataset.map(encode, batched=True, batch_size=256, num_proc=max(1, args.workers),
                             remove_columns=dataset.column_names, desc="tokenizing", new_fingerprint=fingerprint)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)

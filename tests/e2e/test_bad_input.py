@@ -120,6 +120,10 @@ def test_preprocess_bad_json_lines_and_empty_input(data, tmp_path):
         proc = run(["tools/preprocess_data.py", "--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
                     str(tmp_path / f"out-{name}"), "--tokenizer-model", spm], expect=2)
         assert_clean_error(proc, expected)
+    # with --append-eod too: an empty text is no document, not an EOD alone (Megatron-LM's rule)
+    proc = run(["tools/preprocess_data.py", "--input", str(tmp_path / "blank.jsonl"), "--output-prefix",
+                str(tmp_path / "out-blank-eod"), "--tokenizer-model", spm, "--append-eod"], expect=2)
+    assert_clean_error(proc, "tokenized to no tokens at all")
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out-")]  # nothing half-written
 
 
