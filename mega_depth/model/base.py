@@ -32,6 +32,7 @@ This file is copied into exported Hugging Face folders: it imports nothing of me
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
@@ -211,8 +212,11 @@ def sunk_gradients(readers: Dict[Any, int], width: Callable[[Any], float] = lamb
 # leave their parts to it (kernels/grad_sink.py, Sink.defer): adding in turn reads and writes its buffer once a
 # reader (3R - 1 rows for R readers: read the source, read and write the buffer); summed at once, each reader reads
 # the source and leaves a few coefficients a token, and the sink reads each reader's output gradient, the source, and
-# writes the gradient once (2R + 2). Equal at 3 readers.
-DEFER_READERS = 4
+# writes the gradient once (2R + 2). Fewer bytes from 3 readers, but off (never) by default: on the H200 of
+# 2026-12-04, 4 mixes over 25 sources took 17.6 ms backward with it (12 % of copy bandwidth), where one mix storing
+# its 25 gradients took 0.74 ms, and Full AttnRes's 1B step ran at 2.22x the baseline's (1.44x on 2026-11-30).
+# tools/bench_kernels.py times both (attnres_mix_shared, attnres_mix_deferred); 4 is where the bytes say it pays.
+DEFER_READERS: float = math.inf
 
 
 def summed_gradients(readers: Dict[Any, int], per_reader: float = 0.0, reads_source: bool = True) -> float:

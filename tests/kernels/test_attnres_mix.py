@@ -224,11 +224,14 @@ def _chain(mix, per_token_at=()):
 @pytest.mark.parametrize("weight, heads, norm, per_token_at", [
     ("softmax", 1, True, ()), ("softmax", 2, True, (2,)), ("sigmoid", 2, True, ()), ("softmax", 2, False, (1,)),
 ])
-def test_a_source_that_many_mixes_read_sums_their_gradients_at_once(path, weight, heads, norm, per_token_at):
-    """A source read by DEFER_READERS or more mixes: each static-query mix leaves its part of the source's gradient
-    to the sink (coefficients a token), and the sink sums all of them in one call (attnres_source_grad), adding what
-    per-token mixes put in its buffer. The gradients equal the eager reference's; every such source is summed once,
-    with one record per static reader; a source with fewer readers is added into its buffer as before."""
+def test_a_source_that_many_mixes_read_sums_their_gradients_at_once(path, weight, heads, norm, per_token_at,
+                                                                   monkeypatch):
+    """A source read by DEFER_READERS or more mixes (4 here: off by default, model/base.py): each static-query mix
+    leaves its part of the source's gradient to the sink (coefficients a token), and the sink sums all of them in
+    one call (attnres_source_grad), adding what per-token mixes put in its buffer. The gradients equal the eager
+    reference's; every such source is summed once, with one record per static reader; a source with fewer readers is
+    added into its buffer as before."""
+    monkeypatch.setattr(model_base, "DEFER_READERS", 4)
     d = 12
     sources = sources_of(5, 2, 3, d)
     queries, gain = [leaf(d) for _ in range(5)], (leaf(d, scale=0.3, shift=1.0) if norm else None)
