@@ -41,7 +41,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, ContextManager, Dict, List, NamedTuple, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -50,9 +50,9 @@ EPS = 1e-6
 NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "attnres_mix_shared", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out",
+OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out",
        "depth_attention", "mhc_maps", "mhc_projection")
-SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared case (model/base.DEFER_READERS)
+SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared and _deferred cases
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Case:
     fwd_bytes: int
     bwd_bytes: int
     peers: Dict[str, Callable] = field(default_factory=dict)
+    within: Callable[[], ContextManager] = contextlib.nullcontext  # the setting the case runs in, made and backward
 
 
 def sizes(shape: str, toy: bool) -> Dict[str, int]:
@@ -121,18 +122,22 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     full = Case("attnres_mix", shape, f"Full AttnRes mix, {k} sources",
                 lambda: rows_of(k) + query_and_gain(),
                 lambda *a: attnres_mix_sources(list(a[:-2]), a[-2], a[-1], EPS), (k + 1) * row, (2 * k + 1) * row)
-    # Full AttnRes's sources are each read by many mixes (4 to 49 at 1B): their gradients are summed by their sinks
-    # at once (kernels/grad_sink.py, Sink.defer). R mixes over the same K sources: each mix's backward leaves a few
-    # coefficients a token per source, then each source's gradient is one pass over the R output gradients
-    # (attnres_source_grad). Bytes: each mix reads its K sources and writes its output; backward, each mix reads its
-    # K sources, its output gradient and output, and each source's sum reads R output gradients and the source and
-    # writes the gradient
+    # Full AttnRes's sources are each read by many mixes (4 to 49 at 1B). R mixes over the same K sources, two ways
+    # (model/base.DEFER_READERS). Added in turn (the default): each mix's backward reads its K sources, its output
+    # gradient and output, and stores (the first reader) or reads and writes each source's gradient. Deferred to
+    # the sinks (kernels/grad_sink.py, Sink.defer): each mix's backward leaves a few coefficients a token per source
+    # instead, and each source's gradient is one pass over the R output gradients and the source
+    # (attnres_source_grad). Forward, each mix reads its K sources and writes its output
     r = SHARED_READERS
-    shared = Case("attnres_mix_shared", shape, f"Full AttnRes, {r} mixes over one set of {k} sources (each source's "
-                  f"gradient summed over its {r} readers at once)",
-                  lambda: rows_of(k) + [rand(r, d, scale=d ** -0.5, seed=100), rand(d, scale=0.1, shift=1.0, seed=101)],
-                  lambda *a: _shared_mixes(attnres_mix_sources, a), r * (k + 1) * row,
-                  (r * (k + 2) + k * (r + 2)) * row)
+    shared_inputs = lambda: rows_of(k) + [rand(r, d, scale=d ** -0.5, seed=100),  # noqa: E731
+                                          rand(d, scale=0.1, shift=1.0, seed=101)]
+    shared = Case("attnres_mix_shared", shape, f"Full AttnRes, {r} mixes over one set of {k} sources (gradients "
+                  "added in turn)", shared_inputs, lambda *a: _shared_mixes(attnres_mix_sources, a),
+                  r * (k + 1) * row, (r * (k + 2) + k * (2 * r - 1)) * row)
+    deferred = Case("attnres_mix_deferred", shape, f"Full AttnRes, {r} mixes over one set of {k} sources (each "
+                    f"source's gradient summed over its {r} readers at once)", shared_inputs,
+                    lambda *a: _shared_mixes(attnres_mix_sources, a), r * (k + 1) * row,
+                    (r * (k + 2) + k * (r + 2)) * row, within=lambda: _deferring_from(r))
     # one block's whole Block AttnRes work, as the model does it: phase 1 of its q sublayers' queries over the b
     # completed blocks, then each sublayer's phase-2 merge of its partial sum (the first sublayer has none). Phase 1
     # alone is not one function across implementations: ours leaves (m, z, o) for the merges to normalise,
@@ -193,10 +198,22 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                    lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 2 * ns * row)
     from kernel_peers import peers_for
 
-    out = [full, shared, block, phase2, normed, grn, streams, depth, maps, project]
+    out = [full, shared, deferred, block, phase2, normed, grn, streams, depth, maps, project]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
+
+
+@contextlib.contextmanager
+def _deferring_from(readers: int):
+    """Sources of `readers` or more readers have their gradients summed by their sinks (model/base.DEFER_READERS)."""
+    from mega_depth.model import base
+
+    kept, base.DEFER_READERS = base.DEFER_READERS, readers
+    try:
+        yield
+    finally:
+        base.DEFER_READERS = kept
 
 
 def _shared_mixes(mix, args):
@@ -263,6 +280,7 @@ def reference(op: str):
         "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
         "attnres_mix_shared": lambda *a: _shared_mixes(
             lambda sources, q, g, eps: mixing.attnres_mix(torch.stack(sources), q, g, eps), a),
+        "attnres_mix_deferred": lambda *a: reference("attnres_mix_shared")(*a),
         "attnres_block": lambda *a: _merged(lambda blocks, *rest: mixing.attnres_block_phase1(torch.stack(blocks),
                                                                                               *rest),
                                             mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1),  # q - 1 partials
@@ -793,7 +811,8 @@ def main(argv=None) -> int:
             for shape, shape_cases in chosen.items():
                 for case in shape_cases:
                     began = time.time()
-                    found = run_pass(case)
+                    with case.within():
+                        found = run_pass(case)
                     rows += with_rates(found, refs[shape]["copy_GBps"])
                     print(f"{shape} {case.op} ({label}, {time.time() - began:.1f} s): "
                           + "; ".join(f"{r['impl']} {r['status']}" for r in found), flush=True)
@@ -822,7 +841,8 @@ def _host_all(args) -> int:
         for case in cases(shape, torch.bfloat16, torch.device("cpu"), toy=False, host_only=True):
             if case.op not in args.ops.split(","):
                 continue
-            fwd, bwd = host_seconds(case, max(args.repeats, 5))
+            with case.within():
+                fwd, bwd = host_seconds(case, max(args.repeats, 5))
             rows.append(dict(op=case.op, shape=shape, fwd_host_s=fwd, bwd_host_s=bwd))
             print(f"| {case.op} | {shape} | {fwd * 1e6:.0f} | {bwd * 1e6:.0f} |", flush=True)
     if args.out:
@@ -841,7 +861,8 @@ def _tune_all(args, dtype, device, tol, device_name, start) -> int:
     rows = []
     for shape in (["toy"] if args.toy else args.shapes.split(",")):
         for case in (c for c in cases(shape, dtype, device, args.toy) if c.op in args.ops.split(",")):
-            found = tune(case, device, args.repeats, tol)
+            with case.within():
+                found = tune(case, device, args.repeats, tol)
             rows += found
             better = [r for r in found if "best" in r]
             print(f"{shape} {case.op}: {len(found)} kernels, {len(better)} faster than the guess"

@@ -151,6 +151,26 @@ def test_host_profile_says_where_the_host_time_of_a_call_went():
     assert [us for _, _, us in profile] == sorted((us for _, _, us in profile), reverse=True)  # by own time
 
 
+def test_the_shared_sources_gradients_are_added_in_turn_and_the_deferred_case_sums_them_at_their_sinks(monkeypatch):
+    """attnres_mix_shared times the default (model/base.DEFER_READERS: the sinks sum nothing), attnres_mix_deferred
+    the same mixes with each source's gradient summed over its readers at once: the same run compares the two."""
+    from mega_depth.kernels import attnres_mix
+    from mega_depth.model import base
+
+    sums = []
+    for name in ("_triton_source_grad", "_torch_source_grad"):  # whichever the op dispatches to here
+        summed = getattr(attnres_mix, name)
+        monkeypatch.setattr(attnres_mix, name, lambda *a, _summed=summed: sums.append(1) or _summed(*a))
+    default = base.DEFER_READERS
+    for op, sums_at_sinks in (("attnres_mix_shared", False), ("attnres_mix_deferred", True)):
+        case = next(c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True) if c.op == op)
+        sums.clear()
+        with case.within():
+            row = bench_kernels.measure_ours(case, torch.device("cpu"), 1, 1e-4)
+        assert row["status"] == "ok" and bool(sums) == sums_at_sinks, (op, row, len(sums))
+        assert base.DEFER_READERS == default  # the case's setting is undone
+
+
 def test_a_peer_that_computes_another_function_is_reported_and_not_timed():
     case = next(c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True)
                 if c.op == "attnres_mix")
