@@ -67,6 +67,11 @@ class MegaDepthForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+        if cache is not None and not isinstance(cache, DynamicCache):
+            # a static (or sliding-window) cache returns its whole preallocated length of keys, which the
+            # attention's causal mask, sized by the keys it gets, would read as real ones: wrong logits, silently
+            raise ValueError(f"the mega_depth model takes a DynamicCache (the default), not {type(cache).__name__}: "
+                             "drop cache_implementation from generate(), or pass past_key_values=DynamicCache()")
         # Padded batches (left or right): attention_mask [b, cached + current] (1 = token, 0 = pad) masks the pads'
         # keys and, without position_ids, numbers the real tokens from 0 (decoder.py: padding_mask). An all-ones mask
         # is the unpadded computation, exactly.

@@ -164,3 +164,28 @@ def test_the_exported_loss_follows_the_trainers_token_count_under_gradient_accum
         model(input_ids=ids[half], labels=labels[half], num_items_in_batch=count).loss.backward()
     for accumulated, expected in zip((p.grad for p in model.parameters()), whole):
         torch.testing.assert_close(accumulated, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_cache_that_is_not_dynamic_is_refused_rather_than_read_wrong():
+    """A StaticCache hands the attention its whole preallocated length of keys: the logits came out wrong (0.23 at
+    most here) with no error. The dynamic cache (generate's default) gives the uncached logits."""
+    import torch
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    from mega_depth.hf.io import _mega_depth_model
+    from mega_depth.model.config import DecoderConfig, ResidualConfig
+
+    dc = DecoderConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                       vocab_size=64, residual=ResidualConfig(mechanism="attnres"))
+    model = _mega_depth_model(dc, 64, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}).float().eval()
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        cache = DynamicCache()  # filled in place
+        prefix = model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True).logits
+        step = model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(torch.cat([prefix, step], 1), plain, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="takes a DynamicCache .*not StaticCache: drop cache_implementation"):
+            model(input_ids=ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+        with pytest.raises(ValueError, match="not StaticCache"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static")
