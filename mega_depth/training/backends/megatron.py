@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from mega_depth.config import Config
+from mega_depth.config import Config, ConfigError
 from mega_depth.training import rng
 from mega_depth.training.distributed import Collectives, device, to_device
 from mega_depth.training.host_sync import intended
@@ -118,8 +118,8 @@ class MegatronBackend(Collectives):
         if self.cfg.training.cuda_graph_impl != "local":
             return None
         if not torch.cuda.is_available():
-            raise RuntimeError("--cuda-graph-impl local captures the step as a CUDA graph and needs a GPU; drop it "
-                               "on this machine")
+            raise ConfigError("--cuda-graph-impl local captures the step as a CUDA graph and needs a GPU; drop it "
+                              "on this machine")  # (the trainer's one-line error, exit status 2)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # (the weights reached the GPU on the current stream)
         return stream
