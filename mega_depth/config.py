@@ -395,6 +395,16 @@ def _check_pipeline(cfg: "Config") -> None:
                "(plain 1F1B) or lower it")
     if p.recompute_granularity is not None:
         _check(p.recompute_num_layers >= 1, "--recompute-num-layers must be >= 1")
+    per_chunk = p.num_layers_per_virtual_pipeline_stage or m.num_layers // pp
+    n = p.recompute_num_layers
+    # Megatron's own block (a mechanism that mixes no depth) checkpoints groups of exactly n layers: a last,
+    # shorter group indexes past the chunk's layers (IndexError in the first step); the depth-mixing block's
+    # groups end at the chunk's end
+    _check(not (p.recompute_granularity == "full" and p.recompute_method == "uniform" and per_chunk % n
+                and not mechanism_class(cfg.residual.mechanism).mixes_depth),
+           f"--recompute-num-layers {n} does not divide the {per_chunk} layers of a pipeline chunk, which "
+           f"--recompute-method uniform needs with --residual {cfg.residual.mechanism}; pick a divisor of "
+           f"{per_chunk}, or --recompute-method block")
 
 
 def _check_deepspeed(cfg: "Config") -> None:

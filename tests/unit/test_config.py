@@ -73,6 +73,12 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
           "--global-batch-size", "3", "--micro-batch-size", "1"], 2, "multiple of --pipeline-model-parallel-size"),
         (["--residual", "attnres", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
           "1", "--global-batch-size", "2", "--micro-batch-size", "1"], 2, "need at least 2 x"),
+        (["--recompute-granularity", "full", "--recompute-num-layers", "3", "--num-layers", "4"], 1,
+         "--recompute-num-layers 3 does not divide the 4 layers of a pipeline chunk, which --recompute-method "
+         "uniform needs with --residual standard; pick a divisor of 4, or --recompute-method block"),
+        (["--recompute-granularity", "full", "--recompute-num-layers", "2", "--num-layers", "8",
+          "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
+         "does not divide the 1 layers of a pipeline chunk"),
         (["--cuda-graph-impl", "transformer_engine"], 1, "unknown --cuda-graph-impl 'transformer_engine'"),
         (["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"], 1, "unknown --cuda-graph-scope 'attn'"),
         (["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "0"], 1, "--cuda-graph-warmup-steps 0 must be"),
@@ -96,6 +102,9 @@ def test_bad_configuration_names_the_fix(flags, world, message):
 
 def test_good_configurations_pass():
     parse_args(BASE + ["--residual", "attnres", "--attnres-num-blocks", "3"]).validate(1)
+    for flags in (["--residual", "attnres", "--recompute-num-layers", "3"],  # the depth-mixing block's last group
+                  ["--recompute-num-layers", "3", "--recompute-method", "block"], ["--recompute-num-layers", "2"]):
+        parse_args(BASE + ["--recompute-granularity", "full"] + flags).validate(1)
     parse_args(BASE + ["--residual", "dca", "--dca-last-k", "2", "--tensor-model-parallel-size", "2",
                        "--sequence-parallel"]).validate(4)
     parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
