@@ -284,6 +284,7 @@ class Config:
         _check_cuda_graph(self, world_size)
         _check_batches(self, world_size)
         mechanism_class(self.residual.mechanism).validate(self, _check)
+        _check_fused_rope(self)  # after the mechanisms' refusals of the flag, which no setting lifts
         return self
 
     def decoder_config(self, vocab_size: Optional[int] = None) -> DecoderConfig:
@@ -328,6 +329,17 @@ def _check_model(cfg: "Config") -> None:
         except ImportError:
             raise ConfigError("--mixing-impl triton needs triton (pip install triton==3.6.0, the version the "
                               "GPU's torch uses); or use --mixing-impl eager") from None
+
+
+def _check_fused_rope(cfg: "Config") -> None:
+    """--fused-single-qkv-rope where Megatron's fused path can run (else it asserts in the first forward)."""
+    m = cfg.model
+    if not m.fused_single_qkv_rope:
+        return
+    _check(not m.qk_layernorm, "--fused-single-qkv-rope rotates the single QKV tensor, which leaves no place for "
+           "the query/key norms; add --no-qk-layernorm, or drop --fused-single-qkv-rope")
+    _check(importlib.util.find_spec("transformer_engine") is not None, "--fused-single-qkv-rope runs Transformer "
+           "Engine's fused QKV RoPE, and Transformer Engine is not installed; install it, or drop the flag")
 
 
 def _check_world(cfg: "Config", world_size: int) -> None:

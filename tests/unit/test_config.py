@@ -1,5 +1,6 @@
 """Every invalid combination fails at start-up with a message that names the fix."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,7 +24,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--residual", "attnres", "--attnres-num-blocks", "9"], 1, "--attnres-num-blocks 9 must lie in 1..8"),
         (["--residual", "dca", "--dca-last-k", "5"], 1, "--dca-last-k 5 must lie in 1..--num-layers (4)"),
         (["--residual", "dca", "--dca-grn", "v4"], 1, "unknown --dca-grn 'v4'"),
-        (["--residual", "depth-attention", "--fused-single-qkv-rope"], 1, "drop --fused-single-qkv-rope"),
+        (["--residual", "depth-attention", "--fused-single-qkv-rope"], 1,
+         "never materialises; drop --fused-single-qkv-rope"),
         (["--residual", "depth-attention", "--depth-attn-gqa", "mean"], 1, "unknown --depth-attn-gqa 'mean'"),
         (["--residual", "attnres", "--attnres-heads", "3"], 1, "--attnres-heads 3 must divide --hidden-size 64"),
         (["--residual", "attnres", "--attnres-mixing", "scalar", "--attnres-heads", "2"], 1,
@@ -79,6 +81,10 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         (["--recompute-granularity", "full", "--recompute-num-layers", "2", "--num-layers", "8",
           "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 2,
          "does not divide the 1 layers of a pipeline chunk"),
+        (["--fused-single-qkv-rope"], 1, "leaves no place for the query/key norms; add --no-qk-layernorm"),
+        pytest.param(["--fused-single-qkv-rope", "--no-qk-layernorm"], 1, "Transformer Engine is not installed; "
+                     "install it, or drop the flag", marks=pytest.mark.skipif(
+                         importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed")),
         (["--cuda-graph-impl", "transformer_engine"], 1, "unknown --cuda-graph-impl 'transformer_engine'"),
         (["--cuda-graph-impl", "local", "--cuda-graph-scope", "attn"], 1, "unknown --cuda-graph-scope 'attn'"),
         (["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "0"], 1, "--cuda-graph-warmup-steps 0 must be"),
