@@ -86,6 +86,21 @@ def list_checkpoints(root: str) -> List[Tuple[int, str]]:
     return sorted(out)
 
 
+def stranded_copies(root: str) -> List[Tuple[int, str]]:
+    """iter_N.replaced directories without their iter_N, by step: a same-step swap killed between its renames left
+    the only copy of step N there (restore_replaced puts it back at its run's resume). The folder's checks count
+    them as the checkpoints they are."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        step = name[5:-len(REPLACED)]
+        if name.startswith("iter_") and name.endswith(REPLACED) and step.isdigit() and \
+                not os.path.isdir(os.path.join(root, name[:-len(REPLACED)])):
+            out.append((int(step), os.path.join(root, name)))
+    return sorted(out)
+
+
 def read_pointer(root: str) -> Optional[int]:
     try:
         text = open(os.path.join(root, POINTER)).read().strip()
@@ -141,7 +156,7 @@ def config_hash(cfg: Config) -> str:
 
 def check_fresh_save(root: str, overwrite: bool) -> None:
     """A run starting from scratch must not write into a folder holding another run's checkpoints."""
-    existing = list_checkpoints(root)
+    existing = sorted(list_checkpoints(root) + stranded_copies(root))
     if existing and not overwrite:
         names = ", ".join(os.path.basename(p) for _, p in existing[-3:])
         raise CheckpointError(
@@ -153,7 +168,8 @@ def check_steps_free(root: str, run_id: str, first: int, last: int) -> None:
     """Before training: another run's checkpoints at the steps this run may save (first..last: a save interval's, the
     last step's, a pre-emption's at any step) are refused now, not at the save that would meet one (`save` never
     replaces another run's checkpoint)."""
-    clashes = [(s, p) for s, p in list_checkpoints(root) if first <= s <= last and _run_of(p) != run_id]
+    clashes = [(s, p) for s, p in sorted(list_checkpoints(root) + stranded_copies(root))
+               if first <= s <= last and _run_of(p) != run_id]
     if clashes:
         names = ", ".join(os.path.basename(p) for _, p in clashes[:3]) + (", ..." if len(clashes) > 3 else "")
         raise CheckpointError(
@@ -178,10 +194,12 @@ def save(root: str, step: int, fill: Callable[[str], None], meta: dict, keep_las
     owner = owner or (lambda: None)
     owner()
     clash = None
-    if comm.rank == 0 and not replace_other and os.path.isdir(final):
-        other = _run_of(final)
+    # step N as the folder holds it: iter_N, or the only copy a killed swap left (iter_N.replaced)
+    held = final if os.path.isdir(final) else final + REPLACED if os.path.isdir(final + REPLACED) else None
+    if comm.rank == 0 and not replace_other and held is not None:
+        other = _run_of(held)
         if other != meta.get("run_id"):
-            clash = (f"--save {root} already holds {os.path.basename(final)} of run {other or '(unreadable)'}, and "
+            clash = (f"--save {root} already holds {os.path.basename(held)} of run {other or '(unreadable)'}, and "
                      f"this run ({meta.get('run_id')}) would replace it: a save never deletes another run's "
                      "checkpoint. Save this run to another --save folder, or move that checkpoint aside")
     if comm.any(clash is not None):

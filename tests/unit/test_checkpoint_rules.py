@@ -433,6 +433,23 @@ def test_a_save_never_replaces_another_runs_checkpoint_and_swaps_its_own(tmp_pat
     (own / "iter_0000003.replaced").mkdir()
     rules.find_checkpoint(str(own), said.append, own=True)
     assert not (own / "iter_0000003.replaced").exists()
+    # a stranded copy (the only one of its step) is a checkpoint to every check of the folder: another run neither
+    # starts fresh beside it, nor plans to save its step, nor saves that step (whose resume would then drop it)
+    os.rename(own / "iter_0000003", own / "iter_0000003.replaced")
+    with pytest.raises(rules.CheckpointError, match=r"already holds checkpoints of another run \(iter_0000003"
+                                                    r"\.replaced\)"):
+        rules.check_fresh_save(str(own), overwrite=False)
+    with pytest.raises(rules.CheckpointError, match=r"at steps this run may save \(iter_0000003\.replaced; this run "
+                                                    r"saves steps 1-5\)"):
+        rules.check_steps_free(str(own), "b", 1, 5)
+    rules.check_steps_free(str(own), "a", 1, 5)  # its own run's
+    with pytest.raises(rules.CheckpointError, match="already holds iter_0000003.replaced of run a"):
+        save(own, 3, "b")
+    assert sorted(os.listdir(own)) == ["iter_0000003.replaced", "latest_checkpointed_iteration.txt"]
+    save(own, 3, "a", payload=b"again")  # its own run saving the step again: the new copy stands
+    rules.find_checkpoint(str(own), said.append, own=True)
+    assert sorted(os.listdir(own)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert (own / "iter_0000003" / "shard.bin").read_bytes().startswith(b"again")
 
 
 def test_a_lagging_pointer_does_not_skip_the_newest_checkpoint(tmp_path, monkeypatch):
