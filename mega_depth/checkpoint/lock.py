@@ -136,7 +136,11 @@ class SaveLock:
     # --- taking and releasing ---------------------------------------------------------------------------------------
     def acquire(self) -> "SaveLock":
         heartbeat, stale_s = timing()
-        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as e:  # (raised on rank 0 alone, the other ranks would wait at the broadcast of its answer)
+            raise SaveFolderLocked(f"--save {self.folder} cannot be created ({e.strerror or e}); pick a --save "
+                                   "folder this run can write, or fix the path's permissions") from None
         for _ in range(4):  # (a watch, a takeover and a create can take one round each)
             if self._create():
                 self._start_heartbeat(heartbeat)

@@ -526,6 +526,9 @@ def test_bad_lock_settings_and_a_failed_create_are_one_line_each(tmp_path, monke
     with pytest.raises(SaveFolderLocked, match="cannot write its lock file .*No space left on device"):
         SaveLock(str(tmp_path), "run", "training", print).acquire()
     assert not (tmp_path / LOCK).exists()  # no empty lock for the next run to wait out
+    (tmp_path / "a_file").write_text("x")  # a --save under a file: the folder cannot be made
+    with pytest.raises(SaveFolderLocked, match=r"--save .*a_file/ckpt cannot be created \(Not a directory\); pick"):
+        SaveLock(str(tmp_path / "a_file" / "ckpt"), "run", "training", print).acquire()
 
 
 def test_a_resume_compares_every_architecture_field(monkeypatch):
