@@ -22,7 +22,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from mega_depth.launcher import PREEMPTED  # one exit status for a pre-emption, whichever launcher
+from mega_depth.launcher import PREEMPTED, shell_status  # one exit status for a pre-emption, whichever launcher
 
 NODE = "--node"  # the runner starts this module with it in place of deepspeed.launcher.launch
 
@@ -65,7 +65,7 @@ def run_runner(argv: List[str]) -> int:
     try:
         runner.main(argv)
     except SystemExit as e:  # the runner exits with a failed child's code
-        return e.code if isinstance(e.code, int) else 1
+        return shell_status(e.code) if isinstance(e.code, int) else 1
     return 0
 
 
@@ -116,8 +116,8 @@ def run_node(argv: List[str]) -> int:
     try:
         launch.main()
     except SystemExit as e:
-        if not received:  # a worker failed: DeepSpeed stopped the others and exits with its code
-            return e.code if isinstance(e.code, int) else 1
+        if not received:  # a worker failed: DeepSpeed stopped the others and exits with its code (-N: a signal,
+            return (shell_status(e.code) or 1) if isinstance(e.code, int) else 1  # which would exit 256 - N)
         clean = bool(statuses) and all(code == 0 for code in statuses)
         code = 0 if clean else PREEMPTED
         outcome = "the workers saved and stopped" if clean else f"worker exit statuses {statuses}"

@@ -33,8 +33,9 @@ class _DropWorkerFailureLog(logging.Filter):
         return not record.getMessage().startswith("failed (exitcode")
 
 
-def _exit_code(code: int) -> int:
-    return 128 - code if code < 0 else (code or 1)  # a signal (-N) as the shell reports it
+def shell_status(code: int) -> int:
+    """A child's exit status as the shell reports it: a signal (-N) as 128 + N."""
+    return 128 - code if code < 0 else code
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -61,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         others = [rank for rank, f in sorted(e.failures.items()) if rank != first]
         if others:
             print(f"mega_depth.launcher: worker(s) {', '.join(map(str, others))} stopped with it", file=sys.stderr)
-        return _exit_code(failure.exitcode)
+        return shell_status(failure.exitcode) or 1
     except SignalException as e:
         sig = signal.Signals(e.sigval)
         clean = sig == signal.SIGTERM and exit_codes and all(code == 0 for code in exit_codes)
