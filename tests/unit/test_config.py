@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -259,6 +260,30 @@ def test_dry_run_reads_a_bad_deepspeed_config_as_one_line(tmp_path):
     assert agreeing["bf16"] == {"enabled": True}
     assert ds_config(parse_args(BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "off.json")]), 1,
                      1)["bf16"] == {"enabled": False}
+
+
+def test_a_deepspeed_config_that_disagrees_with_the_runs_flags_is_refused(tmp_path):
+    """The flags own the batch, the clip and the optimizer's settings (the run records them): a file that sets one
+    to another value was overwritten without a word; the same value, or HF's "auto", is fine."""
+    from mega_depth.training.backends.deepspeed import ds_config
+
+    run = BASE + ["--deepspeed", "--deepspeed-config", str(tmp_path / "ds.json"), "--micro-batch-size", "2",
+                  "--global-batch-size", "8", "--clip-grad", "1.0", "--lr", "3e-4"]
+    for block, message in (
+            ('"train_batch_size": 16', "train_batch_size is 16, but the run's flags (--global-batch-size and "
+                                       "--micro-batch-size) give 8; remove it from the file"),
+            ('"gradient_accumulation_steps": 1', "gradient_accumulation_steps is 1, but the run's flags (--global-batch"),
+            ('"gradient_clipping": 0.5', "gradient_clipping is 0.5, but the run's flags (--clip-grad) give 1.0"),
+            ('"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}', "optimizer.params.lr is 0.001, but the "
+                                                                        "run's flags (--lr) give 0.0003"),
+            ('"optimizer": {"params": {"betas": [0.9, 0.999]}}', "optimizer.params.betas is [0.9, 0.999]")):
+        (tmp_path / "ds.json").write_text("{%s}" % block)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ds_config(parse_args(run), 2, 2)
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8, "gradient_accumulation_steps": "auto", '
+                                      '"gradient_clipping": 1, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}')
+    ds = ds_config(parse_args(run), 2, 2)
+    assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 1.0
 
 
 def test_a_json_key_that_a_line_lacks_is_an_empty_text_not_the_word_none(tmp_path):

@@ -14,6 +14,7 @@ Checkpoints: DeepSpeed's own files under iter_N/deepspeed/, plus model.safetenso
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Dict, Optional
 
@@ -88,9 +89,37 @@ def read_ds_config(path: str) -> dict:
     return ds
 
 
+def _refuse_differing(ds: dict, path: str, owned: dict) -> None:
+    """A value the run's flags own, set in the file to another value, is refused (the run records its flags: a
+    silently overwritten file would not train as its author meant); an equal value or "auto" is fine."""
+    for keys, (value, flags) in owned.items():
+        node = ds
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or keys[-1] not in node:
+            continue
+        given = node[keys[-1]]
+        same = given == "auto" or given == value or (
+            isinstance(given, (int, float)) and not isinstance(given, bool) and isinstance(value, (int, float))
+            and math.isclose(given, value, rel_tol=1e-12))
+        if not same:
+            raise ConfigError(f"{path}: {'.'.join(keys)} is {given!r}, but the run's flags ({flags}) give {value!r}; "
+                              f"remove it from the file (the flags set it), or change {flags}")
+
+
 def ds_config(cfg: Config, dp: int, num_microbatches: int) -> dict:
     ds = read_ds_config(cfg.training.deepspeed_config)
     t = cfg.training
+    batch = "--global-batch-size and --micro-batch-size"
+    _refuse_differing(ds, t.deepspeed_config, {
+        ("train_micro_batch_size_per_gpu",): (t.micro_batch_size, "--micro-batch-size"),
+        ("gradient_accumulation_steps",): (num_microbatches, batch),
+        ("train_batch_size",): (t.micro_batch_size * num_microbatches * dp, batch),
+        ("gradient_clipping",): (t.clip_grad, "--clip-grad"),
+        ("optimizer", "params", "lr"): (t.lr, "--lr"),
+        ("optimizer", "params", "betas"): ([t.adam_beta1, t.adam_beta2], "--adam-beta1 and --adam-beta2"),
+        ("optimizer", "params", "eps"): (t.adam_eps, "--adam-eps"),
+        ("optimizer", "params", "weight_decay"): (t.weight_decay, "--weight-decay")})
     ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     ds["gradient_accumulation_steps"] = num_microbatches
     ds["train_batch_size"] = t.micro_batch_size * num_microbatches * dp
