@@ -108,7 +108,8 @@ class TrainingConfig:
     lr_decay_style: str = _f("cosine", "learning-rate decay after warm-up", LR_DECAY_STYLES)
     lr_warmup_iters: int = _f(0, "linear warm-up steps")
     lr_decay_iters: Optional[int] = _f(None, "steps over which the learning rate decays (default: --train-iters)")
-    lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: length of the final decay (default: 10% of the decay steps)")
+    lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: length of the final decay (default: 10% of the decay steps, at "
+                                                       "most the steps after the warm-up)")
     lr_wsd_decay_style: str = _f("linear", "WSD: shape of the final decay",
                                  ("linear", "cosine", "exponential", "minus_sqrt"))
     override_opt_param_scheduler: bool = _f(False, "on resume, take the learning-rate schedule from these flags, not "

@@ -14,7 +14,10 @@ def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     """Megatron's scheduler: linear warm-up, then constant / linear / cosine / inverse-square-root / WSD decay."""
     t = cfg.training
     decay_iters = t.lr_decay_iters or t.train_iters
-    wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else max(1, decay_iters // 10)
+    # by default 10 % of the decay, within the steps after the warm-up (as an explicit value must be: config.py),
+    # else the decay would start inside the warm-up and the rate jump down at its end
+    wsd = t.lr_wsd_decay_iters if t.lr_wsd_decay_iters is not None else \
+        max(1, min(decay_iters // 10, decay_iters - t.lr_warmup_iters))
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

@@ -44,3 +44,15 @@ def test_wsd_final_decay_is_kept_checked_or_overridden_across_a_resume():
     with pytest.raises(ConfigError, match="decays its learning rate by WSD but does not record"):
         load_scheduler_state(_scheduler(["--mock-data", "--train-iters", "2000",
                                          "--use-checkpoint-opt-param-scheduler"]), old, "ckpt")
+
+
+def test_wsd_default_final_decay_fits_after_a_long_warm_up():
+    """10 % of the decay by default, but no more than the steps after the warm-up: with 95 warm-up steps of 100,
+    a 10-step decay began inside the warm-up, and the rate fell from 1.0 to 0.4 in one step at its end."""
+    flags = ["--mock-data", "--lr", "1.0", "--min-lr", "0", "--lr-warmup-iters", "95", "--train-iters", "100",
+             "--lr-decay-style", "WSD"]
+    scheduler = _scheduler(flags)
+    assert scheduler.wsd_decay_steps == 5
+    lrs = [_lr(scheduler, step) for step in range(95, 101)]
+    assert lrs == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])
+    assert _scheduler(WSD).wsd_decay_steps == 100  # 10 % where it fits
