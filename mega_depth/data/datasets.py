@@ -181,21 +181,26 @@ def build_datasets(cfg: Config, tokenizer, num_samples: Tuple[Optional[int], Opt
 
 
 def _cache_folder(root: Optional[str], data_path: Optional[List[str]]) -> Optional[str]:
-    """Where megatron caches the sample indexes of this data: under --data-cache-path, in a folder named by the
-    sizes of every prefix's .idx and .bin. Megatron keys its cache by the path, the sample count and the split,
-    never by the files: a prefix preprocessed again (more documents, other tokens) got the old indexes back,
-    naming samples that are not there any more. (Sizes, not modification times: every node must find the folder
-    rank 0 wrote, also where each node holds its own copy of the data.)"""
+    """Where megatron caches the sample indexes of this data: under --data-cache-path, in a folder named by a digest
+    of every prefix's .idx (the documents' lengths, which the sample indexes follow) and its .bin's size. Megatron
+    keys its cache by the path, the sample count and the split, never by the files: a prefix preprocessed again
+    (more documents, or as many of other lengths) got the old indexes back, naming samples that are not there any
+    more. (Contents, not modification times: every node must find the folder rank 0 wrote, also where each node
+    holds its own copy of the data.)"""
     if root is None or not data_path:
         return root
     prefixes, _ = _blend(data_path)
     stamps = []
     for prefix in prefixes:
         try:
-            sizes = [os.path.getsize(prefix + ext) for ext in (".idx", ".bin")]
+            digest = hashlib.sha256()
+            with open(prefix + ".idx", "rb") as f:  # ~20 bytes a document: ~20 MB for a million
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(chunk)
+            size = os.path.getsize(prefix + ".bin")
         except OSError:  # (check_indexed_dataset names it)
             return root
-        stamps.append(f"{os.path.abspath(prefix)}:{sizes[0]}:{sizes[1]}")
+        stamps.append(f"{os.path.abspath(prefix)}:{digest.hexdigest()}:{size}")
     return os.path.join(root, hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:16])
 
 

@@ -128,5 +128,7 @@ def test_the_index_cache_follows_the_data_files(tmp_path):
     (tmp_path / "docs.idx").write_bytes(b"x" * 20)  # preprocessed again, with more documents
     second = _cache_folder(str(tmp_path / "cache"), [str(prefix)])
     (tmp_path / "docs.bin").write_bytes(b"x" * 90)  # ... or as many, of other tokens
-    assert len({first, second, _cache_folder(str(tmp_path / "cache"), [str(prefix)])}) == 3
+    third = _cache_folder(str(tmp_path / "cache"), [str(prefix)])
+    (tmp_path / "docs.idx").write_bytes(b"y" * 20)  # ... or as many documents of other lengths: sizes unchanged
+    assert len({first, second, third, _cache_folder(str(tmp_path / "cache"), [str(prefix)])}) == 4
     assert _cache_folder(None, [str(prefix)]) is None and sorted(os.listdir(tmp_path)) == ["docs.bin", "docs.idx"]
