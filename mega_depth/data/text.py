@@ -17,16 +17,22 @@ def _builder(path: str) -> str:
     raise ValueError(f"cannot tell the format of {path}: use .txt (one document per line), .jsonl[.gz] or .parquet")
 
 
-def _check_json_lines(path: str, json_keys) -> None:
-    """Name the first line that is not a JSON object, or whose text is not a string (datasets' own errors say
-    neither the file nor the line)."""
+def _check_lines(path: str, json_keys, is_json: bool) -> None:
+    """Name the first line that is not UTF-8 text, and in a JSON-lines file the first that is not a JSON object or
+    whose text is not a string (datasets' own errors say neither the file nor the line, or come as a traceback
+    from inside pyarrow while a tool reads the rows)."""
     import gzip
     import json
 
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); convert the file to UTF-8 (iconv -f latin1 -t utf-8, say)") from None
+            if not is_json or not line.strip():
                 continue
             try:
                 record = json.loads(line)
@@ -54,8 +60,8 @@ def load_text_dataset(paths: List[str], json_keys: List[str] = ("text",)):
             raise FileNotFoundError(f"input file {p} does not exist")
         if os.path.getsize(p) == 0:
             raise ValueError(f"input file {p} is empty; give a file with at least one document")
-        if _builder(p) == "json":
-            _check_json_lines(p, json_keys)
+        if _builder(p) in ("json", "text"):
+            _check_lines(p, json_keys, _builder(p) == "json")
     kinds = {_builder(p) for p in paths}
     if len(kinds) != 1:
         raise ValueError(f"mixing input formats {sorted(kinds)} in one call; preprocess each format separately")

@@ -286,6 +286,24 @@ def test_a_deepspeed_config_that_disagrees_with_the_runs_flags_is_refused(tmp_pa
     assert ds["train_batch_size"] == 8 and ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 1.0
 
 
+def test_text_that_is_not_utf8_is_named_by_file_line_and_byte(tmp_path):
+    """A Latin-1 byte in a corpus ended train_tokenizer / preprocess_data in a traceback from inside pyarrow while
+    the rows were read; now the file's check names the line and the fix (JSON lines, plain text, gzip)."""
+    import gzip
+
+    from mega_depth.data.text import load_text_dataset
+
+    body = b'{"text": "fine"}\n{"text": "caf\xe9"}\n'
+    (tmp_path / "latin.jsonl").write_bytes(body)
+    (tmp_path / "latin.txt").write_bytes(b"fine\ncaf\xe9\n")
+    with gzip.open(tmp_path / "latin.jsonl.gz", "wb") as f:
+        f.write(body)
+    for name, column in (("latin.jsonl", 14), ("latin.txt", 4), ("latin.jsonl.gz", 14)):
+        with pytest.raises(ValueError, match=rf"{name}:2 is not UTF-8 text \(byte 0xe9 at column {column}\); "
+                                             "convert the file to UTF-8"):
+            load_text_dataset([str(tmp_path / name)])
+
+
 def test_a_json_key_that_a_line_lacks_is_an_empty_text_not_the_word_none(tmp_path):
     from mega_depth.data.text import load_text_dataset
 
