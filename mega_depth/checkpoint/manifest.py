@@ -21,7 +21,8 @@ class CorruptCheckpoint(Exception):
     """A checkpoint whose files do not match its manifest (or that cannot be read at all)."""
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """A file's sha256, read in 4 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -42,7 +43,7 @@ def _files(root: str):
 def _hash_all(root: str, rels) -> Dict[str, str]:
     rels = sorted(rels)
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(rels)))) as pool:
-        return dict(zip(rels, pool.map(lambda r: _sha256(os.path.join(root, r)), rels)))
+        return dict(zip(rels, pool.map(lambda r: file_sha256(os.path.join(root, r)), rels)))
 
 
 def write_manifest(ckpt_dir: str, run_id: str, config_hash: str) -> None:

@@ -41,7 +41,7 @@ import time
 import uuid
 from typing import Callable, List, Optional, Tuple
 
-from mega_depth.checkpoint.manifest import CorruptCheckpoint, has_manifest, verify, write_manifest
+from mega_depth.checkpoint.manifest import CorruptCheckpoint, file_sha256, has_manifest, verify, write_manifest
 from mega_depth.config import Config, ConfigError, to_dict
 from mega_depth.model.config import architecture_fields, flag_name, option_flag
 
@@ -138,8 +138,12 @@ def new_run_id() -> str:
 
 def run_meta(cfg: Config, format: str, run_id: str, **extra) -> dict:
     """What a checkpoint records beside its tensors (mega_depth.json): its format, the run, the model's hash and the
-    whole config, whose `model:` flags hold every field of the architecture record (DecoderConfig)."""
-    return {"format": format, "run_id": run_id, "config_hash": config_hash(cfg), "config": to_dict(cfg), **extra}
+    whole config, whose `model:` flags hold every field of the architecture record (DecoderConfig), and the
+    tokenizer's sha256 (an export checks that the file at the recorded path is still the one trained with)."""
+    tokenizer = cfg.data.tokenizer_model
+    digest = file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None
+    return {"format": format, "run_id": run_id, "config_hash": config_hash(cfg), "config": to_dict(cfg),
+            "tokenizer_sha256": digest, **extra}
 
 
 def config_hash(cfg: Config) -> str:

@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from mega_depth.checkpoint.manifest import file_sha256
 from mega_depth.config import Config, ConfigError
 from mega_depth.model.config import DecoderConfig, flag_values
 
@@ -378,7 +379,14 @@ def export_checkpoint(load: str, out: str, dtype: str = "fp32", force: bool = Fa
     ckpt, meta = found
     canonical, dc = _weights_of(ckpt, meta)
     config = meta["config"]
-    return write_folder(canonical, dc, out, tokenizer_model or config.get("data", {}).get("tokenizer_model"),
+    tokenizer = tokenizer_model or config.get("data", {}).get("tokenizer_model")
+    trained_with = meta.get("tokenizer_sha256")  # (checkpoints since 2026-12-04; --tokenizer-model: the user's)
+    if tokenizer_model is None and trained_with and tokenizer and os.path.isfile(tokenizer) and \
+            file_sha256(tokenizer) != trained_with:
+        raise ConfigError(f"the tokenizer at the recorded path {tokenizer} is not the one this checkpoint was "
+                          "trained with (its sha256 differs from the one the checkpoint recorded): it was replaced "
+                          "since. Pass --tokenizer-model with the sentencepiece model the data was made with")
+    return write_folder(canonical, dc, out, tokenizer,
                         config["model"]["seq_length"], {"exported_from": os.path.abspath(ckpt),
                                                         "step": meta["step"], "config": config},
                         dtype, force, max_shard_size)

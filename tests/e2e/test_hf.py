@@ -384,7 +384,8 @@ def test_generate_tool_samples_without_deprecation_noise(exports):
 
 
 @pytest.mark.parametrize("case", ["not-a-checkpoint", "missing-tokenizer", "non-empty-out", "bad-dtype",
-                                  "config-mismatch", "config-mismatch-unverified", "too-large-tokenizer"])
+                                  "config-mismatch", "config-mismatch-unverified", "too-large-tokenizer",
+                                  "replaced-tokenizer"])
 def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_path, case):
     ckpt = trained / "tp1" / "attnres-block" / "ckpt"
     out = tmp_path / "out"
@@ -393,7 +394,8 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
                 "non-empty-out": "exists and is not empty; pass --force", "bad-dtype": "--dtype 'fp16' is not supported",
                 "config-mismatch": "is damaged: mega_depth.json",
                 "config-mismatch-unverified": "its weights do not match its recorded config",
-                "too-large-tokenizer": "has 2000 pieces, more than the model's vocabulary (1024)"}[case]
+                "too-large-tokenizer": "has 2000 pieces, more than the model's vocabulary (1024)",
+                "replaced-tokenizer": "is not the one this checkpoint was trained with"}[case]
     if case == "not-a-checkpoint":
         args[2] = str(tmp_path / "nowhere")
     elif case == "missing-tokenizer":
@@ -411,13 +413,19 @@ def test_export_bad_input_gets_a_clear_error_and_writes_nothing(trained, tmp_pat
         broken = tmp_path / "broken"
         shutil.copytree(ckpt / "iter_0000004", broken)
         meta = json.load(open(broken / "mega_depth.json"))
-        meta["config"]["model"]["hidden_size"] = 64
-        json.dump(meta, open(broken / "mega_depth.json", "w"))
-        if case == "config-mismatch-unverified":  # as written before manifests existed
+        if case == "replaced-tokenizer":  # the recorded path now holds another file than the run trained with
+            assert meta["tokenizer_sha256"]  # recorded at the save
+            shutil.copy(meta["config"]["data"]["tokenizer_model"], tmp_path / "spm.model")
+            with open(tmp_path / "spm.model", "ab") as f:
+                f.write(b"\0")
+            meta["config"]["data"]["tokenizer_model"] = str(tmp_path / "spm.model")
+        else:
+            meta["config"]["model"]["hidden_size"] = 64
+        if case != "config-mismatch":  # as written before manifests existed (an edited record is no damage then)
             os.remove(broken / "manifest.json")
             for key in ("config_hash", "manifest"):
                 meta.pop(key, None)
-            json.dump(meta, open(broken / "mega_depth.json", "w"))
+        json.dump(meta, open(broken / "mega_depth.json", "w"))
         args[2] = str(broken)
     proc = run(args, expect=2)
     assert expected in proc.stderr, proc.stderr[-2000:]
