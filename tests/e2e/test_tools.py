@@ -74,25 +74,30 @@ def test_analytic_io_model_follows_spec():
         assert io_units(residual_settings(name, 24), 24, 2048, 16, 8) >= 3 * 48
 
 
-def test_the_bound_takes_the_training_model_of_the_kernels():
+def test_the_bound_takes_the_training_model_of_the_kernels(monkeypatch):
     """The bound's traffic is a training step's as the fused kernels move it (Mechanism.training_io_units; the step
     trace checks each model against the recorded launches): the plain residual's 6 per sublayer (forward and the
     gradient's add); Full AttnRes's mixes of K = 1 .. 49 sources read them and write their input forward and again
     with the output gradient backward, with the forward's output (the softmax gradient's go . h). Source j is read by
-    49 - j mixes: with 4 readers or more (46 sources, 1,219 readers) its sink sums the readers' parts at once (each
-    reader's output gradient read and 3 fp32 coefficients a token written and read, the source read, its gradient
-    written: grad_sink.Sink.defer); the last 3 sources' gradients are stored by their first reader and added to by
-    every other (2R - 1: 1 + 3 + 5)."""
+    R = 49 - j mixes. By default (model/base.DEFER_READERS off) its gradient is stored by its first reader and added
+    to by every other: 2R - 1, 49 ** 2 in all. With the sinks' sum from 4 readers (46 sources, 1,219 readers) each
+    such source's readers leave their parts to it (each reader's output gradient read and 3 fp32 coefficients a
+    token written and read, the source read, its gradient written: grad_sink.Sink.defer); the last 3 sources' are
+    added in turn (1 + 3 + 5)."""
     import sys
 
     sys.path.insert(0, "tools")
     from bench_throughput import io_units, training_io_units
+    from mega_depth.model import base
 
     assert training_io_units({"mechanism": "standard"}, 24, 2048, 16, 16) == 6 * 48
+    mixes = sum(2 * (k + 1) + 1 for k in range(1, 50))
     full = training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16)
+    assert full == pytest.approx(mixes + 49 ** 2)
+    monkeypatch.setattr(base, "DEFER_READERS", 4)
     coefficients = 2 * 3 * 4 / (2 * 2048)  # [T, d] bf16 units
     summed = 1219 * (1 + coefficients) + 2 * 46 + (1 + 3 + 5)
-    assert full == pytest.approx(sum(2 * (k + 1) + 1 for k in range(1, 50)) + summed)
+    assert training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16) == pytest.approx(mixes + summed)
     assert training_io_units({"mechanism": "attnres"}, 24, 2048, 16, 16, fused=False) == 3 * io_units(
         {"mechanism": "attnres"}, 24, 2048, 16, 16, fused=False)
 

@@ -227,8 +227,8 @@ def main() -> None:
         plan = [{"out": sys.argv[1], "flags": sys.argv[2:], "mechanisms": os.environ.get("MECHANISMS")}]
     fused_paths = _FusedPaths()
     # Every source that a static-query AttnRes mix reads has its gradient summed by its sink (grad_sink.Sink.defer),
-    # however few its readers: a layout's stage, virtual stage or recomputed layer holds 1 to 3 of them, under the
-    # threshold a 1B model's sources pass (most are read by 4 to 49 mixes)
+    # however few its readers, so that every layout exercises that path too (off by default: model/base.py; a
+    # stage, virtual stage or recomputed layer holds 1 to 3 readers here)
     from mega_depth.model import base as model_base
 
     model_base.DEFER_READERS = 1
