@@ -40,7 +40,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, Dict, List, NamedTuple, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +50,8 @@ EPS = 1e-6
 NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "phase2", "phase2_normed", "grn", "streams_out",
-       "depth_attention", "mhc_maps", "mhc_projection")
+OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "phase2", "phase2_normed", "grn",
+       "streams_out", "depth_attention", "mhc_maps", "mhc_projection")
 SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared and _deferred cases
 
 
@@ -129,15 +129,14 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     # instead, and each source's gradient is one pass over the R output gradients and the source
     # (attnres_source_grad). Forward, each mix reads its K sources and writes its output
     r = SHARED_READERS
-    shared_inputs = lambda: rows_of(k) + [rand(r, d, scale=d ** -0.5, seed=100),  # noqa: E731
-                                          rand(d, scale=0.1, shift=1.0, seed=101)]
     shared = Case("attnres_mix_shared", shape, f"Full AttnRes, {r} mixes over one set of {k} sources (gradients "
-                  "added in turn)", shared_inputs, lambda *a: _shared_mixes(attnres_mix_sources, a),
-                  r * (k + 1) * row, (r * (k + 2) + k * (2 * r - 1)) * row)
-    deferred = Case("attnres_mix_deferred", shape, f"Full AttnRes, {r} mixes over one set of {k} sources (each "
-                    f"source's gradient summed over its {r} readers at once)", shared_inputs,
-                    lambda *a: _shared_mixes(attnres_mix_sources, a), r * (k + 1) * row,
-                    (r * (k + 2) + k * (r + 2)) * row, within=lambda: _deferring_from(r))
+                  "added in turn)",
+                  lambda: rows_of(k) + [rand(r, d, scale=d ** -0.5, seed=100), rand(d, scale=0.1, shift=1.0, seed=101)],
+                  lambda *a: _shared_mixes(attnres_mix_sources, a), r * (k + 1) * row,
+                  (r * (k + 2) + k * (2 * r - 1)) * row)
+    deferred = replace(shared, op="attnres_mix_deferred", what=f"Full AttnRes, {r} mixes over one set of {k} sources "
+                       f"(each source's gradient summed over its {r} readers at once)",
+                       bwd_bytes=(r * (k + 2) + k * (r + 2)) * row, within=lambda: _deferring_from(r))
     # one block's whole Block AttnRes work, as the model does it: phase 1 of its q sublayers' queries over the b
     # completed blocks, then each sublayer's phase-2 merge of its partial sum (the first sublayer has none). Phase 1
     # alone is not one function across implementations: ours leaves (m, z, o) for the merges to normalise,
@@ -276,11 +275,13 @@ def reference(op: str):
 
     from mega_depth.model import mixing
 
+    def shared(*a):  # one function for both shared-source cases: they differ in how its gradient is taken
+        return _shared_mixes(lambda sources, q, g, eps: mixing.attnres_mix(torch.stack(sources), q, g, eps), a)
+
     return {
         "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
-        "attnres_mix_shared": lambda *a: _shared_mixes(
-            lambda sources, q, g, eps: mixing.attnres_mix(torch.stack(sources), q, g, eps), a),
-        "attnres_mix_deferred": lambda *a: reference("attnres_mix_shared")(*a),
+        "attnres_mix_shared": shared,
+        "attnres_mix_deferred": shared,
         "attnres_block": lambda *a: _merged(lambda blocks, *rest: mixing.attnres_block_phase1(torch.stack(blocks),
                                                                                               *rest),
                                             mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1),  # q - 1 partials

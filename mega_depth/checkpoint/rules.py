@@ -101,6 +101,11 @@ def stranded_copies(root: str) -> List[Tuple[int, str]]:
     return sorted(out)
 
 
+def held_steps(root: str) -> List[Tuple[int, str]]:
+    """Every copy of a step the folder holds, by step: its checkpoints and its stranded copies."""
+    return sorted(list_checkpoints(root) + stranded_copies(root))
+
+
 def read_pointer(root: str) -> Optional[int]:
     try:
         text = open(os.path.join(root, POINTER)).read().strip()
@@ -160,7 +165,7 @@ def config_hash(cfg: Config) -> str:
 
 def check_fresh_save(root: str, overwrite: bool) -> None:
     """A run starting from scratch must not write into a folder holding another run's checkpoints."""
-    existing = sorted(list_checkpoints(root) + stranded_copies(root))
+    existing = held_steps(root)
     if existing and not overwrite:
         names = ", ".join(os.path.basename(p) for _, p in existing[-3:])
         raise CheckpointError(
@@ -172,8 +177,7 @@ def check_steps_free(root: str, run_id: str, first: int, last: int) -> None:
     """Before training: another run's checkpoints at the steps this run may save (first..last: a save interval's, the
     last step's, a pre-emption's at any step) are refused now, not at the save that would meet one (`save` never
     replaces another run's checkpoint)."""
-    clashes = [(s, p) for s, p in sorted(list_checkpoints(root) + stranded_copies(root))
-               if first <= s <= last and _run_of(p) != run_id]
+    clashes = [(s, p) for s, p in held_steps(root) if first <= s <= last and _run_of(p) != run_id]
     if clashes:
         names = ", ".join(os.path.basename(p) for _, p in clashes[:3]) + (", ..." if len(clashes) > 3 else "")
         raise CheckpointError(
