@@ -426,13 +426,38 @@ def quarantine(path: str, say: Callable[[str], None] = print) -> str:
 
 
 def _run_of(ckpt_dir: str) -> Optional[str]:
+    """The run that saved a checkpoint, from its mega_depth.json, else its manifest; None where neither says."""
     for reader in (lambda: read_meta(ckpt_dir).get("run_id"),
                    lambda: json.load(open(os.path.join(ckpt_dir, "manifest.json"))).get("run_id")):
         try:
-            return reader()
-        except (CorruptCheckpoint, OSError, ValueError):
+            run_id = reader()
+        except (CorruptCheckpoint, OSError, ValueError, AttributeError):  # (AttributeError: JSON that is no object)
             continue
+        if isinstance(run_id, str) and run_id:
+            return run_id
     return None
+
+
+def _check_unnamed_fallback(load: str, complete: List[Tuple[int, str]], anchor: int) -> Optional[str]:
+    """Before falling back past a damaged `anchor`: the run the fallback continues (None where it is the anchor's
+    own, which its files name). Where the anchor names no run, the fallback is safe only if the folder's other
+    checkpoints are all of one run: else the newest intact one may be another run's, and a resume would continue
+    it as this one. -> that run; raises CheckpointError naming the runs and the fix where there are several."""
+    by_step = dict(complete)
+    if _run_of(by_step[anchor]) is not None:
+        return None
+    runs: dict = {}
+    for step, path in reversed(complete):
+        run = _run_of(path) if step != anchor else None
+        if run is not None:
+            runs.setdefault(run, os.path.basename(path))
+    if len(runs) > 1:
+        held = ", ".join(f"run {run} (newest {name})" for run, name in runs.items())
+        raise CheckpointError(
+            f"the newest checkpoint {by_step[anchor]} is damaged and names no run, and {load} holds checkpoints of "
+            f"{len(runs)} runs ({held}): the newest intact one may be another run's; name the one to resume with "
+            f"--load {os.path.join(load, 'iter_N')}")
+    return next(iter(runs), None)
 
 
 def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = False
@@ -486,7 +511,10 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
                 quarantine(path, say)
             continue
         if problems:
-            say(f"falling back to {path}, the newest intact checkpoint of this run")
+            run = _check_unnamed_fallback(load, complete, candidates[0])
+            say(f"falling back to {path}, the newest intact checkpoint of this run" if run is None else
+                f"falling back to {path}, the newest intact checkpoint (of run {run}, the folder's only run: the "
+                f"damaged {os.path.basename(by_step[candidates[0]])} names none)")
         elif pointer in by_step and pointer != step:
             say(f"resuming {path}, saved after the checkpoint that {POINTER} names ({pointer}): the pointer lagged")
         if own and pointer != step:
@@ -550,9 +578,12 @@ def peek_metadata(load: str) -> Optional[Tuple[str, dict]]:
     steps = resume_order(complete, read_pointer(load)) if complete else []
     for step in steps:
         try:
-            return iter_dir(load, step), read_meta(iter_dir(load, step))
+            meta = read_meta(iter_dir(load, step))
         except CorruptCheckpoint:
             continue
+        if step != steps[0]:  # (as find_checkpoint's fallback: never into another run's checkpoint)
+            _check_unnamed_fallback(load, complete, steps[0])
+        return iter_dir(load, step), meta
     if complete:
         raise CheckpointError(f"no readable checkpoint metadata in {load}; restore the files")
     return None

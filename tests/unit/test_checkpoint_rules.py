@@ -89,6 +89,33 @@ def test_find_falls_back_within_the_run_and_never_for_a_named_checkpoint(tmp_pat
         rules.find_checkpoint(str(tmp_path / "nothing" / "iter_0000001"), said.append)
 
 
+def test_a_damaged_newest_checkpoint_that_names_no_run_never_falls_back_into_another_run(tmp_path):
+    def unreadable(path):  # both files that name the run
+        for name in ("mega_depth.json", "manifest.json"):
+            with open(os.path.join(path, name), "w") as f:
+                f.write("{")
+
+    for step, run in ((1, "a"), (2, "b"), (3, "a")):
+        save(tmp_path / "mixed", step, run)
+    unreadable(save(tmp_path / "mixed", 4, "a"))
+    said = []
+    for find in (lambda: rules.find_checkpoint(str(tmp_path / "mixed"), said.append),
+                 lambda: rules.peek_metadata(str(tmp_path / "mixed"))):
+        with pytest.raises(rules.CheckpointError, match=r"iter_0000004 is damaged and names no run, and .* holds "
+                           r"checkpoints of 2 runs \(run a \(newest iter_0000003\), run b \(newest iter_0000002\)\)"
+                           r".*--load .*iter_N"):
+            find()
+    assert os.path.isdir(tmp_path / "mixed" / "iter_0000004")  # nothing lost
+    # one run in the folder: the fallback goes on, and says whose checkpoint it took
+    for step in (1, 2):
+        save(tmp_path / "one", step, "a")
+    unreadable(save(tmp_path / "one", 3, "a"))
+    path, meta = rules.find_checkpoint(str(tmp_path / "one"), said.append)
+    assert path.endswith("iter_0000002") and meta["run_id"] == "a"
+    assert "(of run a, the folder's only run: the damaged iter_0000003 names none)" in said[-1]
+    assert rules.peek_metadata(str(tmp_path / "one"))[0].endswith("iter_0000002")
+
+
 def test_manifest_records_the_run_and_the_config_hash(tmp_path):
     from mega_depth.config import parse_args
 
