@@ -51,7 +51,7 @@ NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
 OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "phase2", "phase2_normed", "grn",
-       "streams_out", "depth_attention", "mhc_maps", "mhc_projection")
+       "streams_out", "depth_attention", "mhc_maps", "mhc_projection", "mhc_sublayer", "mhc_sublayer_in_turn")
 SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared and _deferred cases
 
 
@@ -195,9 +195,24 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     project = Case("mhc_projection", shape, f"mHC's coefficient projection and RMS, {ns} streams -> {m}",
                    lambda: [rand(ns, n, d, seed=1), rand(m, ns * d, scale=0.02, seed=2)],
                    lambda st, phi: _rms_applied(mhc_projection(st, phi)), ns * row, 2 * ns * row)
+    # one mHC sublayer's work on its streams, as the step runs it (model/mhc.py): the projection and its RMS, the
+    # coefficients, the normalised read (the sublayer's input; here the sublayer is the identity) and the write.
+    # The streams have three readers. Their gradients two ways (kernels/streams.DEFER_READERS): summed by the
+    # streams' sink in one pass that makes phi's gradient too (the default), or added in turn by each reader's
+    # backward. Bytes at the least: the streams read once, the input and the n new streams written; back, the
+    # streams and the n new streams' gradients read, the streams' gradient written
+    sublayer = Case("mhc_sublayer", shape, f"one mHC sublayer's stream work, {ns} streams (projection, coefficients, "
+                    "normalised read, write; the streams' gradient summed by their sink)",
+                    lambda: ([rand(ns, n, d, seed=1), rand(m, ns * d, scale=0.02, seed=2),
+                              rand(m, scale=0.5, seed=7).float()]
+                             + [rand(1, shift=1.0, seed=8 + i).float() for i in range(3)]
+                             + [rand(d, scale=0.1, shift=1.0, seed=102)]),
+                    _mhc_sublayer, (2 * ns + 1) * row, 3 * ns * row)
+    in_turn = replace(sublayer, op="mhc_sublayer_in_turn", what=f"one mHC sublayer's stream work, {ns} streams "
+                      "(the streams' gradient added in turn by each reader)", within=_streams_in_turn)
     from kernel_peers import peers_for
 
-    out = [full, shared, deferred, block, phase2, normed, grn, streams, depth, maps, project]
+    out = [full, shared, deferred, block, phase2, normed, grn, streams, depth, maps, project, sublayer, in_turn]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
@@ -213,6 +228,43 @@ def _deferring_from(readers: int):
         yield
     finally:
         base.DEFER_READERS = kept
+
+
+@contextlib.contextmanager
+def _streams_in_turn():
+    """HC / mHC's stream readers add their parts of the streams' gradient in turn (kernels/streams.DEFER_READERS)."""
+    from mega_depth.kernels import streams
+
+    kept, streams.DEFER_READERS = streams.DEFER_READERS, float("inf")
+    try:
+        yield
+    finally:
+        streams.DEFER_READERS = kept
+
+
+def _mhc_sublayer(streams, phi, bias, alpha_pre, alpha_post, alpha_res, norm_weight, kernels: bool = True):
+    """One mHC sublayer on its streams with the sublayer itself the identity (model/mhc.py's `sublayer`): the
+    coefficients from the projection, the normalised read, the write of the read into the mixed streams. kernels:
+    our ops, else the eager math (mixing.py and the host's eager norm)."""
+    from mega_depth.model import mixing
+
+    if kernels:
+        from mega_depth.kernels.mhc_maps import mhc_projected_coefficients
+        from mega_depth.kernels.mhc_projection import mhc_projection
+        from mega_depth.kernels.streams import streams_in_normed, streams_out
+
+        def read(s, w):
+            return streams_in_normed(norm_weight, NORM_EPS, s, w)
+    else:
+        mhc_projection, mhc_projected_coefficients = mixing.mhc_projection, mixing.mhc_projected_coefficients
+        streams_out = mixing.streams_out
+
+        def read(s, w):
+            return rms_normed(mixing.streams_in(s, w), norm_weight, NORM_EPS)
+    proj, mean_square = mhc_projection(streams, phi)
+    pre, post, res = mhc_projected_coefficients(proj, mean_square, bias, alpha_pre, alpha_post, alpha_res,
+                                                SINKHORN_ITERS)
+    return streams_out(streams, read(streams, pre), res.transpose(-1, -2).movedim(-2, 0), post)
 
 
 def _shared_mixes(mix, args):
@@ -293,6 +345,8 @@ def reference(op: str):
         "depth_attention": lambda qv, kv, vv, *rest: _normed_mix(qv, kv, vv, rest),
         "mhc_maps": lambda *a: _concatenated(mixing.mhc_projected_coefficients(*a, SINKHORN_ITERS)),
         "mhc_projection": lambda st, phi: _rms_applied(mixing.mhc_projection(st, phi)),
+        "mhc_sublayer": lambda *a: _mhc_sublayer(*a, kernels=False),
+        "mhc_sublayer_in_turn": lambda *a: _mhc_sublayer(*a, kernels=False),
     }[op]
 
 
