@@ -6,14 +6,19 @@ for the g GRN instances of one call (DCA: 3 for q/k/v, 1 for the final mix). Con
 read in place; forward reads each once for all instances; saves bias, proj and the entries (references); backward
 recomputes the v3 gates (clamp's subgradient 1 at 0, as the reference). The op is `mega_depth::dca_grn`.
 
-Where a token's source rows fit in registers (_rows_fit), the Triton kernels read each row once as one tile
-(_fwd_rows_kernel, _bwd_rows_kernel). Elsewhere they walk a token's sources in chunks of channels, so registers do
-not grow with d, and load a block of sources a step as one tile (16-byte loads where a lone row would load 4): the
-v3 gates (full-row dot products) come from a first pass, the weighted sums from a second one, which walks the
-chunks last to first so that its reads of the token's sources meet the lines the first pass read last (kept with
-evict_last). In backward, the parameter gradients (sums over tokens) are one more kernel, one program per channel
-chunk, block of sources and token split, which reads the sources once more and the output gradients once a block
-of sources; its per-program partial sums are added in order (common.sum_rows): deterministic.
+Forward: where a token's source rows fit in registers (_rows_fit), the Triton kernel reads each row once as one tile
+(_fwd_rows_kernel). Elsewhere it walks a token's sources in chunks of channels, so registers do not grow with d, and
+loads a block of sources a step as one tile (16-byte loads where a lone row would load 4): the v3 gates (full-row
+dot products) come from a first pass, the weighted sums from a second one, which walks the chunks last to first so
+that its reads of the token's sources meet the lines the first pass read last (kept with evict_last).
+
+Backward, three kernels, each a stream with no exchange between a program's warps inside its loops: (v3) the gates
+and their gradients of a few tokens, a token a warp, the dots over the channels summed in each lane and the lanes
+summed once (_gates_bwd_kernel); the sources' gradients, a [tokens, sources, channels] tile at a time with the
+instances summed in each thread (_source_grads_kernel); and the parameter gradients (sums over tokens), one program
+per channel chunk, block of sources and token split, which reads the sources and the output gradients once more;
+its per-program partial sums are added in order (common.sum_rows): deterministic. The kernel that held a token's
+whole rows on 8 warps, one token a program, reached 15 % of copy bandwidth on the H200 (2026-12-04).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from mega_depth.kernels import grad_sink
 from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
                                        gradient_table, gradients_at, in_dtype, interpreting, jit, launch, nothing,
                                        partial_sums, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, row_warps, source_rows, sum_rows, sums2, tl, token, uses_triton,
+                                       register_fake, row_warps, source_rows, sum_rows, tl, token, uses_triton,
                                        warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
@@ -78,50 +83,38 @@ def _bias_tile(bias_ptr, ok, kmask, og, gmask, od, K, D, like_ptr, VERSION: tl.c
 
 
 @jit
-def _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, like_ptr, NB: tl.constexpr, KB: tl.constexpr,
-           BG: tl.constexpr, BCH: tl.constexpr, GO: tl.constexpr):
+def _gates(table, proj_ptr, n, valid, K, D, G, like_ptr, NB: tl.constexpr, KB: tl.constexpr, BG: tl.constexpr,
+           BCH: tl.constexpr):
     """v3, pass 1 over a token's K sources, KB sources a load, chunk by chunk: proj_g . v_k [NB, KB, BG] (source
-    b * KB + i at [b, i]) and, with GO, go_g . v_k (go_ptr: [G, N, d]). A block's products are summed over the
-    channels once, after its last chunk (a sum across a warp's threads and a change of layout), not once a chunk.
-    The forward's reads of the sources and the backward's of the output gradients ask the cache to keep their lines
-    (evict_last): pass 2 reads them again (it does not read the sources in backward: evict_first)."""
+    b * KB + i at [b, i]). A block's products are summed over the channels once, after its last chunk (a sum across
+    a warp's threads and a change of layout), not once a chunk. The reads of the sources ask the cache to keep their
+    lines (evict_last): pass 2 reads them again."""
     ob = tl.arange(0, NB)
     og = tl.arange(0, BG)
     gmask = og < G
     pre = tl.zeros([NB, KB, BG], dtype=tl.float32)
-    gsum = tl.zeros([NB, KB, BG], dtype=tl.float32)
     oi = tl.arange(0, KB)
     for b in range(0, tl.cdiv(K, KB)):
         dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
-        go_dots = tl.zeros([KB, BG, BCH], dtype=tl.float32)
         ok = b * KB + oi
         kmask = ok < K
         at = pointers_at(table, ok, kmask, like_ptr)[:, None, None] + 0 * og[None, :, None]  # [KB, BG, 1]
         kg = kmask[:, None, None] & gmask[None, :, None] & valid
         g_rows = og[None, :, None].to(tl.int64) + 0 * ok[:, None, None]  # [KB, BG, 1]
         for c0 in range(0, D, BCH):
-            # the sources, projections and output gradients as [KB, BG, BCH] tiles (the repeats from L1): one
-            # layout for the three, where [KB, 1, BCH] times [1, BG, BCH] took a layout change (2 barriers) a chunk
+            # the sources and projections as [KB, BG, BCH] tiles (the repeats from L1): one layout for both, where
+            # [KB, 1, BCH] times [1, BG, BCH] took a layout change (2 barriers) a chunk
             od = (c0 + tl.arange(0, BCH))[None, None, :]
             tile = kg & (od < D)
-            v = tl.load(at + n * D + od, mask=tile, other=0., eviction_policy="evict_first" if GO else "evict_last")
+            v = tl.load(at + n * D + od, mask=tile, other=0., eviction_policy="evict_last")
             dots += v.to(tl.float32) * _rounded(tl.load(proj_ptr + g_rows * D + od, mask=tile, other=0.), like_ptr)
-            if GO:
-                go = tl.load(go_ptr + (g_rows * N + n) * D + od, mask=tile, other=0., eviction_policy="evict_last")
-                go_dots += v.to(tl.float32) * go.to(tl.float32)
-        sel = (ob == b)[:, None, None]
-        if GO:  # both sums in one exchange (common.sums2)
-            dots, go_dots = sums2(dots, go_dots, 2)
-            gsum = tl.where(sel, go_dots[None, :, :], gsum)
-        else:
-            dots = tl.sum(dots, axis=2)
-        pre = tl.where(sel, dots[None, :, :], pre)
-    return pre, gsum
+        pre = tl.where((ob == b)[:, None, None], tl.sum(dots, axis=2)[None, :, :], pre)
+    return pre
 
 
 @jit
 def _store_gates(ptr, gates, n, valid, NB: tl.constexpr, KB: tl.constexpr, BG: tl.constexpr):
-    """A token's [NB, KB, BG] gates (or their gradients) into ptr [N, BG, NB x KB] (_gate_scratch): every entry of
+    """A token's [NB, KB, BG] gates into ptr [N, BG, NB x KB] (_gate_scratch): every entry of
     the token's rows, the padding's zeros (instances past G, sources past K: their gates are 0) included, so that
     pass 2 loads a block's KB sources unmasked, in vectors (a mask that varies along a vector splits it). Pass 2
     reads them back in another layout, so in other threads: a barrier between (tl.debug_barrier: global writes
@@ -146,7 +139,7 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, gate_ptr, K, N, D, G, TOK, N
         n = token(tl.program_id(0), t, TOK)
         valid = n < N
         if VERSION == 3:
-            pre, _ = _gates(table, proj_ptr, out_ptr, n, valid, K, N, D, G, out_ptr, NB, KB, BG, BCH, False)
+            pre = _gates(table, proj_ptr, n, valid, K, D, G, out_ptr, NB, KB, BG, BCH)
             _store_gates(gate_ptr, tl.maximum(pre, 0.), n, valid, NB, KB, BG)
             tl.debug_barrier()
         for i in range(chunks):
@@ -161,56 +154,6 @@ def _fwd_kernel(table, bias_ptr, proj_ptr, out_ptr, gate_ptr, K, N, D, G, TOK, N
                 acc += tl.sum(coef * v, axis=1)
             tl.store(out_ptr + og[:, None].to(tl.int64) * N * D + n * D + od[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=gmask[:, None] & (od < D)[None, :] & valid)
-
-
-@jit
-def _bwd_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, TOK, NB: tl.constexpr,
-                KB: tl.constexpr, BG: tl.constexpr, BCH: tl.constexpr, VERSION: tl.constexpr):
-    """The sources' gradients, per token: (v3) pass 1 finds the gates and go_g . v_k, whose gate gradients
-    (clamp's subgradient 1 at 0) go to w_ptr [N, BG, NB x KB] for the projections' gradient, and the gates to
-    gate_ptr; pass 2 (chunks last to first, as the forward's) sums a block of KB sources' gradients over the
-    instances one instance at a time, in [KB, BCH] tiles (the instance's output gradient and projection chunks
-    from cache, its gates from the scratch), and stores them as one tile, or adds them to what the buffers hold
-    (gtable: common.gradient_table). Summed over a [KB, BG, BCH] tile instead, the instances lay across warps: a
-    reduction and a layout change through shared memory, 5 barriers, every chunk and block. The parameter
-    gradients are _params_kernel's."""
-    oi = tl.arange(0, KB)
-    chunks = tl.cdiv(D, BCH)
-    for t in range(TOK):
-        n = token(tl.program_id(0), t, TOK)
-        valid = n < N
-        if VERSION == 3:
-            pre, gsum = _gates(table, proj_ptr, go_ptr, n, valid, K, N, D, G, go_ptr, NB, KB, BG, BCH, True)
-            dgate = tl.where(pre >= 0., gsum, 0.)  # clamp(min=0): subgradient 1 at 0
-            _store_gates(w_ptr, dgate, n, valid, NB, KB, BG)
-            _store_gates(gate_ptr, tl.maximum(pre, 0.), n, valid, NB, KB, BG)
-            tl.debug_barrier()
-        for i in range(chunks):
-            od = (chunks - 1 - i) * BCH + tl.arange(0, BCH)
-            dmask = (od < D) & valid
-            for b in range(0, tl.cdiv(K, KB)):
-                ok = b * KB + oi
-                kmask = ok < K
-                tile = kmask[:, None] & dmask[None, :]
-                rows = od[None, :] + 0 * ok[:, None]  # [KB, BCH]: one row's offsets, KB times
-                dv = tl.zeros([KB, BCH], dtype=tl.float32)
-                for g in range(G):
-                    # instance g's output gradient and projection chunks loaded as [KB, BCH] tiles of one repeated
-                    # row (the repeats from L1): in the tile's layout, where a [BCH] row takes a layout change
-                    # through shared memory (2 barriers) to broadcast
-                    go = tl.load(go_ptr + (g * N + n) * D + rows, mask=dmask[None, :], other=0.).to(tl.float32)
-                    coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, go_ptr, VERSION)  # [KB, BCH]
-                    if VERSION == 3:  # the block's gates for instance g and their gradients, from the scratch
-                        at_g = (n * BG + g) * (NB * KB) + ok[:, None]
-                        coef += tl.load(gate_ptr + at_g, mask=valid, other=0.)
-                        proj = _rounded(tl.load(proj_ptr + g * D + rows, mask=(od < D)[None, :], other=0.), go_ptr)
-                        dv += coef * go + tl.load(w_ptr + at_g, mask=valid, other=0.) * proj
-                    else:
-                        dv += coef * go
-                into, adding = gradients_at(gtable, ok, kmask, go_ptr)
-                at = into[:, None] + n * D + od[None, :]
-                dv += tl.load(at, mask=tile & adding[:, None], other=0.).to(tl.float32)
-                tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile)
 
 
 @jit
@@ -248,42 +191,77 @@ def _fwd_rows_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl
 
 
 @jit
-def _bwd_rows_kernel(table, gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, K, N, D, G, TOK, BK: tl.constexpr,
-                     BD: tl.constexpr, BG: tl.constexpr, VERSION: tl.constexpr):
-    """_bwd_kernel where a token's whole source rows (v3) and their gradients fit in registers (_rows_fit): each
-    instance's output gradient read once, the sources once (v3), the source gradients summed over the instances
-    in registers and stored (or added) once. The gate gradients go to w_ptr [N, BG, BK], as there."""
-    ok = tl.arange(0, BK)
-    kmask = ok < K
-    od = tl.arange(0, BD)
-    dmask = od < D
-    tile = kmask[:, None] & dmask[None, :]
-    into, adding = gradients_at(gtable, ok, kmask, go_ptr)
-    if VERSION == 3:
-        rows_at = pointers_at(table, ok, kmask, go_ptr)
-    for t in range(TOK):
-        n = token(tl.program_id(0), t, TOK)
-        valid = n < N
-        if VERSION == 3:
-            v = tl.load(rows_at[:, None] + n * D + od[None, :], mask=tile & valid, other=0.).to(tl.float32)
-        dv = tl.zeros([BK, BD], dtype=tl.float32)
+def _gates_bwd_kernel(table, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, KP, BG: tl.constexpr,
+                      KB: tl.constexpr, BT: tl.constexpr, BL: tl.constexpr, BV: tl.constexpr):
+    """v3's gates and their gradients for BT tokens, one token a warp: per (token, instance g, source k) the dots
+    proj_g . v_k and go_g . v_k, KB sources at a time, over chunks of BL x BV channels. Tiles are [BT, BG, KB, BL x
+    BV] (tokens, instances, sources, channels): the tokens lie across the warps, a chunk's channels across a warp's
+    lanes (a 16-byte vector each), the instances and sources in each thread. A chunk's products are summed over
+    each thread's vector into [BT, BG, KB, BL] partial sums (viewed [..., BL, BV]: no data moves), and the lanes'
+    sums are added once, at the end, within each warp: no barrier and no shared memory from one chunk to the next.
+    (The whole-row kernel this replaced held a token's rows on 8 warps, one token a program: 197 registers, 8 warps
+    an SM, and a barrier for each instance's two sums.) -> the gates' gradients (clamp's subgradient 1 at 0) into
+    w_ptr and the gates into gate_ptr, both [N, BG, KP] (_gate_scratch)."""
+    CW: tl.constexpr = BL * BV
+    n = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)[:, None, None, None]  # [BT, 1, 1, 1]
+    og = tl.arange(0, BG)[None, :, None, None]
+    oc = tl.arange(0, CW)[None, None, None, :]
+    tg = (n < N) & (og < G)
+    for b in range(0, tl.cdiv(K, KB)):
+        ok = b * KB + tl.arange(0, KB)
+        rows_at = pointers_at(table, ok, ok < K, go_ptr)[None, None, :, None]  # [1, 1, KB, 1]
+        rk = (n < N) & (ok < K)[None, None, :, None]
+        pre = tl.zeros([BT, BG, KB, BL], dtype=tl.float32)
+        gv = tl.zeros([BT, BG, KB, BL], dtype=tl.float32)
+        for c0 in range(0, D, CW):
+            c = c0 + oc
+            v = tl.load(rows_at + n * D + c, mask=rk & (c < D), other=0.).to(tl.float32)  # [BT, 1, KB, CW]
+            go = tl.load(go_ptr + (og * N + n) * D + c, mask=tg & (c < D), other=0.).to(tl.float32)  # [BT, BG, 1, CW]
+            # the projection's chunk for each warp's token (the repeats from L1): in the tiles' layout
+            proj = _rounded(tl.load(proj_ptr + og * D + c + 0 * n, mask=tg & (c < D), other=0.), go_ptr)
+            pre += tl.sum(tl.reshape(v * proj, [BT, BG, KB, BL, BV]), axis=4)
+            gv += tl.sum(tl.reshape(v * go, [BT, BG, KB, BL, BV]), axis=4)
+        pre = tl.sum(pre, axis=3)  # [BT, BG, KB]
+        gv = tl.sum(gv, axis=3)
+        at = (n.reshape(BT, 1, 1) * BG + og.reshape(1, BG, 1)) * KP + ok[None, None, :]  # KB divides KP
+        tl.store(w_ptr + at, tl.where(pre >= 0., gv, 0.), mask=n.reshape(BT, 1, 1) < N)  # clamp's subgradient 1 at 0
+        tl.store(gate_ptr + at, tl.maximum(pre, 0.), mask=n.reshape(BT, 1, 1) < N)
+
+
+@jit
+def _source_grads_kernel(gtable, bias_ptr, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, SG, KP, KB: tl.constexpr,
+                         BT: tl.constexpr, BC: tl.constexpr, VERSION: tl.constexpr):
+    """The sources' gradients of BT tokens x BC channels: dv_k = sum_g (bias[g, k] + gate_gk) go_g (+ dgate_gk
+    proj_g, v3), KB sources a step as one [BT, KB, BC] tile, stored or added to what the buffers hold (gtable:
+    common.gradient_table). A stream of rows with no reduction: the tokens lie across the warps (the first dim, so
+    that Triton lays every tile of the kernel, [BT, 1, BC] rows included, alike: no layout change), the channels
+    across the lanes, the sources and the instances' sum in each thread. The gates and their gradients come from
+    _gates_bwd_kernel (v3: w_ptr and gate_ptr [N, SG, KP])."""
+    n = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)[:, None, None]
+    c = tl.program_id(1) * BC + tl.arange(0, BC)[None, None, :]
+    rows = (n < N) & (c < D)  # [BT, 1, BC]
+    for b in range(0, tl.cdiv(K, KB)):
+        ok = b * KB + tl.arange(0, KB)
+        into, adding = gradients_at(gtable, ok, ok < K, go_ptr)
+        ok = ok[None, :, None]
+        kmask = ok < K
+        tile = kmask & rows
+        at = into[None, :, None] + n * D + c
+        dv = tl.load(at, mask=tile & adding[None, :, None], other=0.).to(tl.float32)
         for g in range(G):
-            # the output gradient's row repeated over the sources: loaded in the tile's layout, where a broadcast row
-            # changed layout (2 barriers an instance); the projection's row as well took 64 -> 72 registers (BG 1)
-            go = tl.load(go_ptr + (g * N + n) * D + od[None, :] + ok[:, None] * 0, mask=tile & valid,
-                         other=0.).to(tl.float32)
-            coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, go_ptr, VERSION)
-            if VERSION == 3:
-                proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), go_ptr)[None, :]
-                pre, go_v = sums2(v * proj, v * go, 1)  # [BK] each, one exchange
-                dgate = tl.where(pre >= 0., go_v, 0.)  # clamp's subgradient 1 at 0
-                tl.store(w_ptr + (n * BG + g) * BK + ok, dgate, mask=kmask & valid)
-                dv += (coef + tl.maximum(pre, 0.)[:, None]) * go + dgate[:, None] * proj
-            else:
-                dv += coef * go
-        at = into[:, None] + n * D + od[None, :]
-        dv += tl.load(at, mask=tile & valid & adding[:, None], other=0.).to(tl.float32)
-        tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile & valid)
+            go = tl.load(go_ptr + (g * N + n) * D + c, mask=rows, other=0.).to(tl.float32)  # [BT, 1, BC]
+            if VERSION == 1:
+                coef = _rounded(tl.load(bias_ptr + g * K + ok + 0 * n, mask=kmask & (n < N), other=0.), go_ptr)
+            else:  # bias_ptr [G, K, d], a chunk of its rows for each warp's token (the repeats from L1)
+                coef = _rounded(tl.load(bias_ptr + (g * K + ok) * D + c + 0 * n, mask=tile, other=0.), go_ptr)
+            dv += coef * go
+            if VERSION == 3:  # the gate and its gradient of each (token, source): [BT, KB, 1]
+                at_g = (n * SG + g) * KP + ok
+                gate_g = tl.load(gate_ptr + at_g, mask=kmask & (n < N), other=0.)
+                dgate_g = tl.load(w_ptr + at_g, mask=kmask & (n < N), other=0.)
+                proj = _rounded(tl.load(proj_ptr + g * D + c + 0 * n, mask=rows, other=0.), go_ptr)  # [BT, 1, BC]
+                dv += gate_g * go + dgate_g * proj
+        tl.store(at, dv.to(go_ptr.dtype.element_ty), mask=tile)
 
 
 @jit
@@ -345,12 +323,10 @@ def _bias_rows(bias: Tensor, version: int) -> Tensor:
 
 
 def _blocks(srcs: List[Tensor], bias: Tensor) -> Tuple[int, int, int, int]:
-    """(NB, KB, BG, BCH) of the forward and backward kernels for K sources and G instances: chunks of BCH channels
-    (a [BG, BCH] tile of about 1k values), KB sources a load, enough for a [KB, BCH] tile of rows to load 16 bytes
-    a thread on 4 warps, and NB blocks of KB to cover K. (The backward took half as many while it summed
-    [KB, BG, BCH] tiles over the instances: 4 spilled on sm_80 and sm_100. Summed an instance at a time, 4 take
-    126-128 registers, no spill.) 2 sources a load under the interpreter, so that the tests walk several blocks
-    and a masked tail."""
+    """(NB, KB, BG, BCH) of the chunked forward kernel for K sources and G instances: chunks of BCH channels (a
+    [BG, BCH] tile of about 1k values), KB sources a load, enough for a [KB, BCH] tile of rows to load 16 bytes a
+    thread on 4 warps, and NB blocks of KB to cover K. 2 sources a load under the interpreter, so that the tests
+    walk several blocks and a masked tail."""
     k, d = len(srcs), srcs[0].shape[1]
     bg = pow2(bias.shape[0])
     bch = chunk(d, bg)
@@ -362,18 +338,18 @@ def _blocks(srcs: List[Tensor], bias: Tensor) -> Tuple[int, int, int, int]:
 ROWS_IN_REGISTERS = 32768  # fp32 values of a program's whole-row tiles (64 a thread at 16 warps): _rows_fit
 
 
-def _rows_live(k: int, backward: bool) -> int:
-    """The rows a whole-row GRN program holds: the sources and an instance's bias rows (and in backward the
-    sources' gradients), an output (gradient) row and a projection row."""
-    return pow2(k) * (3 if backward else 2) + 2
+def _rows_live(k: int) -> int:
+    """The rows a whole-row forward program holds: the sources, an instance's bias rows, an output row and a
+    projection row."""
+    return 2 * pow2(k) + 2
 
 
-def _rows_fit(k: int, d: int, backward: bool) -> bool:
+def _rows_fit(k: int, d: int) -> bool:
     """Whether a token's k source rows, and what _rows_live adds, fit one program's registers (2-DCA's q/k/v and
     final GRNs at the 1B config's d = 2048 and up to 4 sources; tests/unit/test_kernels_aot.py compiles them
-    without a spill): then the GRN reads each row once (_fwd_rows_kernel, _bwd_rows_kernel), else it walks the
-    rows in chunks of channels."""
-    return _rows_live(k, backward) * pow2(d) <= ROWS_IN_REGISTERS
+    without a spill): then the forward reads each row once (_fwd_rows_kernel), else it walks the rows in chunks of
+    channels."""
+    return _rows_live(k) * pow2(d) <= ROWS_IN_REGISTERS
 
 
 def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], version: int) -> Tensor:
@@ -382,10 +358,10 @@ def _triton_fwd(srcs: List[Tensor], bias: Tensor, proj: Optional[Tensor], versio
     if n == 0:
         return out
     count, tok = programs(n, out.device, reduces=False)
-    if _rows_fit(len(srcs), d, backward=False):
+    if _rows_fit(len(srcs), d):
         launch(_fwd_rows_kernel, (count,), (pointer_table(srcs), _bias_rows(bias, version),
                                             bias if proj is None else proj, out, len(srcs), n, d, bias.shape[0], tok),
-               min(warps(pow2(d), _rows_live(len(srcs), False)), row_warps(pow2(d), out.element_size())),
+               min(warps(pow2(d), _rows_live(len(srcs))), row_warps(pow2(d), out.element_size())),
                BK=pow2(len(srcs)), BD=pow2(d), VERSION=version)  # (row_warps: the sum over sources in each thread)
         return out
     nb, kb, bg, bch = _blocks(srcs, bias)
@@ -403,6 +379,38 @@ def _gate_scratch(n: int, k: int, g: int, version: int, device: torch.device) ->
     values read twice); the backward kernels write the gate gradients for _params_kernel. A placeholder for v1/v2,
     which have none."""
     return torch.empty((n, pow2(g), pow2(k)) if version == 3 else (1,), dtype=F32, device=device)
+
+
+# A warp a token in the backward kernels: 4 tokens a program on 4 warps.
+TOKENS_A_PROGRAM = 4
+
+
+def _vector(element_size: int) -> int:
+    """Channels of one 16-byte load of a thread (8 bf16, 4 fp32); 2 under the interpreter, so that the tests walk
+    several vectors, lanes and chunks, and their masked tails."""
+    return 2 if interpreting() else 16 // element_size
+
+
+def _gate_blocks(k: int, g: int, d: int, element_size: int) -> Tuple[int, int, int, int]:
+    """(KB, BT, BL, BV) of _gates_bwd_kernel for K sources and G instances: a token a warp, a chunk of a warp's 32
+    lanes x a 16-byte vector of channels each (fewer lanes for a narrow row), and KB sources at a time, up to 4 and
+    at most 8 / pow2(G), so that a thread's partial sums and rows fit the default 128 registers (2-DCA at 1B: 4
+    sources x 4 instances spilled 8-20 bytes there on sm_80 / sm_90 / sm_100; 2 x 4 take 93-108, 20 warps an SM);
+    then a token's output gradients are read once a block of sources, the second time from L2."""
+    bv = _vector(element_size)
+    if interpreting():
+        return min(pow2(k), 2), 2, 2, bv
+    return min(pow2(k), 4, max(1, 8 // pow2(g))), TOKENS_A_PROGRAM, min(32, pow2(cdiv(d, bv))), bv
+
+
+def _grad_blocks(k: int, d: int, version: int, element_size: int, shared: bool) -> Tuple[int, int, int]:
+    """(KB, BT, BC) of _source_grads_kernel: KB sources a step (one where two share a buffer; up to 4 with rows of
+    bias, 8 with scalars), a token a warp, 32 lanes x a 16-byte vector of channels each."""
+    bv = _vector(element_size)
+    kb = 1 if shared else min(pow2(k), 2 if interpreting() else 8 if version == 1 else 4)
+    if interpreting():
+        return kb, 2, 2 * bv
+    return kb, TOKENS_A_PROGRAM, min(pow2(d), 32 * bv)
 
 
 def _param_blocks(k: int, g_block: int, d: int, version: int, element_size: int) -> Tuple[int, int]:
@@ -430,23 +438,21 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], bias: Tensor, proj: Optional[Ten
     if n == 0:
         dproj = torch.zeros(proj.shape, dtype=F32, device=go.device) if proj is not None else None
         return torch.zeros(bias.shape, dtype=F32, device=go.device), dproj
-    nb, kb, bg, bch = _blocks(srcs, bias)
+    bg = pow2(g)
+    # one buffer for two sources: a tile of several sources would read it twice and store it twice, losing one
+    # source's gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
     shared = go.device.type != "meta" and len({t.data_ptr() for t in grads}) < k
-    if shared:
-        # one buffer for two sources: a [KB, chunk] tile would read it twice and store it twice, losing one
-        # source's gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
-        nb, kb = pow2(k), 1
     w = _gate_scratch(n, k, g, version, go.device)  # the gates' gradients
+    gates = _gate_scratch(n, k, g, version, go.device)
     table = pointer_table(srcs)
-    count, tok = programs(n, go.device, reduces=False)
-    args = (table, gradient_table(grads, adding), _bias_rows(bias, version), bias if proj is None else proj, go, w, k,
-            n, d, g, tok)
-    if not shared and _rows_fit(k, d, backward=True):
-        launch(_bwd_rows_kernel, (count,), args, warps(pow2(d), _rows_live(k, True)), BK=pow2(k), BD=pow2(d), BG=bg,
-               VERSION=version)
-    else:
-        launch(_bwd_kernel, (count,), (*args[:6], _gate_scratch(n, k, g, version, go.device), *args[6:]), 4, NB=nb,
-               KB=kb, BG=bg, BCH=bch, VERSION=version)
+    if version == 3:
+        kb, bt, bl, bv = _gate_blocks(k, g, d, go.element_size())
+        launch(_gates_bwd_kernel, (cdiv(n, bt),), (table, proj, go, w, gates, k, n, d, g, w.shape[-1]), bt, BG=bg,
+               KB=kb, BT=bt, BL=bl, BV=bv)
+    kb, bt, bc = _grad_blocks(k, d, version, go.element_size(), shared)
+    launch(_source_grads_kernel, (cdiv(n, bt), cdiv(d, bc)),
+           (gradient_table(grads, adding), _bias_rows(bias, version), bias if proj is None else proj, go, w, gates, k,
+            n, d, g, bg, w.shape[-1]), bt, KB=kb, BT=bt, BC=bc, VERSION=version)
     sources, channels = _param_blocks(k, bg, d, version, go.element_size())
     chunks, blocks = cdiv(d, channels), cdiv(k, sources)
     splits, tok = reduction_grid(n, chunks * blocks, go.device)

@@ -149,15 +149,18 @@ class DCA(Mechanism):
 
     def kernel_io_units(self, recompute=True):
         """Per block, the GRN over its K stack entries for q/k/v (3 outputs; run again in the recomputation) and the
-        final GRN (1 output): forward reads K and writes the outputs; backward reads K and the outputs' gradients,
-        the parameter kernel reads them once more; each entry's gradients are summed in the kernels over every
+        final GRN (1 output): forward reads K and writes the outputs; backward (kernels/grn.py) reads K and the
+        outputs' gradients for v3's gates, the outputs' gradients again for the entries' gradients, and the
+        parameter kernel reads K and them once more; each entry's gradients are summed in the kernels over every
         block that reads it (k-DCA's running sum is a new tensor each time it grows)."""
         L, k = self.shape.num_layers, self.last_k
+        gates = self.version == "v3"
         recent, summed, readers, total = [], None, {}, 0.0
         for t in range(1, L + 2):
             entries = ["x"] + ([summed] if summed is not None else []) + recent
             outputs = 3 if t <= L else 1
-            total += (2 if recompute and t <= L else 1) * (len(entries) + outputs) + 2 * (len(entries) + outputs)
+            backward = (len(entries) + outputs if gates else 0) + outputs + (len(entries) + outputs)
+            total += (2 if recompute and t <= L else 1) * (len(entries) + outputs) + backward
             for e in entries:
                 readers[e] = readers.get(e, 0) + 1
             recent.append(f"f{t}")

@@ -131,12 +131,12 @@ class DenseFormer(Mechanism):
 
     def kernel_io_units(self, recompute=True):
         """Per DWA over K stored outputs (a GRN v1 of one instance): forward reads K and writes the average;
-        backward reads K and the average's gradient, the parameter kernel reads them once more; each stored
-        output's gradients are summed in the kernels over the DWAs that read it."""
+        backward reads the average's gradient for the outputs' gradients, and the parameter kernel reads K and it
+        once more; each stored output's gradients are summed in the kernels over the DWAs that read it."""
         readers, total = {}, 0.0
         for unit in dwa_units(self.num_units, self.p):
             sources = dwa_sources(unit, self.k)
-            total += 3 * (len(sources) + 1)
+            total += (len(sources) + 1) + 1 + (len(sources) + 1)
             for j in sources:
                 readers[j] = readers.get(j, 0) + 1
         return total + sunk_gradients(readers)

@@ -24,13 +24,25 @@ def test_values_and_gradients(path, version, k):
 
 @pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_in_chunks_where_whole_rows_do_not_fit(path, monkeypatch, version):
-    """The kernels that walk a token's sources in chunks of channels (wide rows, many sources), forced here: the
-    sizes above fit in registers and take the whole-row kernels."""
+    """The forward kernel that walks a token's sources in chunks of channels (wide rows, many sources), forced here:
+    the sizes above fit in registers and take the whole-row kernel."""
     from mega_depth.kernels import grn
 
-    assert grn._rows_fit(4, 12, backward=True)
+    assert grn._rows_fit(4, 12)
     monkeypatch.setattr(grn, "ROWS_IN_REGISTERS", 0)
     test_values_and_gradients(path, version, 3)
+
+
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_ragged_sizes(path, version):
+    """Sizes that no block divides: 7 tokens (the backward's tiles take 2), 10 channels (its chunks and vectors take
+    4 and 2 under the interpreter), 5 sources (blocks of 2), 3 instances (padded to 4)."""
+    sources = sources_of(5, 7, 10)
+    bias = leaf(3, 5) if version == "v1" else leaf(3, 10, 5)
+    proj = leaf(3, 10) if version == "v3" else None
+    check(lambda b, p, *s: grn_apply_sources(list(s), b, p, version),
+          lambda b, p, *s: mixing.grn_apply(torch.stack(s), b, p, version),
+          [bias, proj, *sources], f"grn {version} ragged")
 
 
 def test_v3_gate_has_subgradient_one_at_zero(path):

@@ -48,14 +48,16 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     assert step and all(r["narrow_loads"] == 0 and r["widest_load"] >= 8 for r in step), step[:3]
     assert all(r["widest_load"] == 16 for r in step if "_phase1_" in r["kernel"]), step
     # DCA's q/k/v GRN (3 instances, chunks of 256 channels) reads a block of sources as one tile: a lone row of 256
-    # bf16 channels loaded 4 bytes a thread (ld.global.b32), one source after another. The backward also loads fp32
-    # gates, an instance's [KB, 1] column of them (and of their gradients) from the L1-resident scratch, 4 bytes a
-    # load: its row tiles are held to 16-byte loads and no narrower than 4.
-    grn = [(r["kernel"], r["load_widths"]) for r in step
-           if r["kernel"].startswith(("grn._fwd_kernel", "grn._bwd_kernel")) and "BG=4," in r["kernel"]
-           and "KB=1," not in r["kernel"]]
-    assert grn and all(min(map(int, widths)) >= (4 if k.startswith("grn._bwd_kernel") else 8) and widths.get("16")
-                       for k, widths in grn), grn
+    # bf16 channels loaded 4 bytes a thread (ld.global.b32), one source after another. The backward's kernels read
+    # rows 16 bytes a load, and fp32 gates 4 (a token's scalars); the sources' gradients are a stream: no barrier,
+    # no shared memory (its [tokens, sources, channels] tiles and [tokens, 1, channels] rows laid out alike)
+    grn = [(r["kernel"], r["load_widths"]) for r in step if r["kernel"].startswith("grn._fwd_kernel")
+           and "BG=4," in r["kernel"] and "KB=1," not in r["kernel"]]
+    assert grn and all(min(map(int, widths)) >= 8 and widths.get("16") for k, widths in grn), grn
+    backward = [r for r in step if r["kernel"].startswith(("grn._gates_bwd_kernel", "grn._source_grads_kernel"))]
+    assert {r["kernel"].split("(")[0] for r in backward} == {"grn._gates_bwd_kernel", "grn._source_grads_kernel"}
+    assert all(min(map(int, r["load_widths"])) >= 4 and r["load_widths"].get("16") for r in backward), backward
+    assert all(r["barriers"] == 0 and r["shared"] == 0 for r in backward if "_source_grads_" in r["kernel"]), backward
     # loads in flight come from resident warps: every launcher's guess for the 1B step keeps at least 16 an SM
     # (4 blocks of 4, 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept
     # 8 (12 %). A setting the tuner measured faster on that target's GPU (kernels/tuned.json) outranks the rule: on
