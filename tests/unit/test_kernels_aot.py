@@ -208,3 +208,22 @@ def test_a_table_named_in_the_environment_replaces_the_shipped_one(tmp_path):
     env["MEGA_DEPTH_TUNED_TABLE"] = str(tmp_path / "absent.json")
     missing = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "no such file" in missing.stderr and "unset it" in missing.stderr
+
+
+def test_every_tuned_setting_names_a_kernel_that_exists():
+    """An entry of kernels/tuned.json whose kernel was rewritten away is a setting no launch takes: the table would
+    claim measurements of code that is gone (the GRN's whole-row backward, 2026-12-07). Each key's op module must
+    hold its kernel as a Triton JIT function; rewriting a kernel means retuning it (tools/bench_kernels.py --tune)."""
+    import importlib
+
+    from mega_depth.kernels import tuning
+
+    table = tuning.load(tuning.SHIPPED_PATH)
+    assert table, "the shipped table is empty"
+    gone = []
+    for target, entries in table.items():
+        for key in entries:
+            module, kernel = key.split("(")[0].split(".")
+            if not hasattr(getattr(importlib.import_module(f"mega_depth.kernels.{module}"), kernel, None), "fn"):
+                gone.append((target, key))
+    assert not gone, gone
