@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, Sources, accumulation_dtype, as_list, cast_grad, cdiv, chunk, contiguous,
-                                       gradient_table, gradients_at, in_dtype, interpreting, jit, launch, nothing,
-                                       partial_sums, pointer_table, pointers_at, pow2, programs, reduction_grid,
-                                       register_fake, row_warps, source_rows, sum_rows, tl, token, uses_triton,
-                                       warps)
+from mega_depth.kernels.common import (F32, STREAM_STAGES, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
+                                       chunk, contiguous, gradient_table, gradients_at, in_dtype, interpreting, jit,
+                                       launch, nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
+                                       reduction_grid, register_fake, row_warps, source_rows, sum_rows, tl, token,
+                                       uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 from mega_depth.model import mixing
 
@@ -198,7 +198,8 @@ def _gates_bwd_kernel(table, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, KP, 
     BV] (tokens, instances, sources, channels): the tokens lie across the warps, a chunk's channels across a warp's
     lanes (a 16-byte vector each), the instances and sources in each thread. A chunk's products are summed over
     each thread's vector into [BT, BG, KB, BL] partial sums (viewed [..., BL, BV]: no data moves), and the lanes'
-    sums are added once, at the end, within each warp: no barrier and no shared memory from one chunk to the next.
+    sums are added once, at the end, within each warp: no exchange between warps from one chunk to the next, whose
+    loads are in flight while one is summed (STREAM_STAGES: through shared memory, a barrier a chunk).
     (The whole-row kernel this replaced held a token's rows on 8 warps, one token a program: 197 registers, 8 warps
     an SM, and a barrier for each instance's two sums.) -> the gates' gradients (clamp's subgradient 1 at 0) into
     w_ptr and the gates into gate_ptr, both [N, BG, KP] (_gate_scratch)."""
@@ -213,7 +214,7 @@ def _gates_bwd_kernel(table, proj_ptr, go_ptr, w_ptr, gate_ptr, K, N, D, G, KP, 
         rk = (n < N) & (ok < K)[None, None, :, None]
         pre = tl.zeros([BT, BG, KB, BL], dtype=tl.float32)
         gv = tl.zeros([BT, BG, KB, BL], dtype=tl.float32)
-        for c0 in range(0, D, CW):
+        for c0 in tl.range(0, D, CW, num_stages=STREAM_STAGES):
             c = c0 + oc
             v = tl.load(rows_at + n * D + c, mask=rk & (c < D), other=0.).to(tl.float32)  # [BT, 1, KB, CW]
             go = tl.load(go_ptr + (og * N + n) * D + c, mask=tg & (c < D), other=0.).to(tl.float32)  # [BT, BG, 1, CW]
@@ -272,7 +273,8 @@ def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr,
     sum_n sum_k dgate[n, k, g] v_k[n, c] over its sources (w_ptr [N, BG, KP]: _gate_scratch). Each token's
     output gradient [BG, BCH] is read once for BK sources ([BK, BCH] in 16-byte loads), not once a source; the
     sums stay in [BK, BG, BCH] registers and go to the program's rows of the partial buffers, which common.sum_rows
-    adds in order (the same bits every run):
+    adds in order (the same bits every run). The tokens' loads are pipelined (STREAM_STAGES): a token's tiles are a
+    few KB, and one at a time left each step waiting on its own loads.
     bias_part [splits (v1: x chunks), G x K (v2/v3: x d)] as [G, K, d] (whole rows of channels, contiguous),
     proj_part [splits x source blocks, G x d]."""
     chunk_id, block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -285,7 +287,7 @@ def _params_kernel(table, like_ptr, go_ptr, w_ptr, bias_part_ptr, proj_part_ptr,
     rows_at = pointers_at(table, ok, kmask, like_ptr)  # [BK]
     dbias = tl.zeros([BK, BG, BCH], dtype=tl.float32)
     dproj = tl.zeros([BK, BG, BCH], dtype=tl.float32)  # summed over the sources once, at the end (v3)
-    for t in range(TOK):
+    for t in tl.range(TOK, num_stages=STREAM_STAGES):
         n = token(split, t, TOK)
         valid = n < N
         # loaded as [BK, 1, BCH] and [1, BG, BCH], not as 2-D tiles broadcast after: the loads then land in the
