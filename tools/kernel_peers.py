@@ -117,7 +117,7 @@ def _phase2_normed(eps):
 
         from mega_depth.kernels.attnres_block import attnres_phase2
 
-        return liger_rms_norm(attnres_phase2(m, z, o, x, q, g, eps, heads=2), w, NORM_EPS, casting_mode="llama",
+        return liger_rms_norm(attnres_phase2(m, z, o, x, q, g, eps), w, NORM_EPS, casting_mode="llama",
                               in_place=False)
 
     return {"phase 2, then liger rms_norm": Peer(unfused, note="the unfused path: our merge written, then Liger's "

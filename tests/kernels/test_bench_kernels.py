@@ -37,6 +37,17 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path, c
                                           "triton_launch_host_us": None, "sum_rows_host_us": None}
 
 
+def test_a_gradient_the_math_makes_zero_is_compared_to_the_largest_gradient():
+    """Both implementations give rounding noise for a gradient that is zero but for an epsilon (phase 2 normed at one
+    depth head: z's): it is held to GRADIENT_FLOOR of the largest gradient, not to its own scale. A real gradient
+    that is off still fails, and so does noise in the largest gradient's range."""
+    big, zero = torch.randn(64), torch.zeros(8)
+    ok = bench_kernels.first_difference([big], [big, zero + 1e-9], [big], [big, zero - 1e-9], 1e-4)
+    assert ok is None
+    assert "gradient 1" in bench_kernels.first_difference([big], [big, zero + 1e-3], [big], [big, zero], 1e-4)
+    assert "gradient 0" in bench_kernels.first_difference([big], [big * 1.01, zero], [big], [big, zero], 1e-4)
+
+
 def clock_events(clock, on_sync=lambda: None):
     """A fake torch.cuda.Event on a fake device clock (clock[0], seconds); on_sync runs at an event's sync."""
     class Event:
