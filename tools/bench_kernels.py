@@ -358,6 +358,7 @@ class Timing(NamedTuple):
 
 
 HOST_PROFILE = False  # --host-profile: each timed call's host time by function, on the GPU machine's own host
+KERNEL_BREAKDOWN = False  # --kernel-breakdown: our rows list each phase's kernels with their device times
 
 
 def host_profile(fn, repeats: int, top: int = 12) -> List[list]:
@@ -560,6 +561,39 @@ def measure(case: Case, device, repeats: int, tol: float) -> List[dict]:
     return [measure_ours(case, device, repeats, tol)] + measure_peers(case, device, repeats, tol)
 
 
+def kernel_breakdown(run, inputs, device) -> dict:
+    """{fwd_kernels, bwd_kernels}: one call of each phase under torch.profiler, its kernels as [name, device us,
+    launches], longest first: which of an op's kernels holds its time (the GRN's backward is three kernels and
+    sums of partials). On a CPU, the top-level operators instead (the plumbing's dry run: the interpreter's kernels
+    are Python, not device work)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from profile_step import intervals
+
+    gpu = device.type == "cuda"
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    wanted = [t for t in leaves if t.requires_grad]
+    calls = {"fwd": lambda: run(*leaves)}
+    found = {}
+    for phase in ("fwd", "bwd"):
+        if phase == "bwd":  # a forward's graph of its own, kept for the one profiled backward
+            out = outputs(run(*leaves))
+            go = output_gradient(out)
+            calls["bwd"] = lambda: torch.autograd.grad(out, wanted, go, retain_graph=True)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            calls[phase]()
+            if gpu:
+                torch.cuda.synchronize()
+        totals: Dict[str, list] = {}
+        for start, end, name in intervals(prof.events(), gpu):
+            entry = totals.setdefault(name, [name, 0.0, 0])
+            entry[1] += end - start
+            entry[2] += 1
+        found[f"{phase}_kernels"] = sorted(totals.values(), key=lambda e: -e[1])
+    return found
+
+
 def measure_ours(case: Case, device, repeats: int, tol: float) -> dict:
     """Our row of the case: timed, run twice for its bits, and checked against the eager math in fp32."""
     inputs = case.make()
@@ -567,6 +601,8 @@ def measure_ours(case: Case, device, repeats: int, tol: float) -> dict:
     same = run_twice_equal(case.run, inputs, out, grads)
     row = dict(impl="mega_depth", **timing_fields(fwd, bwd), deterministic=same,
                status="ok" if same else "ok, but a second run differs in its bits (not deterministic)")
+    if KERNEL_BREAKDOWN:
+        row.update(kernel_breakdown(case.run, inputs, device))
     # the reference is the eager math in fp32: in bf16 its own reductions (a gain's gradient summed over 8,192
     # tokens) round further from the truth than our fp32-accumulating kernels do
     ref_out, ref_grads, _, _ = forward_backward(reference(case.op), [_fp32(t) for t in inputs], device, 1)
@@ -789,6 +825,19 @@ def markdown(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_markdown(rows: List[dict]) -> str:
+    """Our rows' kernels (--kernel-breakdown): per op and phase, each kernel's device us and launches."""
+    lines = ["| op | shape | phase | kernels (a CPU's dry run: operators): us (launches), longest first |",
+             "|---|---|---|---|"]
+    for r in rows:
+        for phase in ("fwd", "bwd"):
+            kernels = r.get(f"{phase}_kernels")
+            if kernels:
+                lines.append(f"| {r['op']} | {r['shape']} | {phase} | "
+                             + ", ".join(f"`{name}` {us:.1f} ({n})" for name, us, n in kernels) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--shapes", default="1b,7b", help="config sizes whose step sizes to run")
@@ -800,6 +849,9 @@ def main(argv=None) -> int:
     parser.add_argument("--host-profile", action="store_true",
                         help="with each timing, where the host's time to issue a call went (cProfile: the top "
                         "functions by own time), in the JSON rows as fwd_host_profile / bwd_host_profile")
+    parser.add_argument("--kernel-breakdown", action="store_true",
+                        help="with our rows, each phase's kernels and their device times (one call under "
+                        "torch.profiler), in the JSON rows as fwd_kernels / bwd_kernels and after the table")
     parser.add_argument("--passes", default=",".join(PASSES),
                         help=f"which rows, comma-separated ({', '.join(PASSES)}): our kernels, the published "
                         "peers, torch.compile of the eager math (a device check runs ours first, the peers later: "
@@ -830,8 +882,8 @@ def main(argv=None) -> int:
 
     if args.host:
         return _host_all(args)
-    global HOST_PROFILE
-    HOST_PROFILE = args.host_profile
+    global HOST_PROFILE, KERNEL_BREAKDOWN
+    HOST_PROFILE, KERNEL_BREAKDOWN = args.host_profile, args.kernel_breakdown
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not args.toy \
         else torch.device("cpu")
     if device.type != "cuda" and not args.toy:
@@ -885,6 +937,8 @@ def main(argv=None) -> int:
                     save()
         if args.markdown:
             print(markdown(sorted(rows, key=_table_order)))
+            if args.kernel_breakdown:
+                print(breakdown_markdown(sorted(rows, key=_table_order)))
         print(f"{len(rows)} rows in {time.time() - start:.0f} s")
         wrong = [f"{r['op']} {r['shape']}" for r in rows
                  if r["impl"] == "mega_depth" and r["status"].startswith("differs")]

@@ -4,7 +4,8 @@
 #   1. environment;
 #   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes
 #      (tools/bench_kernels.py --passes ours): our rows of the kernel table, with where each call's host time went
-#      (--host-profile: on 2026-11-30, second session, every op of ours took as long to issue as to run);
+#      (--host-profile: on 2026-11-30, second session, every op of ours took as long to issue as to run) and each
+#      phase's kernels with their device times (--kernel-breakdown: which of an op's kernels holds its time);
 #   3. throughput at the 1B-class size (24 layers, d = 2048, 16 heads / 8 groups, seq 2048): the baseline on the
 #      SDPA local spec, the speed targets' mechanisms with --mixing-impl triton (Block AttnRes, Depth-Attention and
 #      2-DCA first), same run, interleaved, one mechanism and the baseline resident at a time; MFU,
@@ -133,7 +134,8 @@ step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
 # first, alone: 22 s of kernels on the H200 of 2026-11-30 (second session), where the peers' first compiles and
 # autotuning (fla tries 24 settings a kernel) took 62 s for the AttnRes mix alone and cut the whole table at 150 s
 step bench_kernels 70 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
-  "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours --host-profile --out "$WORK/kernels.json" --markdown
+  "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours --host-profile --kernel-breakdown \
+  --out "$WORK/kernels.json" --markdown
 step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
   --out "$WORK/throughput_1b.json"
 # the peers and the torch.compile floor, beside our rows of the first step (the table merges the two JSONs)

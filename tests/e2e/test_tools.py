@@ -216,6 +216,8 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
     kernels = json.loads((tmp_path / "results" / "kernels.json").read_text())["rows"]
     assert {(r["impl"], r["op"], r["status"]) for r in kernels} == {("mega_depth", "attnres_mix", "ok"),
                                                                     ("mega_depth", "attnres_block", "ok")}
+    # and each phase's kernels (on a CPU, its operators): which of an op's kernels holds its time
+    assert all(r["fwd_kernels"] and r["bwd_kernels"] for r in kernels), kernels
     # the peers' rows, in a step of their own after the ratios: each checked against ours or said to be skipped
     peers = json.loads((tmp_path / "results" / "kernel_peers.json").read_text())["rows"]
     assert peers and {r["impl"] for r in peers}.isdisjoint({"mega_depth"}), peers

@@ -37,6 +37,19 @@ def test_the_toy_run_checks_every_op_and_the_peers_that_run_on_a_cpu(tmp_path, c
                                           "triton_launch_host_us": None, "sum_rows_host_us": None}
 
 
+def test_the_kernel_breakdown_lists_each_phases_kernels():
+    """--kernel-breakdown: one call of each phase under torch.profiler, its kernels (on a GPU; on a CPU the top-level
+    operators) with their time and launches, longest first; the table's rows after the main table."""
+    (case,) = [c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True) if c.op == "grn"]
+    found = bench_kernels.kernel_breakdown(case.run, case.make(), torch.device("cpu"))
+    fwd, bwd = found["fwd_kernels"], found["bwd_kernels"]
+    assert fwd[0][0] == "mega_depth::dca_grn" and fwd[0][2] == 1, fwd
+    assert [e[1] for e in bwd] == sorted((e[1] for e in bwd), reverse=True) and all(e[2] >= 1 for e in bwd), bwd
+    assert "Backward" in bwd[0][0], bwd
+    table = bench_kernels.breakdown_markdown([dict(op="grn", shape="toy", **found)])
+    assert "| grn | toy | fwd | `mega_depth::dca_grn` " in table and "| grn | toy | bwd |" in table
+
+
 def test_a_gradient_the_math_makes_zero_is_compared_to_the_largest_gradient():
     """Both implementations give rounding noise for a gradient that is zero but for an epsilon (phase 2 normed at one
     depth head: z's): it is held to GRADIENT_FLOOR of the largest gradient, not to its own scale. A real gradient
