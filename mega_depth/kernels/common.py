@@ -369,11 +369,11 @@ SUM_ROWS = 256  # the most rows of a sum_rows step
 def _sum_rows_blocks(p: int, k: int, sms: int = 0) -> Tuple[int, int]:
     """(rows, columns) of a sum_rows step: up to SUM_ROWS rows (fewer where P is small), and columns to fill
     SUM_TILE, at least 16 (a 16-byte load a thread, a 64-byte piece of each row); down to 32 columns where the
-    chunks of K would leave some of the `sms` SMs without a program. A program's steps depend on one another (each
-    adds its tile into the accumulator), so their count is the kernel's latency: the 1B step's usual sum, 1,056
-    partial rows of 2,048 columns, is 128 programs of 5 steps of [256, 16] (it was 32 programs of 17 steps of
-    [64, 64], about 11.5 us each on the H200, 2026-11-30: latency, not its 9 MB). Under the interpreter 2 rows and up
-    to 16 columns, so that the tests walk several steps and masked tails."""
+    chunks of K would leave some of the `sms` SMs without a program. A program's steps add into one accumulator, so
+    their count is the kernel's latency: the 1B step's usual sum, 1,056 partial rows of 2,048 columns, is 128
+    programs of 5 steps of [256, 16] (it was 32 programs of 17 steps of [64, 64], about 11.5 us each on the H200,
+    2026-11-30: latency, not its 9 MB); the steps' loads are pipelined (STREAM_STAGES) since 2026-12-07. Under the
+    interpreter 2 rows and up to 16 columns, so that the tests walk several steps and masked tails."""
     if interpreting() and _RECORDER is None:
         return min(2, pow2(p)), max(4, min(16, pow2(k)))
     br = min(SUM_ROWS, pow2(p))
@@ -698,8 +698,8 @@ def gradient_modes_at(table, ok, kmask, like_ptr):
         (low & 2) == 2
 
 
-# Loads in flight in a loop that streams rows and reduces them (a parameter gradient's sum over tokens, the GRN
-# gates' dots over channels): Triton pipelines a loop's loads into shared memory (cp.async) only where the loop asks,
+# Loads in flight in a loop that streams rows and reduces them (a parameter gradient's sum over tokens, sum_rows'
+# partial sums, the GRN gates' dots over channels): Triton pipelines a loop's loads into shared memory (cp.async) only where the loop asks,
 # `tl.range(..., num_stages=STREAM_STAGES)`; a plain range, or the launch's num_stages, leaves a loop with no dot
 # waiting on each step's own loads (compiled for sm_90: no cp.async). 3: two steps' loads in flight while one is
 # summed.
@@ -721,7 +721,9 @@ def _sum_rows_kernel(p_ptr, out_ptr, out1_ptr, tail_ptr, s0_ptr, s1_ptr, P, K, C
     kmask = ok < K
     orow = tl.arange(0, BR)
     acc = tl.zeros([BR, BK], dtype=tl.float32)
-    for r0 in range(0, P, BR):  # rows * K: offsets the compiler knows to be multiples of 16 where K is (vector loads)
+    # rows * K: offsets the compiler knows to be multiples of 16 where K is (vector loads); the steps' loads in
+    # flight together (STREAM_STAGES): each step only adds its tile, so one at a time left the sum a chain of loads
+    for r0 in tl.range(0, P, BR, num_stages=STREAM_STAGES):
         rows = (r0 + orow).to(tl.int64)
         acc += tl.load(p_ptr + rows[:, None] * K + ok[None, :], mask=(rows < P)[:, None] & kmask[None, :], other=0.)
     total = tl.sum(acc, axis=0)
