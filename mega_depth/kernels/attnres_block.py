@@ -236,13 +236,17 @@ def _phase1_bwd_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr
 @jit
 def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, w_ptr, p_ptr, K, N, S, D, C, H, eps,
                             TOK, BK: tl.constexpr, BH: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr,
-                            SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr):
+                            SIGMOID: tl.constexpr, HAS_GZ: tl.constexpr, ONE_PASS: tl.constexpr = False):
     """_phase1_bwd_kernel where a token's whole block rows fit in registers (_rows_fit): the rows [BK, BH, BC] are
     read once, each query's output gradient and folded query twice (the second time from cache). Pass 1 over the
     queries finds the weights p and the logit gradients dl (times 1 / RMS: w_ptr [N, K, S, H], for
     _phase1_dq_kernel; p to the scratch p_ptr, alike) and the key norm's gradient; the block gradients start as the
     key norm's term, the rows' last use, and pass 2 adds p^T go + dl^T f query by query, p and dl read back. So
-    the rows and their gradients are never live together: at 8 blocks of 2,048 channels both spilled on sm_100."""
+    the rows and their gradients are never live together: at 8 blocks of 2,048 channels both spilled on sm_100.
+    ONE_PASS (where the rows and their gradients fit together, _one_pass: up to 4 blocks of 2,048 bf16 channels):
+    pass 1 adds each query's p^T go + dl^T f to the gradients while its output gradient and folded query are loaded,
+    and the key norm's term comes last: each query's rows are read once a token, where two passes read them twice
+    (2 x S rows a token from L2, about twice the token's DRAM traffic at 6 queries), and p makes no round trip."""
     ok = tl.arange(0, BK)
     kmask = ok < K
     oh, offs, cmask = channel_block(C, H, BH, BC)  # [BH], [BH, BC], [BH, BC]
@@ -260,6 +264,8 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
         else:
             rinv = tl.full([BK], 1., tl.float32)
         dr = tl.zeros([BK], dtype=tl.float32)  # dL/d(1 / RMS) per block (0 without a key norm)
+        if ONE_PASS:
+            dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
         for s in range(S):
             f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)  # [BH, BC]
             go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
@@ -278,24 +284,31 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
             dl = tl.where(live, dl, 0.)
             dr += tl.sum(dl * dots, axis=1)
             woffs = ((n * K + ok[:, None]) * S + s) * H + oh[None, :]
-            if BK >= 4:  # each [BK, BH] store changes its layout (2 barriers a query): one store of both
+            if ONE_PASS:
+                tl.store(w_ptr + woffs, dl * rinv[:, None], mask=live & valid)
+                dv += p[:, :, None] * go[None, :, :] + (dl * rinv[:, None])[:, :, None] * f[None, :, :]
+            elif BK >= 4:  # each [BK, BH] store changes its layout (2 barriers a query): one store of both
                 tl.store(tl.join(w_ptr + woffs, p_ptr + woffs), tl.join(dl * rinv[:, None], p),
                          mask=tl.join(live & valid, live & valid))
             else:  # stored as they lie (joined, they would take the layout change)
                 tl.store(w_ptr + woffs, dl * rinv[:, None], mask=live & valid)
                 tl.store(p_ptr + woffs, p, mask=live & valid)
-        if NORM:
-            dv = -(dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
+        if ONE_PASS:
+            if NORM:
+                dv -= (dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
         else:
-            dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
-        tl.debug_barrier()  # pass 2 reads p and dl in other threads than wrote them (global writes: visible after)
-        for s in range(S):
-            f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)
-            go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
-            woffs = ((n * K + ok[:, None]) * S + s) * H + oh[None, :]
-            p = tl.load(p_ptr + woffs, mask=live & valid, other=0.)
-            dl = tl.load(w_ptr + woffs, mask=live & valid, other=0.)
-            dv += p[:, :, None] * go[None, :, :] + dl[:, :, None] * f[None, :, :]
+            if NORM:
+                dv = -(dr * rinv * rinv * rinv / D)[:, None, None] * v  # the key norm's term
+            else:
+                dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
+            tl.debug_barrier()  # pass 2 reads p and dl in other threads than wrote them (global writes: visible after)
+            for s in range(S):
+                f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)
+                go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
+                woffs = ((n * K + ok[:, None]) * S + s) * H + oh[None, :]
+                p = tl.load(p_ptr + woffs, mask=live & valid, other=0.)
+                dl = tl.load(w_ptr + woffs, mask=live & valid, other=0.)
+                dv += p[:, :, None] * go[None, :, :] + dl[:, :, None] * f[None, :, :]
         tl.store(block_grads[:, None, None] + n * D + offs[None, :, :], dv.to(go_ptr.dtype.element_ty),
                  mask=tile & valid)
 
@@ -505,21 +518,39 @@ def _rows_fit(k: int, d: int, heads: int, backward: bool = False, element_size: 
     return _rows_live(k, backward, element_size) * pow2(heads) * pow2(d // heads) <= ROWS_IN_REGISTERS
 
 
-def _rows_live(k: int, backward: bool, element_size: int = 2) -> int:
+def _rows_live(k: int, backward: bool, element_size: int = 2, one_pass: bool = False) -> int:
     """The rows a whole-row phase-1 program holds: the blocks (or, later in backward, their gradients), a query and
     an output (gradient). fp32 rows in backward count twice: at 8 blocks ptxas spilled 16-44 bytes there (sm_90),
-    where 16-bit rows fit."""
-    return pow2(k) * (2 if backward and element_size > 2 else 1) + 2
+    where 16-bit rows fit. one_pass: the backward holds the blocks and their gradients together."""
+    return pow2(k) * (2 if backward and (element_size > 2 or one_pass) else 1) + 2
 
 
-def _rows_warps(k: int, row: int, backward: bool = False, element_size: int = 2) -> Tuple[int, int]:
+ONE_PASS_VALUES = 80  # fp32 values of rows a thread of a one-pass backward holds at most (_one_pass)
+
+
+def _one_pass(k: int, d: int, heads: int, element_size: int) -> bool:
+    """Whether the whole-row backward holds a token's block rows and their gradients together (ONE_PASS: each
+    query's output gradient and folded query read once a token, not twice): 16-bit rows where the blocks, their
+    gradients, a query and an output gradient come to ONE_PASS_VALUES a thread or fewer on the program's warps (the
+    125M, 1B and 7B configs' Block AttnRes up to 4 blocks, 128 registers and no spill on sm_80 / sm_90 / sm_100:
+    tests/unit/test_kernels_aot.py; at 8 blocks, 144 values a thread, the 125M program spilled 404-484 bytes).
+    fp32 rows held twice spilled already with two passes."""
+    if element_size != 2:
+        return False
+    row = pow2(heads) * pow2(d // heads)
+    num_warps, _ = _rows_warps(k, row, True, element_size, True)
+    return _rows_live(k, True, element_size, True) * row <= ONE_PASS_VALUES * 32 * num_warps
+
+
+def _rows_warps(k: int, row: int, backward: bool = False, element_size: int = 2,
+                one_pass: bool = False) -> Tuple[int, int]:
     """(warps, resident warps) of a whole-row phase-1 program: about 32 values a thread, but no more warps than a row
     has 16-byte pieces for (common.row_warps: the blocks' axis then lies in each thread, and the forward's max, sum
     and weighted sum over blocks need no exchange; at 8 blocks, 1B: 18 barriers on 16 warps, 5 on 8), except for
     fp32 rows in backward, which spilled there (16 bytes, 125M); where the values are 24 a thread or fewer, a
     64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no spill,
     for sm_90; 72 and one program an SM left to ptxas)."""
-    live = _rows_live(k, backward, element_size)
+    live = _rows_live(k, backward, element_size, one_pass)
     num_warps = warps(row, live)
     if not (backward and element_size > 2):
         num_warps = min(num_warps, row_warps(row, element_size))
@@ -574,10 +605,12 @@ def _triton_phase1_bwd(go: Tensor, gz: Optional[Tensor], m: Tensor, srcs: List[T
             s, d, d // heads, heads, eps, tok)
     if _rows_fit(len(srcs), d, heads, True, go.element_size()):
         bh, bc = pow2(heads), pow2(d // heads)
-        num_warps, resident = _rows_warps(len(srcs), bh * bc, True, go.element_size())
-        weights = torch.empty_like(w)  # pass 1's p, for pass 2
+        one_pass = _one_pass(len(srcs), d, heads, go.element_size())
+        num_warps, resident = _rows_warps(len(srcs), bh * bc, True, go.element_size(), one_pass)
+        weights = w if one_pass else torch.empty_like(w)  # pass 1's p, for pass 2
+        once = {"ONE_PASS": True} if one_pass else {}  # (the key of a launch without it, as tuned.json has)
         launch(_phase1_bwd_rows_kernel, (count,), (*args[:8], weights, *args[8:]), num_warps, resident_warps=resident,
-               BK=pow2(len(srcs)), BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)
+               BK=pow2(len(srcs)), BH=bh, BC=bc, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None, **once)
     else:
         launch(_phase1_bwd_kernel, (count,), args, _phase1_warps(bs), resident_warps=_phase1_resident(go), BK=bk,
                BS=bs, BH=pow2(heads), BCH=bch, NORM=g is not None, SIGMOID=sigmoid, HAS_GZ=gz is not None)

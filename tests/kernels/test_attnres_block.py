@@ -51,6 +51,18 @@ def test_phase1_in_chunks_where_whole_rows_do_not_fit(path, monkeypatch, heads, 
     test_phases(path, 3, heads, weight, norm)
 
 
+@pytest.mark.parametrize("heads, weight, norm", [(1, "softmax", True), (2, "sigmoid", True), (1, "softmax", False)])
+def test_phase1_backward_in_one_pass(path, monkeypatch, heads, weight, norm):
+    """The whole-row backward that holds the blocks and their gradients together (ONE_PASS: 16-bit rows up to 4
+    blocks at 1B), forced here in fp32, which takes two passes; and it is what bf16 rows of 3 blocks take."""
+    from mega_depth.kernels import attnres_block
+
+    assert attnres_block._one_pass(3, 2048, 1, 2) and not attnres_block._one_pass(8, 2048, 1, 2)
+    assert not attnres_block._one_pass(3, 12, 1, 4)
+    monkeypatch.setattr(attnres_block, "_one_pass", lambda k, d, heads, element_size: True)
+    test_phases(path, 3, heads, weight, norm)
+
+
 @pytest.mark.parametrize("weight", ["softmax", "sigmoid"])
 def test_phases_chained(path, weight):
     """Phase 1 then phase 2 (its m detached), end to end: the values and gradients of the reference chain, for
