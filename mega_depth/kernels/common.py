@@ -699,10 +699,10 @@ def gradient_modes_at(table, ok, kmask, like_ptr):
 
 
 # Loads in flight in a loop that streams rows and reduces them (a parameter gradient's sum over tokens, sum_rows'
-# partial sums, the GRN gates' dots over channels): Triton pipelines a loop's loads into shared memory (cp.async) only where the loop asks,
-# `tl.range(..., num_stages=STREAM_STAGES)`; a plain range, or the launch's num_stages, leaves a loop with no dot
-# waiting on each step's own loads (compiled for sm_90: no cp.async). 3: two steps' loads in flight while one is
-# summed.
+# partial sums, the GRN gates' dots over channels): Triton pipelines a loop's loads into shared memory (cp.async)
+# only where the loop asks, `tl.range(..., num_stages=STREAM_STAGES)`; a plain range, or the launch's num_stages,
+# leaves a loop with no dot waiting on each step's own loads (compiled for sm_90: no cp.async). 3: two steps' loads
+# in flight while one is summed.
 STREAM_STAGES = tl.constexpr(3) if tl is not None else None
 
 # Whether tl.dot takes bf16/fp16 operands as they are (on the tensor cores: exact products, fp32 sums). Compiled

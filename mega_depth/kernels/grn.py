@@ -397,8 +397,9 @@ def _gate_blocks(k: int, g: int, d: int, element_size: int) -> Tuple[int, int, i
     """(KB, BT, BL, BV) of _gates_bwd_kernel for K sources and G instances: a token a warp, a chunk of a warp's 32
     lanes x a 16-byte vector of channels each (fewer lanes for a narrow row), and KB sources at a time, up to 4 and
     at most 8 / pow2(G), so that a thread's partial sums and rows fit the default 128 registers (2-DCA at 1B: 4
-    sources x 4 instances spilled 8-20 bytes there on sm_80 / sm_90 / sm_100; 2 x 4 take 93-108, 20 warps an SM);
-    then a token's output gradients are read once a block of sources, the second time from L2."""
+    sources x 4 instances spilled 8-20 bytes there on sm_80 / sm_90 / sm_100; 2 x 4 take 122-128 with the chunks'
+    loads pipelined, 16 warps an SM); then a token's output gradients are read once a block of sources, the second
+    time from L2."""
     bv = _vector(element_size)
     if interpreting():
         return min(pow2(k), 2), 2, 2, bv
