@@ -45,6 +45,25 @@ def test_ragged_sizes(path, version):
           [bias, proj, *sources], f"grn {version} ragged")
 
 
+@pytest.mark.parametrize("version", ["v1", "v3"])
+def test_backward_at_the_compiled_block_sizes(path, monkeypatch, version):
+    """The backward's tiles as a GPU compiles them (32 lanes of 16-byte vectors, a token a warp, 4 tokens a program,
+    2 sources a step at 3 instances), where the interpreter's own are 2 wide: the reshape of a chunk into lanes and
+    vectors, the masked last chunk (300 channels) and the token tail (9 tokens) at the real shapes."""
+    from mega_depth.kernels import grn
+
+    if path == "torch":
+        pytest.skip("the Triton kernels' block sizes")
+    monkeypatch.setattr(grn, "interpreting", lambda: False)
+    assert grn._gate_blocks(4, 3, 300, 4) == (2, 4, 32, 4) and grn._grad_blocks(4, 300, 3, 4, False) == (4, 4, 128)
+    sources = sources_of(4, 9, 300)
+    bias = leaf(3, 4) if version == "v1" else leaf(3, 300, 4, scale=0.1)
+    proj = leaf(3, 300, scale=0.1) if version == "v3" else None
+    check(lambda b, p, *s: grn_apply_sources(list(s), b, p, version),
+          lambda b, p, *s: mixing.grn_apply(torch.stack(s), b, p, version),
+          [bias, proj, *sources], f"grn {version} at the compiled block sizes")
+
+
 def test_v3_gate_has_subgradient_one_at_zero(path):
     """proj starts at exactly zero: every gate sits on the kink, where clamp's subgradient (1) must be kept."""
     sources = sources_of(3, 2, 3, 12)
