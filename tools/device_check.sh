@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU checks behind docs/benchmarks.md, as one prepared, time-boxed run (GPU time is scarce), most
-# important first, so that the first 85 s give our kernels' table and the next 200 s the 1B step ratios:
+# important first, so that the first 95 s give our kernels' table and the next 200 s the 1B step ratios:
 #   1. environment;
 #   2. every mixing op alone at the 1B step's sizes, forward and backward, against a copy of the same bytes
 #      (tools/bench_kernels.py --passes ours): our rows of the kernel table, with where each call's host time went
@@ -132,8 +132,11 @@ step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
   (\"megatron-core\", \"transformers\", \"liger-kernel\", \"fla-core\", \"flash-attn-res\")))'"
 # (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op.) Our rows
 # first, alone: 22 s of kernels on the H200 of 2026-11-30 (second session), where the peers' first compiles and
-# autotuning (fla tries 24 settings a kernel) took 62 s for the AttnRes mix alone and cut the whole table at 150 s
-step bench_kernels 70 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+# autotuning (fla tries 24 settings a kernel) took 62 s for the AttnRes mix alone and cut the whole table at 150 s;
+# the step took 38 s for 11 ops on 2026-12-04. Since: 13 ops (the mHC sublayer's two cases compile about eight
+# kernels more) and each phase's kernels under the profiler, a guess of 20 s more; 10 s of the peers' box, which
+# closed on the AttnRes mix's peers then, pays for it
+step bench_kernels 80 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours --host-profile --kernel-breakdown \
   --out "$WORK/kernels.json" --markdown
 step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing-impl triton \
@@ -144,7 +147,7 @@ step throughput_1b 200 "$PY" tools/bench_throughput.py "${TP_LARGE[@]}" --mixing
 step graph_check 50 "$PY" tools/graph_check.py "${GRAPH_CHECK[@]}" --out "$WORK/graph_check.json"
 step throughput_1b_graphed 120 "$PY" tools/bench_throughput.py "${TP_LARGE_GRAPHED[@]}" --mixing-impl triton \
   "${GRAPHED[@]}" --out "$WORK/throughput_1b_graphed.json"
-step kernel_peers 125 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+step kernel_peers 115 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes peers,torch.compile --out "$WORK/kernel_peers.json" \
   --markdown
 if [ "${FULL:-0}" = 1 ]; then
