@@ -438,26 +438,32 @@ def _run_of(ckpt_dir: str) -> Optional[str]:
     return None
 
 
-def _check_unnamed_fallback(load: str, complete: List[Tuple[int, str]], anchor: int) -> Optional[str]:
-    """Before falling back past a damaged `anchor`: the run the fallback continues (None where it is the anchor's
-    own, which its files name). Where the anchor names no run, the fallback is safe only if the folder's other
-    checkpoints are all of one run: else the newest intact one may be another run's, and a resume would continue
-    it as this one. -> that run; raises CheckpointError naming the runs and the fix where there are several."""
-    by_step = dict(complete)
-    if _run_of(by_step[anchor]) is not None:
-        return None
+def _unnamed_fallback(load: str, complete: List[Tuple[int, str]], anchor: int) -> Optional[str]:
+    """Before falling back past a damaged `anchor` (the checkpoint tried first) whose files name no run: the run the
+    fallback continues, checked safe. It is safe only where every other checkpoint of the folder is of one run and
+    at a lower step: else the anchor may be another run's (a fresh run's save beside an older run's checkpoints, or
+    a rewound run's, whose timeline the steps alone do not order), and a resume would continue the wrong one as this
+    one. -> that run (None where no other checkpoint names one); raises CheckpointError naming what it found and the
+    fix otherwise. Called before the anchor is quarantined: a refusal renames nothing."""
     runs: dict = {}
+    later = []
     for step, path in reversed(complete):
-        run = _run_of(path) if step != anchor else None
+        if step == anchor:
+            continue
+        if step > anchor:
+            later.append(os.path.basename(path))
+        run = _run_of(path)
         if run is not None:
             runs.setdefault(run, os.path.basename(path))
+    if len(runs) < 2 and not later:
+        return next(iter(runs), None)
     if len(runs) > 1:
-        held = ", ".join(f"run {run} (newest {name})" for run, name in runs.items())
-        raise CheckpointError(
-            f"the newest checkpoint {by_step[anchor]} is damaged and names no run, and {load} holds checkpoints of "
-            f"{len(runs)} runs ({held}): the newest intact one may be another run's; name the one to resume with "
-            f"--load {os.path.join(load, 'iter_N')}")
-    return next(iter(runs), None)
+        found = f"checkpoints of {len(runs)} runs (" + ", ".join(f"run {r} (newest {n})" for r, n in runs.items()) + ")"
+    else:
+        found = f"checkpoints at later steps ({', '.join(later[:3])}): it may be a fresh or rewound run's save"
+    raise CheckpointError(
+        f"the newest checkpoint {dict(complete)[anchor]} is damaged and names no run, and {load} holds {found}; the "
+        f"newest intact one may be another run's: name the one to resume with --load {os.path.join(load, 'iter_N')}")
 
 
 def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = False
@@ -499,6 +505,9 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
                               "a --save folder or at one iter_N directory")
     by_step = dict(complete)
     candidates = resume_order(complete, pointer)
+    # the first candidate's run, read before a quarantine renames it: a fallback past one that names none must stay
+    # within one run (_unnamed_fallback; the others are its run's: resume_order)
+    unnamed, fallback_run = _run_of(by_step[candidates[0]]) is None, None
     problems = []
     for step in candidates:
         path = by_step[step]
@@ -507,14 +516,18 @@ def find_checkpoint(load: str, say: Callable[[str], None] = print, own: bool = F
         except CorruptCheckpoint as e:
             say(f"checkpoint {path} is damaged: {e}; trying the previous one")
             problems.append(f"{os.path.basename(path)}: {e}")
+            if unnamed and step == candidates[0]:
+                fallback_run = _unnamed_fallback(load, complete, step)
             if own:
                 quarantine(path, say)
             continue
         if problems:
-            run = _check_unnamed_fallback(load, complete, candidates[0])
-            say(f"falling back to {path}, the newest intact checkpoint of this run" if run is None else
-                f"falling back to {path}, the newest intact checkpoint (of run {run}, the folder's only run: the "
-                f"damaged {os.path.basename(by_step[candidates[0]])} names none)")
+            damaged = os.path.basename(by_step[candidates[0]])
+            say(f"falling back to {path}, the newest intact checkpoint of this run" if not unnamed else
+                f"falling back to {path}, the newest intact checkpoint (of run {fallback_run}, the folder's only run, "
+                f"all of it at earlier steps: the damaged {damaged} names none)" if fallback_run else
+                f"falling back to {path}, the newest intact checkpoint (no checkpoint of the folder names a run: the "
+                f"damaged {damaged} is the newest)")
         elif pointer in by_step and pointer != step:
             say(f"resuming {path}, saved after the checkpoint that {POINTER} names ({pointer}): the pointer lagged")
         if own and pointer != step:
@@ -580,9 +593,9 @@ def peek_metadata(load: str) -> Optional[Tuple[str, dict]]:
         try:
             meta = read_meta(iter_dir(load, step))
         except CorruptCheckpoint:
+            if step == steps[0] and _run_of(iter_dir(load, step)) is None:  # (as find_checkpoint's fallback)
+                _unnamed_fallback(load, complete, step)
             continue
-        if step != steps[0]:  # (as find_checkpoint's fallback: never into another run's checkpoint)
-            _check_unnamed_fallback(load, complete, steps[0])
         return iter_dir(load, step), meta
     if complete:
         raise CheckpointError(f"no readable checkpoint metadata in {load}; restore the files")

@@ -95,25 +95,56 @@ def test_a_damaged_newest_checkpoint_that_names_no_run_never_falls_back_into_ano
             with open(os.path.join(path, name), "w") as f:
                 f.write("{")
 
+    def listing(folder):
+        return sorted(os.listdir(folder))
+
+    said = []
+    # two runs' checkpoints: refused by the search and by every rank's peek, and in the run's own folder nothing is
+    # renamed (a restart meets the same refusal, not another run's checkpoint)
     for step, run in ((1, "a"), (2, "b"), (3, "a")):
         save(tmp_path / "mixed", step, run)
     unreadable(save(tmp_path / "mixed", 4, "a"))
-    said = []
+    before = listing(tmp_path / "mixed")
     for find in (lambda: rules.find_checkpoint(str(tmp_path / "mixed"), said.append),
+                 lambda: rules.find_checkpoint(str(tmp_path / "mixed"), said.append, own=True),
                  lambda: rules.peek_metadata(str(tmp_path / "mixed"))):
         with pytest.raises(rules.CheckpointError, match=r"iter_0000004 is damaged and names no run, and .* holds "
                            r"checkpoints of 2 runs \(run a \(newest iter_0000003\), run b \(newest iter_0000002\)\)"
                            r".*--load .*iter_N"):
             find()
-    assert os.path.isdir(tmp_path / "mixed" / "iter_0000004")  # nothing lost
-    # one run in the folder: the fallback goes on, and says whose checkpoint it took
+        assert listing(tmp_path / "mixed") == before
+    # one run, but a checkpoint at a later step (a rewound run, or a fresh one's first save beside an older run's):
+    # the steps do not say which timeline the damaged one is of
+    for step in (1, 3):
+        save(tmp_path / "later", step, "a")
+    unreadable(save(tmp_path / "later", 2, "a"))
+    rules.write_pointer(str(tmp_path / "later"), 2)
+    with pytest.raises(rules.CheckpointError, match=r"iter_0000002 is damaged and names no run, and .* holds "
+                       r"checkpoints at later steps \(iter_0000003\)"):
+        rules.find_checkpoint(str(tmp_path / "later"), said.append, own=True)
+    assert os.path.isdir(tmp_path / "later" / "iter_0000002")
+    # one run, all of it earlier: the fallback goes on, says whose checkpoint it took, and quarantines in its folder
     for step in (1, 2):
         save(tmp_path / "one", step, "a")
     unreadable(save(tmp_path / "one", 3, "a"))
-    path, meta = rules.find_checkpoint(str(tmp_path / "one"), said.append)
-    assert path.endswith("iter_0000002") and meta["run_id"] == "a"
-    assert "(of run a, the folder's only run: the damaged iter_0000003 names none)" in said[-1]
     assert rules.peek_metadata(str(tmp_path / "one"))[0].endswith("iter_0000002")
+    path, meta = rules.find_checkpoint(str(tmp_path / "one"), said.append, own=True)
+    assert path.endswith("iter_0000002") and meta["run_id"] == "a"
+    assert "(of run a, the folder's only run, all of it at earlier steps: the damaged iter_0000003 names none)" \
+        in said[-1]
+    assert any(n.startswith("iter_0000003.damaged-") for n in os.listdir(tmp_path / "one"))
+
+
+def test_in_its_own_folder_a_damaged_checkpoint_of_a_named_run_falls_back_within_it(tmp_path):
+    """The resume of a run's own folder (--load == --save) quarantines the damaged checkpoint as it falls back: the
+    run it falls back within is read before that rename (the other runs' checkpoints beside it are never taken)."""
+    for step, run in ((1, "a"), (2, "b"), (3, "a"), (4, "a")):
+        save(tmp_path, step, run)
+    _damage(tmp_path / "iter_0000004")
+    said = []
+    path, meta = rules.find_checkpoint(str(tmp_path), said.append, own=True)
+    assert path.endswith("iter_0000003") and meta["run_id"] == "a"
+    assert said[-1].endswith("the newest intact checkpoint of this run") and rules.read_pointer(str(tmp_path)) == 3
 
 
 def test_manifest_records_the_run_and_the_config_hash(tmp_path):
