@@ -52,13 +52,17 @@ def test_the_kernel_breakdown_lists_each_phases_kernels():
 
 def test_a_gradient_the_math_makes_zero_is_compared_to_the_largest_gradient():
     """Both implementations give rounding noise for a gradient that is zero but for an epsilon (phase 2 normed at one
-    depth head: z's): it is held to GRADIENT_FLOOR of the largest gradient, not to its own scale. A real gradient
-    that is off still fails, and so does noise in the largest gradient's range."""
-    big, zero = torch.randn(64), torch.zeros(8)
-    ok = bench_kernels.first_difference([big], [big, zero + 1e-9], [big], [big, zero - 1e-9], 1e-4)
-    assert ok is None
-    assert "gradient 1" in bench_kernels.first_difference([big], [big, zero + 1e-3], [big], [big, zero], 1e-4)
-    assert "gradient 0" in bench_kernels.first_difference([big], [big * 1.01, zero], [big], [big, zero], 1e-4)
+    depth head: z's, the case's `near_zero`): it is held to GRADIENT_FLOOR of the largest gradient, not to its own
+    scale. Noise in the largest gradient's range still fails it, and every other gradient keeps its own scale: a
+    row's gradient beside a parameter's summed over many tokens is not waved through."""
+    big, zero, row = torch.randn(64) * 1e4, torch.zeros(8), torch.randn(8)
+    assert bench_kernels.first_difference([big], [big, zero + 1e-9], [big], [big, zero - 1e-9], 1e-4, (1,)) is None
+    assert "gradient 1" in bench_kernels.first_difference([big], [big, zero - 1e-9], [big], [big, zero + 1e-9], 1e-4)
+    assert "gradient 1" in bench_kernels.first_difference([big], [big, zero + 10.], [big], [big, zero], 1e-4, (1,))
+    assert "gradient 1" in bench_kernels.first_difference([big], [big, row * 1.01], [big], [big, row], 1e-4, (0,))
+    (normed,) = [c for c in bench_kernels.cases("toy", torch.float32, torch.device("cpu"), toy=True)
+                 if c.op == "phase2_normed"]
+    assert normed.near_zero == (1,)  # z's gradient: inputs m, z, o, x, query, gain, norm weight
 
 
 def clock_events(clock, on_sync=lambda: None):
