@@ -51,7 +51,8 @@ NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
 OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "phase2", "phase2_normed", "grn",
-       "streams_out", "depth_attention", "mhc_maps", "mhc_projection", "mhc_sublayer", "mhc_sublayer_in_turn")
+       "grn_wide", "streams_out", "depth_attention", "mhc_maps", "mhc_projection", "mhc_sublayer",
+       "mhc_sublayer_in_turn")
 SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared and _deferred cases
 
 
@@ -76,7 +77,7 @@ class Case:
 def sizes(shape: str, toy: bool) -> Dict[str, int]:
     """tokens, width, and the sources a middle layer mixes, from the shipped configs (toy: tiny)."""
     if toy:
-        return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "queries": 3, "grn_sources": 3,
+        return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "queries": 3, "grn_sources": 3, "dca_sources": 5,
                 "streams": 4, "heads": 4, "groups": 2, "candidates": 2}
     from mega_depth.config import parse_args
 
@@ -85,7 +86,7 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
     sublayers_per_block = 2 * layers // (cfg.residual.attnres_num_blocks or 8)
     return {"tokens": cfg.training.micro_batch_size * cfg.model.seq_length, "d": cfg.model.hidden_size,
             "full_sources": layers + 1, "blocks": (cfg.residual.attnres_num_blocks or 8) // 2,
-            "queries": sublayers_per_block, "grn_sources": 4, "streams": 4,
+            "queries": sublayers_per_block, "grn_sources": 4, "dca_sources": layers // 2 + 1, "streams": 4,
             "heads": cfg.model.num_attention_heads,
             "groups": cfg.model.num_query_groups or cfg.model.num_attention_heads,
             "candidates": 2}  # the deepest layers' Depth-Attention candidates (layers 0 and L/2)
@@ -165,6 +166,13 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     grn = Case("grn", shape, f"DCA's GRN v3, {gk} sources x 3 instances",
                lambda: rows_of(gk) + [rand(3, d, gk, scale=0.1, seed=100), rand(3, d, scale=0.1, seed=101)],
                lambda *a: grn_apply_sources(list(a[:-2]), a[-2], a[-1], "v3"), (gk + 3) * row, (2 * gk + 3) * row)
+    # full DCA's middle layer: its stack of every earlier block's output (the forward walks its rows in chunks,
+    # twice; 2-DCA's four rows fit whole)
+    wk = s["dca_sources"]
+    grn_wide = replace(grn, op="grn_wide", what=f"DCA's GRN v3, {wk} sources x 3 instances (full DCA's middle layer)",
+                       make=lambda: rows_of(wk) + [rand(3, d, wk, scale=0.1, seed=100), rand(3, d, scale=0.1,
+                                                                                             seed=101)],
+                       fwd_bytes=(wk + 3) * row, bwd_bytes=(2 * wk + 3) * row)
     streams = Case("streams_out", shape, f"HC streams out, {ns} streams",
                    lambda: ([rand(ns, n, d, seed=1), rand(n, d, seed=2), rand(ns, n, ns, scale=0.3, seed=3).float(),
                              rand(ns, n, scale=0.3, seed=4).float()]),
@@ -214,7 +222,8 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                       "(the streams' gradient added in turn by each reader)", within=_streams_in_turn)
     from kernel_peers import peers_for
 
-    out = [full, shared, deferred, block, phase2, normed, grn, streams, depth, maps, project, sublayer, in_turn]
+    out = [full, shared, deferred, block, phase2, normed, grn, grn_wide, streams, depth, maps, project, sublayer,
+           in_turn]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
@@ -343,6 +352,7 @@ def reference(op: str):
         "phase2_normed": lambda m, z, o, x, q, g, w: rms_normed(
             mixing.attnres_block_phase2(m, z, o, x, q, g, EPS), w, NORM_EPS),
         "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
+        "grn_wide": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
         "depth_attention": lambda qv, kv, vv, *rest: _normed_mix(qv, kv, vv, rest),
         "mhc_maps": lambda *a: _concatenated(mixing.mhc_projected_coefficients(*a, SINKHORN_ITERS)),

@@ -133,9 +133,9 @@ step environment 15 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_ver
 # (on a CPU, --toy runs the Triton kernels under the interpreter; the JSON is written after every op.) Our rows
 # first, alone: 22 s of kernels on the H200 of 2026-11-30 (second session), where the peers' first compiles and
 # autotuning (fla tries 24 settings a kernel) took 62 s for the AttnRes mix alone and cut the whole table at 150 s;
-# the step took 38 s for 11 ops on 2026-12-04. Since: 13 ops (the mHC sublayer's two cases compile about eight
-# kernels more) and each phase's kernels under the profiler, a guess of 20 s more; 10 s of the peers' box, which
-# closed on the AttnRes mix's peers then, pays for it
+# the step took 38 s for 11 ops on 2026-12-04. Since: 14 ops (full DCA's GRN, and the mHC sublayer's two cases,
+# which compile about eight kernels more) and each phase's kernels under the profiler, a guess of 20 s more; 10 s of
+# the peers' box, which closed on the AttnRes mix's peers then, pays for it
 step bench_kernels 80 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes ours --host-profile --kernel-breakdown \
   --out "$WORK/kernels.json" --markdown
