@@ -338,8 +338,15 @@ def reference(op: str):
 
     from mega_depth.model import mixing
 
-    def shared(*a):  # one function for both shared-source cases: they differ in how its gradient is taken
+    # one function for the cases that differ only in a setting (how a gradient is taken) or in a size
+    def shared(*a):
         return _shared_mixes(lambda sources, q, g, eps: mixing.attnres_mix(torch.stack(sources), q, g, eps), a)
+
+    def grn(*a):
+        return mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3")
+
+    def mhc_sublayer(*a):
+        return _mhc_sublayer(*a, kernels=False)
 
     return {
         "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
@@ -351,14 +358,14 @@ def reference(op: str):
         "phase2": lambda m, z, o, x, q, g: mixing.attnres_block_phase2(m, z, o, x, q, g, EPS),
         "phase2_normed": lambda m, z, o, x, q, g, w: rms_normed(
             mixing.attnres_block_phase2(m, z, o, x, q, g, EPS), w, NORM_EPS),
-        "grn": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
-        "grn_wide": lambda *a: mixing.grn_apply(torch.stack(a[:-2]), a[-2], a[-1], "v3"),
+        "grn": grn,
+        "grn_wide": grn,
         "streams_out": lambda st, y, mix, post: mixing.streams_out(st, y, mix, post),
         "depth_attention": lambda qv, kv, vv, *rest: _normed_mix(qv, kv, vv, rest),
         "mhc_maps": lambda *a: _concatenated(mixing.mhc_projected_coefficients(*a, SINKHORN_ITERS)),
         "mhc_projection": lambda st, phi: _rms_applied(mixing.mhc_projection(st, phi)),
-        "mhc_sublayer": lambda *a: _mhc_sublayer(*a, kernels=False),
-        "mhc_sublayer_in_turn": lambda *a: _mhc_sublayer(*a, kernels=False),
+        "mhc_sublayer": mhc_sublayer,
+        "mhc_sublayer_in_turn": mhc_sublayer,
     }[op]
 
 
