@@ -59,6 +59,7 @@ _FORCED: Dict[str, Setting] = {}  # bench_kernels --tune: a candidate setting, o
 _OBSERVERS: List[List[Tuple[str, Setting]]] = []
 _CAPABILITY: Dict[int, str] = {}
 _LAST_OBSERVED: List[str] = []  # the key of the launch in progress, while observing
+_GUESSED: Dict[str, Setting] = {}  # key -> the launcher's own guess, of the launches made while observing
 _SPILLED: Dict[str, int] = {}  # key -> spilled bytes of a launch made while observing (a GPU's compile)
 
 
@@ -107,6 +108,7 @@ def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: S
         seen.append((k, chosen))
     if _OBSERVERS:
         _LAST_OBSERVED[:] = [k]
+        _GUESSED[k] = tuple(guess)
     return chosen
 
 
@@ -147,6 +149,12 @@ def launched(compiled) -> None:
     spills = getattr(compiled, "n_spills", 0) or 0
     if _OBSERVERS and _LAST_OBSERVED and spills:
         _SPILLED[_LAST_OBSERVED[0]] = max(spills, _SPILLED.get(_LAST_OBSERVED[0], 0))
+
+
+def guessed(k: str) -> Optional[Setting]:
+    """The launcher's own guess for key k, as its last observed launch made it (the tuner searches around it, and
+    around a table entry that replaced it)."""
+    return _GUESSED.get(k)
 
 
 def spilled() -> Dict[str, int]:
@@ -194,8 +202,15 @@ def candidates(guess: Setting) -> List[Setting]:
     return out
 
 
-def merged(path: str, target_name: str, winners: Mapping[str, Setting]) -> Dict[str, Dict[str, List[int]]]:
-    """The table at `path` with `winners` written over the target's entries (other targets kept)."""
+def merged(path: str, target_name: str,
+           winners: Mapping[str, Optional[Setting]]) -> Dict[str, Dict[str, List[int]]]:
+    """The table at `path` with `winners` written over the target's entries (other targets kept); a winner of None
+    removes its key's entry (the launcher's guess measured fastest: it runs without one)."""
     table = {t: {k: list(v) for k, v in entries.items()} for t, entries in load(path).items()}
-    table.setdefault(target_name, {}).update({k: list(v) for k, v in winners.items()})
-    return {t: dict(sorted(entries.items())) for t, entries in sorted(table.items())}
+    entries = table.setdefault(target_name, {})
+    for k, v in winners.items():
+        if v is None:
+            entries.pop(k, None)
+        else:
+            entries[k] = list(v)
+    return {t: dict(sorted(entries.items())) for t, entries in sorted(table.items()) if entries}
