@@ -91,6 +91,8 @@ def _survey_one(job):
                # those warps measured fastest on a GPU of the target (kernels/tuned.json), not the launcher's guess
                "tuned": tuning.measured(launch.kernel, launch.args, launch.constexprs, f"sm_{target}"),
                "fewest_programs_of_a_big_launch": fewest.get(key)}
+        if row["tuned"]:  # the table entry it takes (tests/unit/test_kernels_aot.py: no entry goes unmatched)
+            row["table_key"] = tuning.key(launch.kernel, launch.args, launch.constexprs)
         try:
             row.update(aot.resources(aot.compile_launch(launch, target), target))
         except Exception as exc:  # a compile error is a result here, not a crash
