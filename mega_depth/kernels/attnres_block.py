@@ -31,13 +31,14 @@ from torch import Tensor
 
 from mega_depth.kernels import grad_sink
 from mega_depth.kernels.attnres_mix import accumulate
-from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
-                                       channel_block, check_heads, chunk, contiguous, depth_weight_is_sigmoid, dot32,
-                                       dot_dim, dot_t, folded_query, folded_query_torch, in_dtype, jit, launch, nothing,
-                                       partial_sums, partial_width, pointer_at, pointer_table, pointers_at, pow2,
-                                       programs, reduction_grid, register_fake, rms_inverse_torch, rms_norm_grad,
-                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, source_rows,
-                                       sum_rows, sums2, sums3, tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (F32, RESIDENT_WARPS, STREAM_STAGES, Sources, accumulation_dtype, as_list,
+                                       cast_grad, cdiv, channel_block, check_heads, chunk, contiguous,
+                                       depth_weight_is_sigmoid, dot32, dot_dim, dot_t, folded_query, folded_query_torch,
+                                       in_dtype, jit, launch, nothing, partial_sums, partial_width, pointer_at,
+                                       pointer_table, pointers_at, pow2, programs, reduction_grid, register_fake,
+                                       rms_inverse_torch, rms_norm_grad, rms_norm_grad_torch, rms_normed,
+                                       rms_normed_torch, row_warps, rows, source_rows, sum_rows, sums2, sums3, tl,
+                                       token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,8 +160,12 @@ def _phase1_fwd_rows_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D
             rinv = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [BK]
         else:
             rinv = tl.full([BK], 1., tl.float32)
+        f_next = folded_query(q_ptr, g_ptr, offs, cmask, o_ptr, NORM)  # [BH, BC]
         for s in range(S):
-            f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, o_ptr, NORM)  # [BH, BC]
+            # the next query's rows are loaded before this one's sums: their latency (from L2, every token reads
+            # them) overlaps the exchange, where one query after another left each waiting on its own loads
+            f = f_next
+            f_next = folded_query(q_ptr + (s + 1) * D, g_ptr + (s + 1) * D, offs, cmask & (s + 1 < S), o_ptr, NORM)
             logit = tl.sum(v * f[None, :, :], axis=2) * rinv[:, None]  # [BK, BH]
             live = kmask[:, None] & hmask[None, :]
             if SIGMOID:
@@ -418,7 +423,9 @@ def _phase2_bwd_kernel(m_ptr, z_ptr, o_ptr, x_ptr, q_ptr, g_ptr, go_ptr, w_ptr, 
         w = tl.load(w_ptr + offs, mask=cmask, other=0.).to(tl.float32)
         wtotal = tl.zeros([BH, BC], dtype=tl.float32)
     total = tl.zeros([BH, BC], dtype=tl.float32)
-    for t in range(TOK):
+    # the next tokens' rows in flight while one is reduced (STREAM_STAGES): each token's three exchanges left the
+    # loads of a program's 4-8 tokens one after another (the 1B step's normed merge: 89 us a call, 45 % of copy)
+    for t in tl.range(TOK, num_stages=STREAM_STAGES):
         n = token(pid, t, TOK)
         mask = cmask & (n < N)
         hm = hmask & (n < N)
@@ -549,12 +556,16 @@ def _rows_warps(k: int, row: int, backward: bool = False, element_size: int = 2,
     and weighted sum over blocks need no exchange; at 8 blocks, 1B: 18 barriers on 16 warps, 5 on 8), except for
     fp32 rows in backward, which spilled there (16 bytes, 125M); where the values are 24 a thread or fewer, a
     64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no spill,
-    for sm_90; 72 and one program an SM left to ptxas)."""
+    for sm_90; 72 and one program an SM left to ptxas); a forward of 48 or fewer, an 80-register cap three 8-warp
+    programs (the 1B config's at 4 blocks: 80 registers with the next query's rows in flight, 86 and two programs
+    left to the default cap)."""
     live = _rows_live(k, backward, element_size, one_pass)
     num_warps = warps(row, live)
     if not (backward and element_size > 2):
         num_warps = min(num_warps, row_warps(row, element_size))
-    return num_warps, 2 * RESIDENT_WARPS if live * row <= 24 * 32 * num_warps else RESIDENT_WARPS
+    if live * row <= 24 * 32 * num_warps:  # values a thread holds
+        return num_warps, 2 * RESIDENT_WARPS
+    return num_warps, 3 * RESIDENT_WARPS // 2 if live * row <= 48 * 32 * num_warps and not backward else RESIDENT_WARPS
 
 
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
