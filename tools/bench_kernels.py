@@ -51,9 +51,9 @@ EPS = 1e-6
 NORM_EPS = 1e-5  # the host's RMSNorm (Megatron's --norm-epsilon default)
 BF16_TOL = 2e-2  # relative error of bf16 results against ours (a few roundings of 2^-8)
 SINKHORN_ITERS = 20  # mHC's default (--mhc-sinkhorn-iters)
-OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "phase2", "phase2_normed", "grn",
-       "grn_wide", "streams_out", "depth_attention", "mhc_maps", "mhc_projection", "mhc_sublayer",
-       "mhc_sublayer_in_turn")
+OPS = ("attnres_mix", "attnres_mix_shared", "attnres_mix_deferred", "attnres_block", "attnres_block_last", "phase2",
+       "phase2_normed", "grn", "grn_wide", "streams_out", "depth_attention", "mhc_maps", "mhc_projection",
+       "mhc_sublayer", "mhc_sublayer_in_turn")
 SHARED_READERS = 4  # the mixes over one set of sources in the attnres_mix_shared and _deferred cases
 
 
@@ -78,7 +78,8 @@ class Case:
 def sizes(shape: str, toy: bool) -> Dict[str, int]:
     """tokens, width, and the sources a middle layer mixes, from the shipped configs (toy: tiny)."""
     if toy:
-        return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "queries": 3, "grn_sources": 3, "dca_sources": 5,
+        return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "last_blocks": 5, "queries": 3, "grn_sources": 3,
+                "dca_sources": 5,
                 "streams": 4, "heads": 4, "groups": 2, "candidates": 2}
     from mega_depth.config import parse_args
 
@@ -87,6 +88,7 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
     sublayers_per_block = 2 * layers // (cfg.residual.attnres_num_blocks or 8)
     return {"tokens": cfg.training.micro_batch_size * cfg.model.seq_length, "d": cfg.model.hidden_size,
             "full_sources": layers + 1, "blocks": (cfg.residual.attnres_num_blocks or 8) // 2,
+            "last_blocks": cfg.residual.attnres_num_blocks or 8,  # the embedding's and the 7 before it, at 1B
             "queries": sublayers_per_block, "grn_sources": 4, "dca_sources": layers // 2 + 1, "streams": 4,
             "heads": cfg.model.num_attention_heads,
             "groups": cfg.model.num_query_groups or cfg.model.num_attention_heads,
@@ -151,6 +153,15 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                  lambda: rows_of(b) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
                  lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, b), (b + 2 * q - 1) * row,
                  (2 * b + 3 * q - 2) * row)
+    # the last block's: phase 1 over the 8 completed blocks at 1B (the embedding's one of them), where the whole-row
+    # kernels' block tiles are 8 wide and the backward takes two passes (_one_pass), as for 4 of the step's 8 calls
+    bl = s["last_blocks"]
+    block_last = replace(block, op="attnres_block_last",
+                         what=f"Block AttnRes, the last block: phase 1 over {bl} blocks x {q} queries, then the {q} "
+                         "merges",
+                         make=lambda: rows_of(bl) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
+                         run=lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, bl),
+                         fwd_bytes=(bl + 2 * q - 1) * row, bwd_bytes=(2 * bl + 3 * q - 2) * row)
     phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)",
                   lambda: ([rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float()] + rows_of(2)
                            + query_and_gain()),
@@ -223,8 +234,8 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
                       "(the streams' gradient added in turn by each reader)", within=_streams_in_turn)
     from kernel_peers import peers_for
 
-    out = [full, shared, deferred, block, phase2, normed, grn, grn_wide, streams, depth, maps, project, sublayer,
-           in_turn]
+    out = [full, shared, deferred, block, block_last, phase2, normed, grn, grn_wide, streams, depth, maps, project,
+           sublayer, in_turn]
     for case in out:
         case.peers = peers_for(case.op, EPS)
     return out
@@ -349,13 +360,16 @@ def reference(op: str):
     def mhc_sublayer(*a):
         return _mhc_sublayer(*a, kernels=False)
 
+    def block(*a):  # the blocks are what the q queries, their gains and q - 1 partial sums leave
+        return _merged(lambda blocks, *rest: mixing.attnres_block_phase1(torch.stack(blocks), *rest),
+                       mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1)
+
     return {
         "attnres_mix": lambda *a: mixing.attnres_mix(torch.stack(a[:-2]), a[-2], a[-1], EPS),
         "attnres_mix_shared": shared,
         "attnres_mix_deferred": shared,
-        "attnres_block": lambda *a: _merged(lambda blocks, *rest: mixing.attnres_block_phase1(torch.stack(blocks),
-                                                                                              *rest),
-                                            mixing.attnres_block_phase2, a, len(a) - len(a[-2]) - 1),  # q - 1 partials
+        "attnres_block": block,
+        "attnres_block_last": block,
         "phase2": lambda m, z, o, x, q, g: mixing.attnres_block_phase2(m, z, o, x, q, g, EPS),
         "phase2_normed": lambda m, z, o, x, q, g, w: rms_normed(
             mixing.attnres_block_phase2(m, z, o, x, q, g, EPS), w, NORM_EPS),

@@ -160,12 +160,10 @@ def _phase1_fwd_rows_kernel(table, q_ptr, g_ptr, m_ptr, z_ptr, o_ptr, K, N, S, D
             rinv = tl.rsqrt(tl.sum(tl.sum(v * v, axis=2), axis=1) / D + eps)  # [BK]
         else:
             rinv = tl.full([BK], 1., tl.float32)
-        f_next = folded_query(q_ptr, g_ptr, offs, cmask, o_ptr, NORM)  # [BH, BC]
-        for s in range(S):
-            # the next query's rows are loaded before this one's sums: their latency (from L2, every token reads
-            # them) overlaps the exchange, where one query after another left each waiting on its own loads
-            f = f_next
-            f_next = folded_query(q_ptr + (s + 1) * D, g_ptr + (s + 1) * D, offs, cmask & (s + 1 < S), o_ptr, NORM)
+        # the next queries' rows (from L2: every token reads them) in flight while one query's sums are exchanged
+        # (STREAM_STAGES): one query after another, each waited on its own loads
+        for s in tl.range(S, num_stages=STREAM_STAGES):
+            f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, o_ptr, NORM)  # [BH, BC]
             logit = tl.sum(v * f[None, :, :], axis=2) * rinv[:, None]  # [BK, BH]
             live = kmask[:, None] & hmask[None, :]
             if SIGMOID:
@@ -271,7 +269,9 @@ def _phase1_bwd_rows_kernel(table, gtable, q_ptr, g_ptr, m_ptr, go_ptr, gz_ptr, 
         dr = tl.zeros([BK], dtype=tl.float32)  # dL/d(1 / RMS) per block (0 without a key norm)
         if ONE_PASS:
             dv = tl.zeros([BK, BH, BC], dtype=tl.float32)
-        for s in range(S):
+        # as the forward, with each query's output gradient row (from DRAM) in flight too; pass 2's loop so
+        # pipelined spilled 32 bytes at 8 blocks (sm_90)
+        for s in tl.range(S, num_stages=STREAM_STAGES):
             f = folded_query(q_ptr + s * D, g_ptr + s * D, offs, cmask, go_ptr, NORM)  # [BH, BC]
             go = tl.load(go_ptr + (s * N + n) * D + offs, mask=cmask & valid, other=0.).to(tl.float32)
             dots, gov = sums2(v * f[None, :, :], v * go[None, :, :], 2)  # [BK, BH] each, one exchange
@@ -556,16 +556,12 @@ def _rows_warps(k: int, row: int, backward: bool = False, element_size: int = 2,
     and weighted sum over blocks need no exchange; at 8 blocks, 1B: 18 barriers on 16 warps, 5 on 8), except for
     fp32 rows in backward, which spilled there (16 bytes, 125M); where the values are 24 a thread or fewer, a
     64-register cap keeps two 16-warp programs an SM (the 1B config's forward at 4 blocks: 64 registers, no spill,
-    for sm_90; 72 and one program an SM left to ptxas); a forward of 48 or fewer, an 80-register cap three 8-warp
-    programs (the 1B config's at 4 blocks: 80 registers with the next query's rows in flight, 86 and two programs
-    left to the default cap)."""
+    for sm_90; 72 and one program an SM left to ptxas)."""
     live = _rows_live(k, backward, element_size, one_pass)
     num_warps = warps(row, live)
     if not (backward and element_size > 2):
         num_warps = min(num_warps, row_warps(row, element_size))
-    if live * row <= 24 * 32 * num_warps:  # values a thread holds
-        return num_warps, 2 * RESIDENT_WARPS
-    return num_warps, 3 * RESIDENT_WARPS // 2 if live * row <= 48 * 32 * num_warps and not backward else RESIDENT_WARPS
+    return num_warps, 2 * RESIDENT_WARPS if live * row <= 24 * 32 * num_warps else RESIDENT_WARPS
 
 
 def _phase1_blocks(srcs: List[Tensor], s: int, heads: int):
