@@ -133,7 +133,9 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
             lse = tl.load(lse_ptr + n * H + oh, mask=(oh < H) & (n < N), other=0.)  # [BH]
             go_h = tl.sum(go * tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32), axis=1)  # [BH]
         df = tl.zeros([BH, BC], dtype=tl.float32)
-        for k0 in range(0, K, KB):
+        # the next step's source rows and held gradients in flight while this step's are reduced (2 stages: at 3,
+        # 136 registers and one program an SM, 2026-12-07; at 2, 118 and two, as without)
+        for k0 in tl.range(0, K, KB, num_stages=2):
             v, kmask = _source_block(table, k0, K, row, mask, go_ptr, KB)
             # the gradients already there (added to), loaded beside the rows: both in flight before the reductions
             if DEFER:  # a deferred source's gradient is left to its sink: its coefficients are stored instead
