@@ -733,7 +733,8 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
             trying = tuning.candidates(guess)
             if shipped != guess:  # a table entry replaced the guess: it is timed too, and is what a winner must beat
                 row["shipped"] = list(shipped)
-                trying.append(shipped)
+                if shipped not in trying:
+                    trying.append(shipped)
             valid = []
             for candidate in trying:  # compiled and checked, untimed
                 tuning.clear_spilled()
@@ -755,7 +756,7 @@ def tune(case: Case, device, repeats: int, tol: float) -> List[dict]:
                 row["tried"][f"{candidate}"] = None
                 valid.append(candidate)
             rounds: Dict[Tuple[int, int], List[float]] = {c: [] for c in valid}
-            for r in range(TUNE_ROUNDS):
+            for r in range(TUNE_ROUNDS if valid else 0):
                 for candidate in valid[r % len(valid):] + valid[:r % len(valid)]:
                     with tuning.forcing({key: candidate}):
                         timing = timed(run, device, repeats, series=False)
@@ -1049,10 +1050,16 @@ def _tune_all(args, dtype, device, tol, device_name, start) -> int:
             winners = {r["kernel"]: None if r["best"] == r["guess"] else tuple(r["best"]) for r in found
                        if "best" in r}
             if winners:  # after every op: a run cut short by its time box keeps what it found
-                table = tuning.merged(args.tune, tuning.target(torch.cuda.get_device_capability()), winners)
+                target = tuning.target(torch.cuda.get_device_capability())
+                table = tuning.merged(args.tune, target, winners)
                 with open(args.tune, "w") as f:
                     json.dump(table, f, indent=1)
                     f.write("\n")
+                # the ops after this one launch what was written (a kernel several ops launch, phase 2's or
+                # sum_rows', is then tuned against its new setting, not the one this run started with)
+                entries = {k: v for k, v in tuning.TABLE.get(target, {}).items() if k not in winners}
+                entries.update({k: v for k, v in winners.items() if v is not None})
+                tuning.TABLE = {**tuning.TABLE, target: entries}
     print(f"{len(rows)} kernels tuned in {time.time() - start:.0f} s; "
           f"{sum('best' in r for r in rows)} settings written to {args.tune}")
     return 0

@@ -106,7 +106,7 @@ def _fwd_kernel(table, q_ptr, g_ptr, out_ptr, lse_ptr, K, N, D, C, H, eps, TOK,
 @jit
 def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, part_ptr, coef_ptr, fold_ptr, PW, K, N,
                 NP, D, C, H, eps, TOK, BH: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, PER_TOKEN: tl.constexpr,
-                NORM: tl.constexpr, SIGMOID: tl.constexpr, DEFER: tl.constexpr = False):
+                NORM: tl.constexpr, SIGMOID: tl.constexpr, DEFER: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """One pass over the sources per token, KB a step: source k's weight from its logit and the saved lse, the
     softmax gradient's normaliser go . h from the saved output h. The source gradients are stored, or added to what
     a buffer holds (gtable: common.gradient_table). Per-token query: dL/dq per token goes to dq_ptr [N, d]. The
@@ -133,9 +133,10 @@ def _bwd_kernel(table, gtable, q_ptr, g_ptr, go_ptr, o_ptr, lse_ptr, dq_ptr, par
             lse = tl.load(lse_ptr + n * H + oh, mask=(oh < H) & (n < N), other=0.)  # [BH]
             go_h = tl.sum(go * tl.load(o_ptr + row, mask=mask, other=0.).to(tl.float32), axis=1)  # [BH]
         df = tl.zeros([BH, BC], dtype=tl.float32)
-        # the next step's source rows and held gradients in flight while this step's are reduced (2 stages: at 3,
-        # 136 registers and one program an SM, 2026-12-07; at 2, 118 and two, as without)
-        for k0 in tl.range(0, K, KB, num_stages=2):
+        # STAGES 2: the next step's source rows and held gradients in flight while this step's are reduced (at 3,
+        # 136 registers and one program an SM; at 2, 118 and two, as without). 1 where two sources share a gradient
+        # buffer: the next step's held gradient must be loaded after this step's store (the launcher)
+        for k0 in tl.range(0, K, KB, num_stages=STAGES):
             v, kmask = _source_block(table, k0, K, row, mask, go_ptr, KB)
             # the gradients already there (added to), loaded beside the rows: both in flight before the reductions
             if DEFER:  # a deferred source's gradient is left to its sink: its coefficients are stored instead
@@ -302,16 +303,19 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     kb = _sources_a_step(len(srcs), bh * bc, BWD_SOURCES_A_STEP)
     coef, fold, flags = deferred if deferred is not None else (parts, parts, [False] * len(grads))
     stored = [t.data_ptr() for t, lazy in zip(grads, flags) if not lazy]
+    stages = 2
     if go.device.type != "meta" and len(set(stored)) < len(stored):
         # one buffer for two sources: a [KB, d] tile would read it twice and store it twice, losing one source's
-        # gradient; one source a step adds them in turn (meta tensors, recorded launches, share no memory)
-        kb = 1
+        # gradient; one source a step adds them in turn, each step's load after the step before's store (no
+        # pipelined loads) (meta tensors, recorded launches, share no memory)
+        kb, stages = 1, 1
     gtable = gradient_table(grads, adding, flags if deferred is not None else None)
     defer = {"DEFER": True} if deferred is not None else {}  # (the key of a launch without it, as tuned.json has)
     launch(_bwd_kernel, (count,), (pointer_table(srcs), gtable, q, q if g is None else g, go, go if sigmoid else out,
                                    go if sigmoid else lse, parts if dq is None else dq, parts, coef, fold,
                                    parts.shape[1], len(srcs), n, coef.shape[-1], d, d // heads, heads, eps, tok),
-           warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid, **defer)
+           warps(bh * bc, 4), BH=bh, BC=bc, KB=kb, PER_TOKEN=per_token, NORM=g is not None, SIGMOID=sigmoid,
+           STAGES=stages, **defer)
     if per_token:  # the gain's gradient, summed over tokens
         return dq, None if g is None else sum_rows(parts, d, dtypes=[g.dtype])
     if g is None:

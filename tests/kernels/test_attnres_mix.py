@@ -207,6 +207,23 @@ def test_two_sources_with_one_gradient_buffer_both_arrive(path):
     torch.testing.assert_close(last, apart[2])
 
 
+def test_two_sources_with_one_gradient_buffer_take_no_pipelined_loads():
+    """The launch behind the test above, on any machine: a buffer for each source, two sources a step with the next
+    step's rows and held gradients loaded ahead (STAGES 2); one buffer for two sources, one source a step and each
+    step's held gradient loaded after the step before's store (STAGES 1). A load ahead would read the buffer before
+    the store, which only a compiled kernel does: on a CPU the interpreter runs the loop in order either way."""
+    from mega_depth.kernels import common
+
+    sources, query, gain, out, lse, grad = _one_mix(64, heads=1)
+    shared = torch.zeros(2, 3, 64)
+    for buffers, adding, expected in (([torch.zeros(2, 3, 64) for _ in sources], [False] * 3, (2, 2)),
+                                      ([shared, shared, torch.zeros(2, 3, 64)], [False, True, False], (1, 1))):
+        with common.recording(132) as launches:
+            attnres_mix_backward_into_op(grad, sources, buffers, adding, query, gain, out, lse, EPS, False, 1)
+        (mix,) = [launch for launch in launches if launch.kernel.__name__ == "_bwd_kernel"]
+        assert (mix.constexprs["KB"], mix.constexprs["STAGES"]) == expected, mix.constexprs
+
+
 def _chain(mix, per_token_at=()):
     """Full AttnRes deeper: 5 mixes, mix i reading sources 0 .. i + 1 and the outputs of the mixes before it, so
     that the first sources have 5 readers and the last ones 1 or 2. The mixes in per_token_at read a per-token query

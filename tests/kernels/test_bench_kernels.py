@@ -323,4 +323,6 @@ def test_the_tuner_times_candidates_in_rounds_and_removes_an_entry_its_guess_bea
     assert len(rows[bwd]["rounds"][str(guesses[bwd])]) == bench_kernels.TUNE_ROUNDS
     assert timings[bwd][0] == guesses[bwd] and timings[bwd][len(rows[bwd]["rounds"])] != guesses[bwd]
     assert rows[fwd]["shipped"] == list(entry) and rows[fwd]["best"] == list(guesses[fwd]), rows[fwd]
+    assert len(rows[fwd]["rounds"][str(entry)]) == bench_kernels.TUNE_ROUNDS  # a candidate too: once a round
     assert json.loads(table.read_text()) == {"sm_90": {"other._kernel(B=1) bf16": [4, 16]}}
+    assert fwd not in tuning.TABLE["sm_90"]  # the ops after launch what was written
