@@ -79,8 +79,7 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
     """tokens, width, and the sources a middle layer mixes, from the shipped configs (toy: tiny)."""
     if toy:
         return {"tokens": 6, "d": 32, "full_sources": 5, "blocks": 3, "last_blocks": 5, "queries": 3, "grn_sources": 3,
-                "dca_sources": 5,
-                "streams": 4, "heads": 4, "groups": 2, "candidates": 2}
+                "dca_sources": 5, "streams": 4, "heads": 4, "groups": 2, "candidates": 2}
     from mega_depth.config import parse_args
 
     cfg = parse_args(["--config", os.path.join(ROOT, "launch", "configs", f"{shape}-attnres.yaml"), "--mock-data"])
@@ -88,7 +87,7 @@ def sizes(shape: str, toy: bool) -> Dict[str, int]:
     sublayers_per_block = 2 * layers // (cfg.residual.attnres_num_blocks or 8)
     return {"tokens": cfg.training.micro_batch_size * cfg.model.seq_length, "d": cfg.model.hidden_size,
             "full_sources": layers + 1, "blocks": (cfg.residual.attnres_num_blocks or 8) // 2,
-            "last_blocks": cfg.residual.attnres_num_blocks or 8,  # the embedding's and the 7 before it, at 1B
+            "last_blocks": cfg.residual.attnres_num_blocks or 8,  # the last block's completed ones, the embedding's too
             "queries": sublayers_per_block, "grn_sources": 4, "dca_sources": layers // 2 + 1, "streams": 4,
             "heads": cfg.model.num_attention_heads,
             "groups": cfg.model.num_query_groups or cfg.model.num_attention_heads,
