@@ -18,7 +18,8 @@
 #   5. the published peers on the same ops, each checked equal to ours first, then torch.compile of the eager math
 #      (--passes peers,torch.compile): the rest of the kernel table. Their first compiles and autotuning take
 #      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios.
-#   FULL=1 adds: the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager
+#   FULL=1 adds: the ops whose loops pipeline their loads with those loops waiting on each step's loads instead
+#   (MEGA_DEPTH_KERNELS_PIPELINE=0: kernels_unpipelined, beside step 2's rows); the kernels' tests on the GPU (bf16 and the layouts that read views in place, against the eager
 #   math; 12 passed in every run since 2026-11-29); a torch.profiler trace of one 1B-size step, the baseline and
 #   PROFILE_MECHS (top kernels, each mixing kernel's device time and launches, the kernels that differ most from
 #   the baseline's, device idle time: tools/profile_step.py); host syncs (one training step of every mechanism
@@ -87,6 +88,7 @@ if [ "${SCALE:-full}" = tiny ]; then
           --mechanisms attnres-block --num-experts 4 --moe-layer-freq "([0]*1+[1]*3)")
   QUICK=(--train-iters 10 --eval-interval 5 --lr-warmup-iters 2)
   KERNELS=(--toy --ops attnres_mix,attnres_block)
+  UNPIPELINED_OPS=attnres_mix,attnres_block
   # the kernels' tests are collected, not run: the CPU suite runs all of them under the interpreter
   # (tests/unit/test_kernels.py); collecting checks the selection and imports (pytest exits 5 on an empty one)
   KERNEL_TESTS=(--collect-only)
@@ -117,6 +119,8 @@ else
           --moe-ffn-hidden-size 1408 --moe-layer-freq "([0]*1+[1]*23)" --moe-aux-loss-coeff 0.001)
   QUICK=()
   KERNELS=(--shapes 1b)
+  # the ops whose loops pipeline their loads since 2026-12-07 (second session)
+  UNPIPELINED_OPS=attnres_mix,attnres_block,attnres_block_last,phase2_normed,grn,mhc_sublayer
   KERNEL_TESTS=()
   GRAPH_CHECK=()
   TP_LARGE_GRAPHED=("${TP_LARGE[@]}" --mechanisms "${MECHS_1B_GRAPHED:-attnres-block,depth-attention}")
@@ -151,6 +155,11 @@ step kernel_peers 115 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_T
   "$PY" tools/bench_kernels.py "${KERNELS[@]}" --passes peers,torch.compile --out "$WORK/kernel_peers.json" \
   --markdown
 if [ "${FULL:-0}" = 1 ]; then
+  # the ops whose loops pipeline their loads, again with every loop waiting on its own loads (the kernels as they
+  # were before: MEGA_DEPTH_KERNELS_PIPELINE=0), beside the first step's rows of the same run: what pipelining gained
+  step kernels_unpipelined 45 env TRITON_INTERPRET=$INTERPRET MEGA_DEPTH_KERNELS_FORCE_TRITON=1 \
+    MEGA_DEPTH_KERNELS_PIPELINE=0 "$PY" tools/bench_kernels.py "${KERNELS[@]}" --ops "$UNPIPELINED_OPS" \
+    --passes ours --kernel-breakdown --out "$WORK/kernels_unpipelined.json" --markdown
   step kernels 35 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "bf16 or strided or expanded or chained" \
     "${KERNEL_TESTS[@]}"
   step profile_1b 100 "$PY" tools/profile_step.py "${PROFILE[@]}" --mechanisms "${PROFILE_MECHS:-dca-2,mhc}" \

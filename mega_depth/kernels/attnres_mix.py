@@ -32,13 +32,13 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, RESIDENT_WARPS, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
-                                       channel_block, check_heads, contiguous_each, depth_weight_is_sigmoid,
-                                       folded_query, folded_query_torch, gradient_modes_at, gradient_table,
-                                       gradients_at, in_dtype, interpreting, jit, launch, nothing, partial_sums,
-                                       pointer_table, pointers_at, pow2, programs, register_fake, rms_inverse_torch,
-                                       row_warps, rows, source_rows, sum_rows, sums2, sums3, tl, token, uses_triton,
-                                       warps)
+from mega_depth.kernels.common import (F32, PAIR_STAGES, RESIDENT_WARPS, Sources, accumulation_dtype, as_list,
+                                       cast_grad, cdiv, channel_block, check_heads, contiguous_each,
+                                       depth_weight_is_sigmoid, folded_query, folded_query_torch, gradient_modes_at,
+                                       gradient_table, gradients_at, in_dtype, interpreting, jit, launch, nothing,
+                                       partial_sums, pointer_table, pointers_at, pow2, programs, register_fake,
+                                       rms_inverse_torch, row_warps, rows, source_rows, sum_rows, sums2, sums3, tl,
+                                       token, uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def _triton_bwd(go: Tensor, srcs: List[Tensor], q: Tensor, g: Optional[Tensor], 
     kb = _sources_a_step(len(srcs), bh * bc, BWD_SOURCES_A_STEP)
     coef, fold, flags = deferred if deferred is not None else (parts, parts, [False] * len(grads))
     stored = [t.data_ptr() for t, lazy in zip(grads, flags) if not lazy]
-    stages = 2
+    stages = PAIR_STAGES
     if go.device.type != "meta" and len(set(stored)) < len(stored):
         # one buffer for two sources: a [KB, d] tile would read it twice and store it twice, losing one source's
         # gradient; one source a step adds them in turn, each step's load after the step before's store (no

@@ -702,8 +702,14 @@ def gradient_modes_at(table, ok, kmask, like_ptr):
 # partial sums, the GRN gates' dots over channels): Triton pipelines a loop's loads into shared memory (cp.async)
 # only where the loop asks, `tl.range(..., num_stages=STREAM_STAGES)`; a plain range, or the launch's num_stages,
 # leaves a loop with no dot waiting on each step's own loads (compiled for sm_90: no cp.async). 3: two steps' loads
-# in flight while one is summed.
-STREAM_STAGES = tl.constexpr(3) if tl is not None else None
+# in flight while one is summed. PAIR_STAGES: one step's loads in flight, where a third stage's buffers cost
+# registers (the AttnRes mix backward, the GRN whole-row forward, the stream read's backward). Both 1, no pipelined
+# loop, with MEGA_DEPTH_KERNELS_PIPELINE=0 (read at import, as the kernels' constants are): the same kernels with
+# each step waiting on its own loads, for a GPU run to time both ways (tools/device_check.sh, kernels_unpipelined).
+PIPELINE = os.environ.get("MEGA_DEPTH_KERNELS_PIPELINE", "1") != "0"
+STREAM_STAGES = tl.constexpr(3 if PIPELINE else 1) if tl is not None else None
+PAIR_STAGES = 2 if PIPELINE else 1  # a launcher's value (its kernels take it as a constexpr argument)
+STREAM_PAIR = tl.constexpr(PAIR_STAGES) if tl is not None else None  # the same, for a kernel's own loop
 
 # Whether tl.dot takes bf16/fp16 operands as they are (on the tensor cores: exact products, fp32 sums). Compiled
 # it does; the interpreter misreads bf16 in a dot, so there both operands go in as fp32 (the same products).

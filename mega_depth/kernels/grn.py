@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, STREAM_STAGES, Sources, accumulation_dtype, as_list, cast_grad, cdiv,
-                                       chunk, contiguous, gradient_table, gradients_at, in_dtype, interpreting, jit,
-                                       launch, nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
+from mega_depth.kernels.common import (F32, STREAM_PAIR, STREAM_STAGES, Sources, accumulation_dtype, as_list, cast_grad,
+                                       cdiv, chunk, contiguous, gradient_table, gradients_at, in_dtype, interpreting,
+                                       jit, launch, nothing, partial_sums, pointer_table, pointers_at, pow2, programs,
                                        reduction_grid, register_fake, row_warps, source_rows, sum_rows, tl, token,
                                        uses_triton, warps)
 from mega_depth.kernels.eager import autograd, call, traced
@@ -183,7 +183,7 @@ def _fwd_rows_kernel(table, bias_ptr, proj_ptr, out_ptr, K, N, D, G, TOK, BK: tl
         v = tl.load(rows_at[:, None] + n * D + od[None, :], mask=tile & valid, other=0.).to(tl.float32)
         # the next instance's bias rows and projection (from L2: every token reads them) in flight while this
         # instance's gate is exchanged (2 stages: 106 registers and 25 % at 4 sources, as 96 without)
-        for g in tl.range(G, num_stages=2):
+        for g in tl.range(G, num_stages=STREAM_PAIR):
             coef = _coefficients(bias_ptr, g, ok, kmask, od, tile, K, D, out_ptr, VERSION)
             if VERSION == 3:
                 proj = _rounded(tl.load(proj_ptr + g * D + od, mask=dmask, other=0.), out_ptr)

@@ -20,11 +20,12 @@ import torch
 from torch import Tensor
 
 from mega_depth.kernels import grad_sink
-from mega_depth.kernels.common import (F32, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk, contiguous,
-                                       dot32, dot_dim, interpreting, jit, launch, nothing, partial_sums, pow2,
-                                       programs, reduction_grid, register_fake, rms_norm_grad, rms_norm_grad_torch,
-                                       rms_normed, rms_normed_torch, row_warps, rows, sm_count, store_or_add,
-                                       store_or_add_torch, sum_rows, sums2, sums3, tl, token, uses_triton, warps)
+from mega_depth.kernels.common import (F32, PAIR_STAGES, RESIDENT_WARPS, accumulation_dtype, cast_grad, cdiv, chunk,
+                                       contiguous, dot32, dot_dim, interpreting, jit, launch, nothing, partial_sums,
+                                       pow2, programs, reduction_grid, register_fake, rms_norm_grad,
+                                       rms_norm_grad_torch, rms_normed, rms_normed_torch, row_warps, rows, sm_count,
+                                       store_or_add, store_or_add_torch, sum_rows, sums2, sums3, tl, token, uses_triton,
+                                       warps)
 from mega_depth.kernels.eager import autograd, call, traced
 
 # --------------------------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def _in_bwd_stages(ns: int, d: int, element_size: int, normed: bool) -> dict:
     registers' occupancy (1B, bf16, sm_90: 119 registers and 25 %, as 98 without) in 41 KB of shared memory; 3 took
     82 KB, and the 7B config's fp32 rows took 164 KB at 2, an A100's whole allotment. ({} where there is no loop to
     pipeline: a token a program.)"""
-    return {"STAGES": 2} if normed and ns * d * element_size <= PIPELINED_STREAM_BYTES else {}
+    return {"STAGES": PAIR_STAGES} if normed and ns * d * element_size <= PIPELINED_STREAM_BYTES else {}
 
 
 def _triton_in_bwd(go: Tensor, s: Tensor, w: Tensor, ds: Optional[Tensor], adding: bool,

@@ -185,9 +185,9 @@ def test_device_check_dry_run_measures_syncs_profile_and_throughput(tmp_path):
 
     default = ["environment", "bench_kernels", "throughput_1b", "graph_check", "throughput_1b_graphed",
                "kernel_peers"]
-    # FULL=1's first steps (the GPU kernel tests, the profile, the sync check: 0 syncs in every GPU run); the rest
-    # of FULL=1 is left to the GPU
-    full = ["kernels", "profile_1b", "sync_check"]
+    # FULL=1's first steps (the pipelined ops unpipelined, the GPU kernel tests, the profile, the sync check: 0
+    # syncs in every GPU run); the rest of FULL=1 is left to the GPU
+    full = ["kernels_unpipelined", "kernels", "profile_1b", "sync_check"]
     proc = subprocess.run(["bash", "tools/device_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(ENV, SCALE="tiny", OUT=str(tmp_path), PY=PY, FULL="1",
                                    ONLY=",".join(default + full)))

@@ -218,6 +218,34 @@ def test_a_table_named_in_the_environment_replaces_the_shipped_one(tmp_path):
     assert missing.returncode != 0 and "no such file" in missing.stderr and "unset it" in missing.stderr
 
 
+def test_pipelined_loops_can_be_switched_off_for_a_gpu_run_to_time_both_ways():
+    """MEGA_DEPTH_KERNELS_PIPELINE=0 (device_check's kernels_unpipelined): every pipelined loop back to one step's
+    loads at a time, the launchers' stage arguments included (read at import, so in a process of its own); the
+    AttnRes mix backward is launched with STAGES 1 there and 2 by default."""
+    import subprocess
+    import sys
+
+    probe = textwrap.dedent("""
+        import torch
+        from mega_depth.kernels import common
+        from mega_depth.kernels.attnres_mix import attnres_mix_backward_into_op, attnres_mix_op
+        srcs = [torch.randn(4, 64) for _ in range(3)]
+        q, g = torch.randn(64), torch.ones(64)
+        out, lse = attnres_mix_op(srcs, q, g, 1e-6, False, 1)
+        with common.recording(132) as launches:
+            attnres_mix_backward_into_op(torch.randn_like(out), srcs, [torch.zeros(4, 64) for _ in srcs],
+                                         [False] * 3, q, g, out, lse, 1e-6, False, 1)
+        mix = [l for l in launches if l.kernel.__name__ == "_bwd_kernel"][0]
+        print(int(common.STREAM_STAGES), int(common.STREAM_PAIR), mix.constexprs["STAGES"])
+    """)
+    found = {}
+    for switch in ("1", "0"):
+        env = dict(os.environ, PYTHONPATH=ROOT, MEGA_DEPTH_KERNELS_PIPELINE=switch)
+        proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        found[switch] = proc.stdout.split()[-3:] if proc.returncode == 0 else proc.stderr[-2000:]
+    assert found == {"1": ["3", "2", "2"], "0": ["1", "1", "1"]}, found
+
+
 def test_every_tuned_setting_names_a_kernel_that_exists():
     """An entry of kernels/tuned.json whose kernel was rewritten away is a setting no launch takes: the table would
     claim measurements of code that is gone (the GRN's whole-row backward, 2026-12-07). Each key's op module must
