@@ -20,8 +20,8 @@
 #      minutes on a fresh machine (fla tries 24 settings a kernel), which is why they follow the ratios.
 #   FULL=1 adds: the ops whose loops pipeline their loads with those loops waiting on each step's loads instead
 #   (MEGA_DEPTH_KERNELS_PIPELINE=0: kernels_unpipelined, beside step 2's rows); the kernels' tests on the GPU (bf16
-#   and the layouts that read views in place, against the eager
-#   math; 12 passed in every run since 2026-11-29); a torch.profiler trace of one 1B-size step, the baseline and
+#   and the layouts that read views in place, against the eager math; 12 passed in every run since 2026-11-29); a
+#   torch.profiler trace of one 1B-size step, the baseline and
 #   PROFILE_MECHS (top kernels, each mixing kernel's device time and launches, the kernels that differ most from
 #   the baseline's, device idle time: tools/profile_step.py); host syncs (one training step of every mechanism
 #   under torch.cuda.set_sync_debug_mode("error"), tools/sync_check.py; 0 in every GPU run since 2026-11-27, and
