@@ -147,20 +147,15 @@ def cases(shape: str, dtype, device, toy: bool, host_only: bool = False) -> List
     # completed blocks, then each sublayer's phase-2 merge of its partial sum (the first sublayer has none). Phase 1
     # alone is not one function across implementations: ours leaves (m, z, o) for the merges to normalise,
     # flash-attn-res normalises in phase 1 and merges from (o / z, LSE).
-    block = Case("attnres_block", shape, f"Block AttnRes, one block: phase 1 over {b} blocks x {q} queries, then the "
-                 f"{q} merges",
-                 lambda: rows_of(b) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
-                 lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, b), (b + 2 * q - 1) * row,
-                 (2 * b + 3 * q - 2) * row)
+    def block_case(op, which, k):  # phase 1 over k completed blocks, then the q merges
+        return Case(op, shape, f"Block AttnRes, {which}: phase 1 over {k} blocks x {q} queries, then the {q} merges",
+                    lambda: rows_of(k) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
+                    lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, k), (k + 2 * q - 1) * row,
+                    (2 * k + 3 * q - 2) * row)
+    block = block_case("attnres_block", "one block", b)
     # the last block's: phase 1 over the 8 completed blocks at 1B (the embedding's one of them), where the whole-row
     # kernels' block tiles are 8 wide and the backward takes two passes (_one_pass), as for 4 of the step's 8 calls
-    bl = s["last_blocks"]
-    block_last = replace(block, op="attnres_block_last",
-                         what=f"Block AttnRes, the last block: phase 1 over {bl} blocks x {q} queries, then the {q} "
-                         "merges",
-                         make=lambda: rows_of(bl) + [rand(n, d, seed=50 + i) for i in range(q - 1)] + query_and_gain(q),
-                         run=lambda *a: _merged(attnres_phase1_sources, attnres_phase2, a, bl),
-                         fwd_bytes=(bl + 2 * q - 1) * row, bwd_bytes=(2 * bl + 3 * q - 2) * row)
+    block_last = block_case("attnres_block_last", "the last block", s["last_blocks"])
     phase2 = Case("phase2", shape, "Block AttnRes phase 2 (with a partial sum)",
                   lambda: ([rand(n, 1, seed=1).float(), (rand(n, 1, seed=2).abs() + 1).float()] + rows_of(2)
                            + query_and_gain()),
@@ -1056,9 +1051,7 @@ def _tune_all(args, dtype, device, tol, device_name, start) -> int:
                     f.write("\n")
                 # the ops after this one launch what was written (a kernel several ops launch, phase 2's or
                 # sum_rows', is then tuned against its new setting, not the one this run started with)
-                entries = {k: v for k, v in tuning.TABLE.get(target, {}).items() if k not in winners}
-                entries.update({k: v for k, v in winners.items() if v is not None})
-                tuning.TABLE = {**tuning.TABLE, target: entries}
+                tuning.TABLE = {**tuning.TABLE, target: tuning.with_winners(tuning.TABLE.get(target, {}), winners)}
     print(f"{len(rows)} kernels tuned in {time.time() - start:.0f} s; "
           f"{sum('best' in r for r in rows)} settings written to {args.tune}")
     return 0

@@ -207,10 +207,12 @@ def merged(path: str, target_name: str,
     """The table at `path` with `winners` written over the target's entries (other targets kept); a winner of None
     removes its key's entry (the launcher's guess measured fastest: it runs without one)."""
     table = {t: {k: list(v) for k, v in entries.items()} for t, entries in load(path).items()}
-    entries = table.setdefault(target_name, {})
-    for k, v in winners.items():
-        if v is None:
-            entries.pop(k, None)
-        else:
-            entries[k] = list(v)
+    table[target_name] = {k: list(v) for k, v in with_winners(table.get(target_name, {}), winners).items()}
     return {t: dict(sorted(entries.items())) for t, entries in sorted(table.items()) if entries}
+
+
+def with_winners(entries: Mapping[str, Any], winners: Mapping[str, Optional[Setting]]) -> Dict[str, Any]:
+    """A target's entries with `winners` written over them; a winner of None removes its key's entry."""
+    out = {k: v for k, v in entries.items() if k not in winners}
+    out.update({k: v for k, v in winners.items() if v is not None})
+    return out
