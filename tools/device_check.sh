@@ -120,8 +120,9 @@ else
           --moe-ffn-hidden-size 1408 --moe-layer-freq "([0]*1+[1]*23)" --moe-aux-loss-coeff 0.001)
   QUICK=()
   KERNELS=(--shapes 1b)
-  # the ops whose loops pipeline their loads since 2026-12-07 (second session)
-  UNPIPELINED_OPS=attnres_mix,attnres_block,attnres_block_last,phase2_normed,grn,mhc_sublayer
+  # the ops whose loops pipeline their loads since 2026-12-07 (second session); mHC's projection backward (the
+  # streams' sum with phi's gradient, also in mhc_sublayer) since 2026-12-08
+  UNPIPELINED_OPS=attnres_mix,attnres_block,attnres_block_last,phase2_normed,grn,mhc_sublayer,mhc_projection
   KERNEL_TESTS=()
   GRAPH_CHECK=()
   TP_LARGE_GRAPHED=("${TP_LARGE[@]}" --mechanisms "${MECHS_1B_GRAPHED:-attnres-block,depth-attention}")

@@ -221,7 +221,8 @@ def phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D):
 @jit
 def _sum_kernel(ds_ptr, s_ptr, go_ptr, mix_ptr, gi_ptr, w_ptr, gp_ptr, gms_ptr, phi_ptr, dphi_ptr, N, D, M, SN, ST, MI,
                 MT, MJ, TOK, DPHI_ROW, NS: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                WRITE: tl.constexpr, READ: tl.constexpr, PROJ: tl.constexpr, ADD: tl.constexpr, PHI: tl.constexpr):
+                WRITE: tl.constexpr, READ: tl.constexpr, PROJ: tl.constexpr, ADD: tl.constexpr, PHI: tl.constexpr,
+                STAGES: tl.constexpr = None):
     """Program (stream i and channel chunk, token split): stream i's gradient at its chunk from its readers' parts,
     summed in fp32 and stored (or added: ADD) once, BT tokens a step over the split's TOK:
         WRITE: sum_j mix[i, j] go_j      the write's output gradients go [NS, N, D], mix at strides (MI, MT, MJ)
@@ -230,7 +231,7 @@ def _sum_kernel(ds_ptr, s_ptr, go_ptr, mix_ptr, gi_ptr, w_ptr, gp_ptr, gms_ptr, 
     PHI (with PROJ): phi's gradient at the chunk of stream i's columns, g_proj^T x_i over the split's tokens, from
     the stream rows this pass reads anyway (a kernel of its own read all n streams again), into the split's row of
     dphi_ptr [splits, DPHI_ROW] (common.sum_rows adds the splits in order: deterministic). Coefficients are rounded
-    to the streams' dtype first, as the readers' own kernels do."""
+    to the streams' dtype first, as the readers' own kernels do. STAGES: the token loop's pipelining (_sum_stages)."""
     dt = ds_ptr.dtype.element_ty
     chunks = tl.cdiv(D, BC)
     i = tl.program_id(0) // chunks
@@ -243,7 +244,7 @@ def _sum_kernel(ds_ptr, s_ptr, go_ptr, mix_ptr, gi_ptr, w_ptr, gp_ptr, gms_ptr, 
     if PROJ:
         phi_i = phi_tile(phi_ptr, i, om, oc, mmask, cmask, NS, D)  # [BM, BC]: the program's, for all its tokens
     dphi = tl.zeros([BM, BC], dtype=tl.float32)
-    for t0 in range(0, TOK, BT):
+    for t0 in tl.range(0, TOK, BT, num_stages=STAGES):
         ot = first + t0 + tl.arange(0, BT)
         tmask = (ot < N) & (t0 + tl.arange(0, BT) < TOK)
         r = ot * 0 + i  # the stream index as int64 [BT]: offsets of whole [N, D] planes
@@ -376,6 +377,17 @@ def token_block(bt: int, n: int, ns: int, device: torch.device) -> int:
     return max(16, bt // 2)
 
 
+def _sum_stages(proj: bool) -> Optional[int]:
+    """The sum's token loop with mHC's projection: the next BT tokens' rows loaded (cp.async) while one step's are
+    reduced. Left to Triton, which pipelines a loop's dot operands alone, each of a program's 64 steps (1B, bf16)
+    loaded its 12 KB of stream and gradient rows after the step before's two dots and their layout changes (17
+    barriers, 128 registers, 2 programs an SM); pipelined, 6 barriers and 109 registers at the same occupancy, in
+    33 KB of shared memory (sm_90; 205 registers in fp32, 248 before). HC's sum (no dot, no barrier) keeps its plain
+    loop: its 4 programs an SM ask for 80 KB of 16-byte loads at once. None (also with
+    MEGA_DEPTH_KERNELS_PIPELINE=0): the loop as Triton pipelines it by itself."""
+    return PAIR_STAGES if proj and PAIR_STAGES > 1 else None
+
+
 def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj=None,
                 phi_grad: bool = False) -> Optional[Tensor]:
     """The streams' gradient ds [n, N, d] (stored, or added: `adding`) from write = (go [n, N, d], mix [n, N, n]),
@@ -405,7 +417,7 @@ def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj
             s.stride(0), s.stride(1), *(mix.stride() if mix is not None else (0, 0, 0)), tok,
             parts.stride(0) if phi_grad else 0), 8, resident_warps=resident,
            adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, WRITE=write is not None,
-           READ=read is not None, PROJ=proj is not None, ADD=adding, PHI=phi_grad)
+           READ=read is not None, PROJ=proj is not None, ADD=adding, PHI=phi_grad, STAGES=_sum_stages(proj is not None))
     return sum_rows(parts, m * ns * d, dtypes=[phi.dtype]).view(m, ns * d) if phi_grad else None
 
 
