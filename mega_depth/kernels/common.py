@@ -120,7 +120,7 @@ def launch(kernel, grid: Sequence[int], args: Sequence[Any], num_warps: int, add
         _RECORDER.launches.append(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps,
                                          tuple(adds_into), resident_warps))
         return
-    if not tuning.active():
+    if not tuning.active(kernel):
         kernel[tuple(grid)](*args, **constexprs, **options(num_warps, resident_warps))
         return
     # a GPU-measured setting for this kernel and GPU (kernels/tuned.json), or the tuner's candidate

@@ -93,9 +93,23 @@ def _running_target(args: Sequence[Any]) -> Optional[str]:
     return _CAPABILITY[index]
 
 
-def active() -> bool:
-    """Whether launch must look anything up (the common case, an empty table, costs nothing)."""
-    return bool(TABLE or _FORCED or _OBSERVERS)
+def active(kernel=None) -> bool:
+    """Whether a launch (of `kernel`) must look its setting up: the tuner is forcing or observing, or the table holds
+    an entry for the kernel on some target. Most kernels have none (5 of the table's 31 entries stayed after its
+    audit of 2026-12-07), and the lookup (launch_setting: the tensors' dtypes and a tuple key, 13 us a launch on
+    the H200's host under cProfile on 2026-12-04) is then skipped for the launcher's guess."""
+    if _FORCED or _OBSERVERS:
+        return True
+    if not TABLE:
+        return False
+    if kernel is None:
+        return True
+    _fresh()
+    tabled = _TABLED.get(kernel)
+    if tabled is None:
+        prefix = kernel_name(kernel) + "("
+        tabled = _TABLED[kernel] = any(k.startswith(prefix) for entries in TABLE.values() for k in entries)
+    return tabled
 
 
 def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: Setting,
@@ -113,7 +127,16 @@ def setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: S
 
 
 _CHOSEN: Dict[tuple, Setting] = {}  # a launch's cheap key -> setting(), for the table in _CHOSEN_FROM
+_TABLED: Dict[Any, bool] = {}  # kernel -> whether the table in _CHOSEN_FROM has an entry for it (active)
 _CHOSEN_FROM: List[Any] = [None]
+
+
+def _fresh() -> None:
+    """Forget what was looked up in a table that has since been replaced (a test's, or the tuner's update)."""
+    if _CHOSEN_FROM[0] is not TABLE:
+        _CHOSEN.clear()
+        _TABLED.clear()
+        _CHOSEN_FROM[0] = TABLE
 
 
 def launch_setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], guess: Setting) -> Setting:
@@ -123,9 +146,7 @@ def launch_setting(kernel, args: Sequence[Any], constexprs: Mapping[str, Any], g
     does the first launch of each kind."""
     if _FORCED or _OBSERVERS:
         return setting(kernel, args, constexprs, guess)
-    if _CHOSEN_FROM[0] is not TABLE:  # the table was replaced (a test's): what was chosen from the old one is stale
-        _CHOSEN.clear()
-        _CHOSEN_FROM[0] = TABLE
+    _fresh()
     dtypes, device = [], None
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -159,7 +159,8 @@ def test_a_tuned_setting_is_what_its_target_compiles():
 def test_a_launch_takes_the_table_entry_of_its_own_specialisation(monkeypatch):
     """common.launch looks its setting up by a cheap key (tuning.launch_setting) and gets what tuning.setting gives:
     the entry of the kernel, constexprs and dtypes on the running GPU, the guess for another dtype, a new table's
-    entry once the table is replaced, a forced candidate while forcing."""
+    entry once the table is replaced, a forced candidate while forcing. It looks up only a kernel that the table
+    (the current one) has an entry for, on any target, or while the tuner forces or observes (tuning.active)."""
     import torch
 
     from mega_depth.kernels import common, tuning
@@ -175,6 +176,15 @@ def test_a_launch_takes_the_table_entry_of_its_own_specialisation(monkeypatch):
 
     bf16, fp32 = launched(torch.bfloat16), launched(torch.float32)
     monkeypatch.setattr(tuning, "_running_target", lambda args: "sm_90")
+    monkeypatch.setattr(tuning, "TABLE", {"sm_90": {tuning.key(bf16.kernel, bf16.args, bf16.constexprs): (2, 32)}})
+    from mega_depth.kernels.streams import _in_fwd_kernel  # a kernel of the same op module, with no entry
+    assert tuning.active(bf16.kernel) and not tuning.active(_in_fwd_kernel)
+    monkeypatch.setattr(tuning, "TABLE", {"sm_80": {"streams._in_fwd_kernel(BD=256) bf16": (4, 16)}})
+    assert tuning.active(_in_fwd_kernel) and not tuning.active(bf16.kernel)
+    with tuning.observing():
+        assert tuning.active(bf16.kernel)
+    monkeypatch.setattr(tuning, "TABLE", {})
+    assert not tuning.active(bf16.kernel) and not tuning.active(_in_fwd_kernel)
     monkeypatch.setattr(tuning, "TABLE", {"sm_90": {tuning.key(bf16.kernel, bf16.args, bf16.constexprs): (2, 32)}})
 
     def chosen(launch):
