@@ -379,12 +379,14 @@ def token_block(bt: int, n: int, ns: int, device: torch.device) -> int:
 
 def _sum_stages(proj: bool) -> Optional[int]:
     """The sum's token loop with mHC's projection: the next BT tokens' rows loaded (cp.async) while one step's are
-    reduced. Left to Triton, which pipelines a loop's dot operands alone, each of a program's 64 steps (1B, bf16)
-    loaded its 12 KB of stream and gradient rows after the step before's two dots and their layout changes (17
-    barriers, 128 registers, 2 programs an SM); pipelined, 6 barriers and 109 registers at the same occupancy, in
-    33 KB of shared memory (sm_90; 205 registers in fp32, 248 before). HC's sum (no dot, no barrier) keeps its plain
-    loop: its 4 programs an SM ask for 80 KB of 16-byte loads at once. None (also with
-    MEGA_DEPTH_KERNELS_PIPELINE=0): the loop as Triton pipelines it by itself."""
+    reduced, and (16-bit streams) channel chunks of 256 bytes where they were 128. Left to Triton, which pipelines a
+    loop's dot operands alone, each of a program's 64 steps (1B, bf16) loaded its 12 KB of stream and gradient rows,
+    8 bytes a thread, after the step before's two dots and their layout changes (17 barriers, 128 registers, 2
+    programs an SM). Pipelined over [16, 128] tiles: 32 steps of 24 KB, 16 bytes a thread, 8 barriers, 128
+    registers at the same occupancy, 62 KB of shared memory (sm_80/90/100, no spill; [16, 64] tiles took 109
+    registers and 33 KB, 8-byte loads; fp32 keeps its 32-channel tiles, 205 registers where it took 248). HC's sum
+    (no dot, no barrier) keeps its plain loop: its 4 programs an SM ask for 80 KB of 16-byte loads at once. None
+    (also with MEGA_DEPTH_KERNELS_PIPELINE=0, which keeps the 128-byte chunks): the loop as Triton pipelines it."""
     return PAIR_STAGES if proj and PAIR_STAGES > 1 else None
 
 
@@ -399,10 +401,13 @@ def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj
     if not n:
         return torch.zeros((m, ns * d), dtype=proj[2].dtype, device=s.device) if phi_grad else None
     bt, bm, bc = tile_blocks(d, m, s.element_size())
+    stages = _sum_stages(proj is not None)
     if phi_grad and not interpreting():
         # phi's gradient beside the streams': its [BM, BC] fp32 sum and a second dot a step. 32 tokens a step spilled
         # 72-104 bytes at 128 registers in bf16 (sm_80 / sm_90 / sm_100), 16 fit
         bt = 16
+        if stages and s.element_size() == 2:  # pipelined, 16-bit rows of 256 bytes: 16-byte loads, 26 KB a stage
+            bc = max(bc, min(256 // s.element_size(), pow2(d)))
     go, mix = write if write is not None else (ds, None)
     gi, w = read if read is not None else (ds, ds)
     g, gms, phi = proj if proj is not None else (ds, ds, ds)
@@ -417,7 +422,7 @@ def _triton_sum(ds: Tensor, adding: bool, s: Tensor, write=None, read=None, proj
             s.stride(0), s.stride(1), *(mix.stride() if mix is not None else (0, 0, 0)), tok,
             parts.stride(0) if phi_grad else 0), 8, resident_warps=resident,
            adds_into=(ds,) if adding else (), NS=ns, BT=bt, BM=bm, BC=bc, WRITE=write is not None,
-           READ=read is not None, PROJ=proj is not None, ADD=adding, PHI=phi_grad, STAGES=_sum_stages(proj is not None))
+           READ=read is not None, PROJ=proj is not None, ADD=adding, PHI=phi_grad, STAGES=stages)
     return sum_rows(parts, m * ns * d, dtypes=[phi.dtype]).view(m, ns * d) if phi_grad else None
 
 
