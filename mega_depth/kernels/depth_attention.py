@@ -569,18 +569,21 @@ def _groups_per_program(hkv: int, r: int, hn: int) -> int:
     return min(pow2(hkv), max(1, GROUP_TILE // (pow2(r) * pow2(hn))))
 
 
-def _group_warps(consts, element_size: int, live: int) -> int:
+def _group_warps(consts, element_size: int, live: int, values: int = 96) -> int:
     """Warps of a program of a few groups: one 16-byte vector of its [groups, heads, channels] tile a thread, more
-    past 96 of its `live` fp32 tiles' values a thread, while a key row [groups, channels] still loads 4 bytes a
-    thread or more. (One warp reduces with shuffles: the 1B backward's layout changes took 2 barriers a token on
+    past `values` of its `live` fp32 tiles' values a thread, while a key row [groups, channels] still loads 4 bytes
+    a thread or more. (One warp reduces with shuffles: the 1B backward's layout changes took 2 barriers a token on
     one warp, 58 on two. Compiled without a spill for 1 to 2 heads, 64 or 128 channels, 1 to 4 candidates, bf16 and
     fp32.)"""
     tile, row = consts["BKV"] * consts["BR"] * consts["BN"], consts["BKV"] * consts["BN"]
     num_warps = 1
     while (num_warps < 16 and row * element_size >= 4 * 32 * 2 * num_warps
-           and (tile * element_size > 16 * 32 * num_warps or tile * live > 96 * 32 * num_warps)):
+           and (tile * element_size > 16 * 32 * num_warps or tile * live > values * 32 * num_warps)):
         num_warps *= 2
     return num_warps
+
+
+WHOLE_FILE_VALUES = 192  # fp32 values a thread that one warp holds given the register file of 8 resident warps
 
 
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, cv: List[Tensor], group: bool):
@@ -669,6 +672,12 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
         # the norm, its raw key and the norm's gradient too: the 1B bf16 backward of 2 candidates spilled on 1 warp)
         live = (3 + 4 * pow2(c) + (2 * pow2(c) if w is not None else 0)) if tiled else 4
         num_warps = _group_warps(consts, v.element_size(), live)
+        # where only the registers asked for a second warp, one warp with a whole block's register file instead:
+        # the 1B bf16 backward of 2 candidates (1 group of 2 heads x 128 channels, the norms folded in) went from 2
+        # warps at 128 registers (8 programs an SM, 73 barriers a token: every reduction across the two warps goes
+        # through shared memory) to 1 at 198 (10 programs an SM, 3 barriers; sm_80/90/100 without a spill)
+        one_warp = tiled and num_warps == 2 and _group_warps(consts, v.element_size(), live, WHOLE_FILE_VALUES) == 1
+        num_warps = 1 if one_warp else num_warps
     else:
         tile = consts["BKV"] * consts["BR"] * consts["BN"]
         # the token's groups: the candidates' keys, values and their gradients beside the rows (on 4 warps 2
@@ -682,7 +691,7 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
     if tiled:
         # fp32 rows with the layer's norms folded in (QKNORM): 8 resident warps' registers (at 16, the 125M config's
         # one-warp programs spilled 8 bytes on sm_100)
-        resident = 8 if qk and v.element_size() > 2 else RESIDENT_WARPS
+        resident = 8 if one_warp or (qk and v.element_size() > 2) else RESIDENT_WARPS
         launch(_bwd_tiles_kernel, grid, args, num_warps, resident_warps=resident, BJ=pow2(c), **consts)
     else:
         # with the norm, the entry-by-entry backward (7B: 4 heads a group) holds the weight's gradient beside its

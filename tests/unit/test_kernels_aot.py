@@ -60,13 +60,21 @@ def test_every_launched_kernel_compiles_for_three_targets_without_a_spill(tmp_pa
     assert all(r["barriers"] == 0 and r["shared"] == 0 for r in backward if "_source_grads_" in r["kernel"]), backward
     # loads in flight come from resident warps: every launcher's guess for the 1B step keeps at least 16 an SM
     # (4 blocks of 4, 25 %). Given the whole register file, Block AttnRes's phase-1 kernels and mHC's projection kept
-    # 8 (12 %). A setting the tuner measured faster on that target's GPU (kernels/tuned.json) outranks the rule: on
-    # the H200 the AttnRes mix forward ran 1.75x faster at 12 resident warps than at 24.
+    # 8 (12 %). A program of one warp, which loads its token's whole tile as a wider program does, counts by its
+    # programs: at least 8 an SM (Depth-Attention's 1B backward: 10 of one warp, where 8 of two exchanged between
+    # their warps through shared memory 73 times a token). A setting the tuner measured faster on that target's GPU
+    # (kernels/tuned.json) outranks the rule: on the H200 the AttnRes mix forward ran 1.75x faster at 12 resident
+    # warps than at 24.
     guessed = [r for r in rows if r["dtype"] == "bf16" and not r["tuned"] and any(c.startswith("1b-")
                                                                                    for c in r["configs"])]
     assert {r["target"] for r in guessed} == {"sm_80", "sm_90", "sm_100"}
-    assert all(r["occupancy"] >= 25 for r in guessed), [(r["kernel"], r["target"], r["occupancy"])
-                                                        for r in guessed if r["occupancy"] < 25]
+
+    def resident_enough(row):
+        warps = int(row["kernel"].rsplit(" warps=", 1)[1].split("/")[0])
+        return row["occupancy"] >= 25 or (warps == 1 and round(row["occupancy"] * 64 / 100) >= 8)
+
+    assert all(map(resident_enough, guessed)), [(r["kernel"], r["target"], r["occupancy"])
+                                                for r in guessed if not resident_enough(r)]
     # a launch that moves 32 MB or more has a program for every SM of its target at the 1B and 7B sizes: mHC's
     # projection had 128 programs (7B: 32) for 132 SMs, each walking the four streams in turn
     from mega_depth.kernels.aot import TARGETS
