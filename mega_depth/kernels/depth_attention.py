@@ -667,6 +667,7 @@ def _triton_bwd(go: Tensor, q: Tensor, k: Tensor, v: Tensor, ck: List[Tensor], c
     # gradient, so they go entry by entry (meta tensors, recorded launches, share no memory)
     shared = go.device.type != "meta" and any(len({t.data_ptr() for t in grads}) < c for grads in (dck, dcv))
     tiled = c <= TILED_CANDIDATES and not shared
+    one_warp = False
     if r <= GROUP_HEADS:
         # a few groups: the query, its output gradient and dq, each candidate's key, value and their gradients (with
         # the norm, its raw key and the norm's gradient too: the 1B bf16 backward of 2 candidates spilled on 1 warp)

@@ -46,6 +46,27 @@ def test_every_program_layout(path, monkeypatch, layout, mode):
           [query, key, value, cand_keys, cand_values], f"depth attention {layout} {mode}")
 
 
+@pytest.mark.parametrize("c", [1, 2])
+def test_many_heads_a_group_with_the_candidates_read_as_tiles(path, monkeypatch, c):
+    """4 heads a group, 8 groups of 128 channels (a 7B layer on one rank): every group in one program, and the
+    candidates read as one tile each, where a key row spreads over enough threads (_bwd_tiles_kernel; the small
+    shapes above take the entry-by-entry kernel there). The launcher once chose its resident warps from a flag set
+    only for a few heads a group, and failed here."""
+    from mega_depth.kernels import common, depth_attention
+
+    chosen = []
+    launch = common.launch
+    monkeypatch.setattr(depth_attention, "launch", lambda kernel, *a, **k: (chosen.append(kernel.__name__),
+                                                                            launch(kernel, *a, **k))[1])
+    hkv, r, hn, lead = 8, 4, 128, (2,)
+    query, key, value = leaf(*lead, hkv * r, hn), leaf(*lead, hkv, hn), leaf(*lead, hkv, hn)
+    cand_keys, cand_values = leaf(c, *lead, hkv, hn), leaf(c, *lead, hkv * r, hn, scale=2.0)
+    check(depth_attention_mix, mixing.depth_attention_mix, [query, key, value, cand_keys, cand_values],
+          f"depth attention, {r} heads a group, C={c}")
+    if path == "triton":
+        assert {"_fwd_tiles_kernel", "_bwd_tiles_kernel"} <= set(chosen), chosen
+
+
 def query_of(f, r=2, hn=6):
     return f[..., :r * hn].reshape(*f.shape[:-2], f.shape[-2] * r, hn)
 
