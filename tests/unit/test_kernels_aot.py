@@ -240,8 +240,8 @@ def test_pipelined_loops_can_be_switched_off_for_a_gpu_run_to_time_both_ways():
     """MEGA_DEPTH_KERNELS_PIPELINE=0 (device_check's kernels_unpipelined): every pipelined loop back to one step's
     loads at a time, the launchers' stage arguments included (read at import, so in a process of its own): the
     AttnRes mix backward is launched with STAGES 1 there and 2 by default, and the streams' gradient sum with mHC's
-    projection with no STAGES (the loop as Triton pipelines it by itself) there and 2 by default; HC's sum (no
-    projection) with none either way."""
+    projection with no STAGES (the loop as Triton pipelines it by itself) and its 128-byte channel chunks there, 2
+    stages and 256-byte chunks by default (bf16); HC's sum (no projection) with none either way."""
     import subprocess
     import sys
 
@@ -257,20 +257,21 @@ def test_pipelined_loops_can_be_switched_off_for_a_gpu_run_to_time_both_ways():
                                          [False] * 3, q, g, out, lse, 1e-6, False, 1)
         mix = [l for l in launches if l.kernel.__name__ == "_bwd_kernel"][0]
         from mega_depth.kernels.streams import sum_into
-        s, m = torch.randn(4, 8, 64), 24
+        s, m = torch.randn(4, 8, 256, dtype=torch.bfloat16), 24
         with common.recording(132) as launches:
             sum_into(torch.empty_like(s), False, s, write=(torch.randn_like(s), torch.rand(4, 8, 4)))
-            sum_into(torch.empty_like(s), False, s, proj=(torch.randn(8, m), torch.randn(8), torch.randn(m, 256)),
-                     phi_grad=True)
-        hc, mhc = [l.constexprs["STAGES"] for l in launches if l.kernel.__name__ == "_sum_kernel"]
-        print(int(common.STREAM_STAGES), int(common.STREAM_PAIR), mix.constexprs["STAGES"], hc, mhc)
+            sum_into(torch.empty_like(s), False, s, proj=(torch.randn(8, m), torch.randn(8),
+                                                          torch.randn(m, 1024, dtype=torch.bfloat16)), phi_grad=True)
+        hc, mhc = [l.constexprs for l in launches if l.kernel.__name__ == "_sum_kernel"]
+        print(int(common.STREAM_STAGES), int(common.STREAM_PAIR), mix.constexprs["STAGES"], hc["STAGES"],
+              mhc["STAGES"], mhc["BC"])
     """)
     found = {}
     for switch in ("1", "0"):
-        env = dict(os.environ, PYTHONPATH=ROOT, MEGA_DEPTH_KERNELS_PIPELINE=switch)
+        env = dict(os.environ, PYTHONPATH=ROOT, MEGA_DEPTH_KERNELS_PIPELINE=switch, TRITON_INTERPRET="0")
         proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
-        found[switch] = proc.stdout.split()[-5:] if proc.returncode == 0 else proc.stderr[-2000:]
-    assert found == {"1": ["3", "2", "2", "None", "2"], "0": ["1", "1", "1", "None", "None"]}, found
+        found[switch] = proc.stdout.split()[-6:] if proc.returncode == 0 else proc.stderr[-2000:]
+    assert found == {"1": ["3", "2", "2", "None", "2", "128"], "0": ["1", "1", "1", "None", "None", "64"]}, found
 
 
 def test_every_tuned_setting_names_a_kernel_that_exists():
