@@ -93,8 +93,8 @@ def _running_target(args: Sequence[Any]) -> Optional[str]:
     return _CAPABILITY[index]
 
 
-def active(kernel=None) -> bool:
-    """Whether a launch (of `kernel`) must look its setting up: the tuner is forcing or observing, or the table holds
+def active(kernel) -> bool:
+    """Whether a launch of `kernel` must look its setting up: the tuner is forcing or observing, or the table holds
     an entry for the kernel on some target. Most kernels have none (5 of the table's 31 entries stayed after its
     audit of 2026-12-07), and the lookup (launch_setting: the tensors' dtypes and a tuple key, 13 us a launch on
     the H200's host under cProfile on 2026-12-04) is then skipped for the launcher's guess."""
@@ -102,8 +102,6 @@ def active(kernel=None) -> bool:
         return True
     if not TABLE:
         return False
-    if kernel is None:
-        return True
     _fresh()
     tabled = _TABLED.get(kernel)
     if tabled is None:
